@@ -1,0 +1,114 @@
+"""Request state as the scheduler and KV cache manager see it."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """OpenAI finish_reason: "stop", "length", "abort" (None while alive)."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+class Request:
+    """One sequence being generated.
+
+    There is no separate prefill/decode phase: every step tries to bring
+    ``num_computed_tokens`` up to ``num_tokens`` (prompt + output so far). A request with
+    ``num_computed_tokens < num_tokens - 1`` after its scheduled chunk is mid-prefill and
+    samples nothing that step.
+
+    Attributes:
+        block_hashes: one hash per *full* block of ``all_token_ids`` (prefix caching), extended
+            as tokens are appended (filled by the KV cache manager).
+        stop_reason: the stop token id or stop string that ended the request, if any.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set(eos_token_ids)
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first admission (tokens); -1 = not yet
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.generator: Optional[torch.Generator] = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+        # Per-token logprobs, filled by the engine when sampling_params.logprobs is set:
+        # a list (one per output token) of {token_id: logprob} plus the sampled rank.
+        self.logprobs: list[dict[int, float]] = []
+        self.logprob_ranks: list[int] = []
+        # Timestamps (seconds, time.monotonic()) for metrics.
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens  # type: ignore[return-value]
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

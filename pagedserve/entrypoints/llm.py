@@ -1,0 +1,149 @@
+"""Offline API: ``LLM.generate`` and ``LLM.chat``, with vLLM's names and shapes."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args:
+        model: None for the default SmolLM2-135M-Instruct, or a path to an HF model directory
+            (config.json, *.safetensors, tokenizer files) or a .gguf file.
+        Other arguments: see :class:`pagedserve.config.EngineConfig`.
+
+    Example::
+
+        llm = LLM()
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_model_len: Optional[int] = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: Optional[int] = None,
+        kv_cache_memory_bytes: Optional[int] = None,
+        num_kv_blocks: Optional[int] = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        seed: int = 0,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        served_model_name: Optional[str] = None,
+    ) -> None:
+        self.llm_engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                num_kv_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+                enable_chunked_prefill=enable_chunked_prefill,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                seed=seed,
+                device=device,
+                gpu_memory_utilization=gpu_memory_utilization,
+                served_model_name=served_model_name,
+            )
+        )
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for one prompt or a list of prompts (str, token-id list or
+        ``{"prompt_token_ids": [...]}``), in input order.
+
+        Raises:
+            ValueError: for invalid prompts or sampling parameters (nothing is queued then).
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Conversation, list[Conversation]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, each rendered with the
+        tokenizer's chat template (``[{"role": ..., "content": ...}, ...]``)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True, chat_template: Optional[str] = None) -> list[int]:
+        tok = self.llm_engine.tokenizer
+        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(engine.add_request(None, p, sp))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[Optional[RequestOutput]] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while any(r is None for r in results) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters: num_total_blocks, num_free_blocks, num_running, num_waiting,
+        num_preemptions, prefix_cache_queries / prefix_cache_hits (tokens), hit rate."""
+        return self.llm_engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()

@@ -1,0 +1,246 @@
+"""One decoder implementation for the Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3
+(q/k RMSNorm), tied or untied embeddings, GQA, RoPE with the checkpoint's theta and scaling.
+
+The math follows HF transformers' ``modeling_llama`` / ``modeling_qwen2`` / ``modeling_qwen3``
+(same op order and dtypes, so float32 greedy output matches token for token). Differences are
+in layout only: the batch is flat (``[num_tokens, hidden]``, no padding between requests), Q/K/V
+and gate/up projections are fused into one matmul each, and attention is paged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv_cache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32 like HF's LlamaRMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al., RoFormer 2021), NeoX-style halves as in HF. ``inv_freq`` and the
+    attention scaling come from transformers' ``ROPE_INIT_FUNCTIONS`` for the config's
+    ``rope_type`` (default, linear, llama3, yarn, ...), so scaled checkpoints match HF."""
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope_params.get("rope_type", "default")
+        if rope_type == "default":
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            base = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        t = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions [num_tokens]``: each ``[num_tokens, 1, head_dim]``."""
+        return self.cos_cache[positions].to(dtype)[:, None, :], self.sin_cache[positions].to(dtype)[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.layer_idx = layer_idx
+
+    def forward(self, hidden, cos, sin, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        write_kv_cache(kv_cache, k, v, attn_metadata.slot_mapping)
+        o = paged_attention(q, kv_cache, attn_metadata, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, kv_cache, attn_metadata):
+        residual = hidden
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a flat token batch.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` of a supported ``model_type``.
+        max_positions: size of the RoPE table (tokens), at least max_model_len.
+    Raises:
+        ValueError: for an unsupported model_type.
+    """
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden_size]`` of the flat batch ``input_ids [num_tokens]``
+        at ``positions [num_tokens]``; writes their K/V into ``kv_caches`` (one per layer)."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab_size]`` for the selected hidden states ``[n, hidden_size]``."""
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    # -- weights ---------------------------------------------------------------------------
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights) -> None:
+        """Load ``(name, tensor)`` pairs named as in the HF checkpoint (``model.layers.0...``).
+
+        q/k/v and gate/up are copied into their fused matrices.
+
+        Raises:
+            ValueError: on an unknown name, a shape mismatch, or a parameter left unloaded.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        attn0 = self.layers[0].self_attn
+        q, kv = attn0.q_size, attn0.kv_size
+        inter = self.config.intermediate_size
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model.") :]
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            fused = None
+            for i, p in enumerate(parts):
+                if p in self._FUSED:
+                    target, shard = self._FUSED[p]
+                    fused = (".".join(parts[:i] + [target] + parts[i + 1 :]), shard, target)
+                    break
+            if fused is None:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                loaded.add(name)
+                continue
+            pname, shard, target = fused
+            if pname not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            if target == "qkv_proj":
+                offsets = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+            else:
+                offsets = [(0, inter), (inter, 2 * inter)]
+            lo, hi = offsets[shard]
+            dst = params[pname].data[lo:hi]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{pname}#{shard}")
+        expected = set()
+        for pname in params:
+            leaf = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            if leaf == "qkv_proj":
+                expected.update(f"{pname}#{s}" for s in range(3))
+            elif leaf == "gate_up_proj":
+                expected.update(f"{pname}#{s}" for s in range(2))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,128 @@
+"""Sampling parameters, named and defaulted as in vLLM / the OpenAI API."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+# Cap on logprobs / top_logprobs per token, as vLLM's default `max_logprobs`.
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a streaming request carries."""
+
+    CUMULATIVE = 0  # all text / tokens so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of one request.
+
+    Defaults follow vLLM: ``temperature=1.0``, ``top_p=1.0``, ``top_k=0`` (off; ``-1`` is
+    accepted as off too), ``max_tokens=16``.  ``temperature == 0`` means greedy.
+
+    Penalties follow their usual definitions: ``presence_penalty`` / ``frequency_penalty``
+    (OpenAI, in [-2, 2]) subtract from the logits of tokens already generated;
+    ``repetition_penalty`` (CTRL, Keskar et al. 2019; > 0, 1 = off) divides positive logits and
+    multiplies negative ones of tokens seen in the prompt or output.
+
+    Raises:
+        ValueError: naming the field, when a value is out of range.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    # Filled by the engine: the model's EOS ids (generation config) that end a request
+    # unless ignore_eos is set. Not part of the user surface.
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            raise ValueError(f"{name} {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be at least 1, got {self.n}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}.")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}.")
+        if not self.temperature >= 0.0:
+            bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}.")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            bad("stop", "must contain only non-empty strings.")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must contain only non-negative integers.")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            bad("logit_bias", "values must be in [-100, 100].")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check token ids against the model's vocabulary. Raises ValueError naming the field."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"{name} contains token id {t} outside the vocabulary [0, {vocab_size}).")
+
+    def clone(self) -> "SamplingParams":
+        import copy
+
+        return copy.deepcopy(self)
