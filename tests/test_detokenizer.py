@@ -339,3 +339,63 @@ def test_special_tokens_unskipped_without_spaces(sp_tok, use_stream):
     assert "".join(deltas) == d.output_text
     assert d.output_text.replace(" ", "") == "<s>Hello</s><s>world</s></s>"
     assert stream(sp_tok, ids, use_decode_stream=use_stream)[0].output_text == "Hello world"
+
+
+class _CharSlowTokenizer:
+    """A minimal slow (pure-Python) tokenizer: one token per character, plus added tokens."""
+
+    is_fast = False
+
+    def __init__(self):
+        self.added = {"<x>": 0, "<eos>": 1}
+        self.all_special_tokens = ["<eos>"]
+        self.vocab = dict(self.added)
+        for c in "abcdefghijklmnopqrstuvwxyz ":
+            self.vocab[c] = len(self.vocab)
+        self.inv = {v: k for k, v in self.vocab.items()}
+
+    def __len__(self):
+        return len(self.vocab)
+
+    def get_added_vocab(self):
+        return dict(self.added)
+
+    def encode(self, text):
+        out, i = [], 0
+        while i < len(text):
+            for t in self.added:
+                if text.startswith(t, i):
+                    out.append(self.added[t])
+                    i += len(t)
+                    break
+            else:
+                out.append(self.vocab[text[i]])
+                i += 1
+        return out
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+        toks = [self.inv.get(i) for i in ids]
+        return [t for t in toks if not (skip_special_tokens and t in self.all_special_tokens)]
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+
+
+def test_slow_tokenizer_uses_offset_algorithm():
+    slow = _CharSlowTokenizer()
+    ids = slow.encode("ab<x>cd<eos>")
+    d = IncrementalDetokenizer(slow, slow.encode("zz"), SamplingParams(stop=["d"], include_stop_str_in_output=True))
+    assert isinstance(d.decoder, OffsetTokenDecoder)
+    deltas = []
+    for tid in ids:
+        m = d.update([tid], False)
+        deltas.append(d.get_next_output_text(m is not None, True))
+        if m:
+            break
+    # Added tokens are kept verbatim and, with spaces_between_special_tokens, space-separated.
+    assert d.output_text == "".join(deltas) == "ab <x> cd"
+    d = IncrementalDetokenizer(slow, [], SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False))
+    d.update(ids, False)
+    assert d.output_text == "ab<x>cd<eos>"
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(slow, [], SamplingParams(), use_decode_stream=True)

@@ -1,0 +1,169 @@
+"""The ``pagedserve`` command: generate, chat, serve, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=int, default=None, help="KV cache budget in bytes")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks (overrides the memory budget)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--served-model-name", default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace, model: Optional[str] = None):
+    from pagedserve.config import EngineConfig
+
+    return EngineConfig(
+        model=model or args.model_flag,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        seed=args.seed,
+        device=args.device,
+        served_model_name=args.served_model_name,
+    )
+
+
+def _make_llm(args: argparse.Namespace):
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.entrypoints.llm import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.llm_engine = LLMEngine(engine_config_from_args(args))
+    return llm
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def _params(args: argparse.Namespace):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _params(args)
+    if args.raw:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    print(outs[0].outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedserve.sampling_params import RequestOutputKind
+
+    llm = _make_llm(args)
+    params = _params(args)
+    params.output_kind = RequestOutputKind.DELTA
+    engine = llm.llm_engine
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("pagedserve chat: empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        ids = llm.apply_chat_template(history)
+        rid = engine.add_request(None, {"prompt_token_ids": ids}, params)
+        reply = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid and out.outputs:
+                    reply.append(out.outputs[0].text)
+                    print(out.outputs[0].text, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.openai.api_server import run_server
+
+    return run_server(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM inference and serving")
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="answer one prompt (through the chat template unless --raw)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", action="store_true", help="complete the prompt as plain text, no chat template")
+    _sampling_args(g)
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
+    c.add_argument("--system", default=None, help="system prompt")
+    _sampling_args(c)
+    add_engine_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set PAGEDSERVE_API_KEY)")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    try:
+        from pagedserve.bench.cli import add_bench_parser
+    except ImportError:
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        add_bench_parser(sub, add_engine_args)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

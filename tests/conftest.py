@@ -1,0 +1,115 @@
+"""Shared fixtures: small random HF models saved as safetensors (loaded through the same path a
+user's checkpoint takes) and one SmolLM2 engine per session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# The tokenizer saved beside every random model: SmolLM2's (byte-level BPE, 49152 ids).
+TINY_VOCAB = 49152
+
+
+def _smollm2_dir() -> str:
+    from pagedserve.model.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """HF-style directory converted from the default model's GGUF file."""
+    return _smollm2_dir()
+
+
+TINY_SHAPES = {
+    # model_type: extra config kwargs
+    "llama": dict(),
+    "qwen2": dict(),
+    "qwen3": dict(head_dim=32),
+    "mistral": dict(),
+}
+
+
+def make_tiny_model(kind: str, path: str, **overrides) -> str:
+    """Save a small random ``kind`` model (GQA: 4 heads, 2 KV heads) with SmolLM2's tokenizer."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    cfg_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[kind]
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[kind]
+    kw = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=(kind in ("qwen2", "qwen3")),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    kw.update(TINY_SHAPES[kind])
+    kw.update(overrides)
+    config = cfg_cls(**kw)
+    torch.manual_seed(1234)
+    model = model_cls(config).to(torch.float32)
+    # Random init gives near-uniform logits; widen them so greedy choices are well separated.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    model.save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(_smollm2_dir()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``factory(kind, **config_overrides) -> model dir``; cached per (kind, overrides)."""
+    cache: dict = {}
+
+    def factory(kind: str = "llama", **overrides) -> str:
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"tiny-{kind}")
+            cache[key] = make_tiny_model(kind, str(d), **overrides)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """One float32 SmolLM2 engine for the session (small KV pool). Tests must leave it idle."""
+    from pagedserve import LLM
+
+    return LLM(dtype="float32", kv_cache_memory_bytes=192 << 20, max_model_len=2048)
+
+
+def assert_engine_idle(llm_or_engine) -> None:
+    """No request state left and every block back in the free queue with ref_cnt 0."""
+    engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+    stats = engine.get_stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert not engine.scheduler.requests
+    assert not engine.kv_manager.req_to_blocks
+    assert all(b.ref_cnt == 0 for b in engine.kv_manager.block_pool.blocks)
+    assert not engine.has_unfinished_requests()
