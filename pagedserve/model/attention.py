@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pagedserve.model.cpu_kernels import paged_decode_attention
+
 
 @dataclass
 class AttentionGroup:
@@ -30,7 +32,9 @@ class AttentionGroup:
         query_pad_index: ``[num_tokens_in_group]`` int64 row of each token in the padded
             ``[num_seqs * max_query_len]`` query layout, or None when max_query_len == 1.
         max_query_len: longest query chunk in the group (tokens).
-        attn_mask: ``[num_seqs, 1, max_query_len, max_blocks * block_size]`` bool (True = attend).
+        attn_mask: ``[num_seqs, 1, max_query_len, max_blocks * block_size]`` bool (True = attend);
+            None for a decode group, which the CPU kernel serves from ``seq_lens`` instead.
+        seq_lens: ``[num_seqs]`` int64 tokens each query attends to (context + its chunk).
     """
 
     token_start: int
@@ -38,7 +42,8 @@ class AttentionGroup:
     block_tables: torch.Tensor
     query_pad_index: Optional[torch.Tensor]
     max_query_len: int
-    attn_mask: torch.Tensor
+    attn_mask: Optional[torch.Tensor]
+    seq_lens: torch.Tensor
 
     @property
     def num_seqs(self) -> int:
@@ -102,6 +107,7 @@ def build_attention_group(
         None if pad_index is None else pad_index.to(device),
         max_q,
         mask.to(device),
+        torch.tensor(seq_lens, dtype=torch.int64, device=device),
     )
 
 
@@ -118,6 +124,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    use_cpu_kernel: bool = True,
 ) -> torch.Tensor:
     """Attention of every query token to its own request's cached K/V (causal).
 
@@ -134,6 +141,10 @@ def paged_attention(
     nkv = k_cache.shape[2]
     for g in metadata.groups:
         n = g.num_seqs
+        if g.max_query_len == 1 and use_cpu_kernel and paged_decode_attention(
+            query[g.token_start : g.token_end], kv_cache, g.block_tables, g.seq_lens, scale, out[g.token_start : g.token_end]
+        ):
+            continue
         # [n, max_blocks, block_size, nkv, hd] -> [n, nkv, S, hd]
         k = k_cache[g.block_tables].view(n, -1, nkv, hd).transpose(1, 2)
         v = v_cache[g.block_tables].view(n, -1, nkv, hd).transpose(1, 2)

@@ -1,0 +1,150 @@
+/*
+ * Paged decode attention for the CPU (one query token per sequence).
+ *
+ * PagedAttention (Kwon et al., SOSP 2023): each sequence's K/V lives in fixed-size blocks of a
+ * shared pool, found through its block table. This kernel reads K/V straight from the pool:
+ * no gather into a padded copy, no padding to the longest sequence. One OpenMP task per
+ * (sequence, KV head) computes the scores of the GQA group's query heads against every cached
+ * token, a softmax in float32, and the weighted sum of V. AVX-512 when the compiler targets it
+ * (head_dim a multiple of 16), plain C otherwise.
+ *
+ * Layouts (row-major):
+ *   q, out       [num_seqs, num_heads, head_dim]
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables [num_seqs, max_blocks] (int64)
+ *   seq_lens     [num_seqs] (int64): tokens to attend to, the new one included
+ * Storage types: float32 (f32) or bfloat16 (bf16, raw uint16).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)x) << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, like torch */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* Row of head_dim elements -> float32. */
+static inline void load_row(const void* src, int is_bf16, int64_t d, float* dst) {
+    if (is_bf16) {
+        const uint16_t* s = (const uint16_t*)src;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= d; i += 16) {
+            __m256i h = _mm256_loadu_si256((const __m256i*)(s + i));
+            __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
+        }
+#endif
+        for (; i < d; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, sizeof(float) * d);
+    }
+}
+
+static inline float dot(const float* a, const float* b, int64_t d) {
+    int64_t i = 0;
+    float s = 0.f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    s = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float p, const float* x, float* y, int64_t d) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 pv = _mm512_set1_ps(p);
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+    for (; i < d; i++) y[i] += p * x[i];
+}
+
+/* Returns 0 on success, -1 when group or head_dim exceed the static limits. */
+static int paged_decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                        int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t num_seqs,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        float scale, int is_bf16) {
+    const int64_t group = num_heads / num_kv_heads;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
+    const int64_t esize = is_bf16 ? 2 : 4;
+    const int64_t tok_stride = num_kv_heads * head_dim;
+    const char* kc = (const char*)k_cache;
+    const char* vc = (const char*)v_cache;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+            const int64_t n = seq_lens[s];
+            const int64_t* table = block_tables + s * max_blocks;
+            float qf[MAX_GROUP][MAX_HEAD_DIM];
+            float acc[MAX_GROUP][MAX_HEAD_DIM];
+            float row[MAX_HEAD_DIM];
+            float* scores = (float*)malloc(sizeof(float) * group * (n > 0 ? n : 1));
+            for (int64_t g = 0; g < group; g++) {
+                load_row((const char*)q + ((s * num_heads + kh * group + g) * head_dim) * esize, is_bf16, head_dim, qf[g]);
+                for (int64_t d = 0; d < head_dim; d++) { qf[g][d] *= scale; acc[g][d] = 0.f; }
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                load_row(kc + (slot * tok_stride + kh * head_dim) * esize, is_bf16, head_dim, row);
+                for (int64_t g = 0; g < group; g++) scores[g * n + t] = dot(qf[g], row, head_dim);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float* sc = scores + g * n;
+                float m = -INFINITY, sum = 0.f;
+                for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
+                for (int64_t t = 0; t < n; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
+                const float inv = 1.f / sum;
+                for (int64_t t = 0; t < n; t++) sc[t] *= inv;
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                load_row(vc + (slot * tok_stride + kh * head_dim) * esize, is_bf16, head_dim, row);
+                for (int64_t g = 0; g < group; g++) axpy(scores[g * n + t], row, acc[g], head_dim);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                char* op = (char*)out + ((s * num_heads + kh * group + g) * head_dim) * esize;
+                if (is_bf16) {
+                    for (int64_t d = 0; d < head_dim; d++) ((uint16_t*)op)[d] = f32_to_bf16(acc[g][d]);
+                } else {
+                    memcpy(op, acc[g], sizeof(float) * head_dim);
+                }
+            }
+            free(scores);
+        }
+    }
+    return 0;
+}
+
+int paged_decode_attention_f32(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
+                               int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+    return paged_decode(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                        head_dim, block_size, scale, 0);
+}
+
+int paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, uint16_t* out,
+                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale) {
+    return paged_decode(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                        head_dim, block_size, scale, 1);
+}
