@@ -1,0 +1,115 @@
+"""Prometheus metrics, named after vLLM's (``vllm:`` becomes ``pagedserve:``).
+
+Each server app owns one :class:`EngineMetrics` with its own ``CollectorRegistry``, so two
+apps in one process (tests) do not collide. The engine thread of
+:class:`pagedserve.engine.async_engine.AsyncLLM` feeds it:
+
+* ``observe_stats(stats)`` after every step: gauges (running / waiting requests, KV cache
+  usage) and counters that follow the engine's running totals (prompt and generation tokens,
+  preemptions, prefix cache queries / hits in tokens).
+* ``observe_output(output)`` for every ``RequestOutput``: time to first token, inter-token
+  latency, end-to-end latency and ``request_success{finished_reason}`` when it finishes.
+* ``observe_abort(request_id)`` when a live request is aborted (``finished_reason="abort"``).
+
+Counters are exposed with the ``_total`` suffix, as prometheus-client (and vLLM) do:
+``pagedserve:prompt_tokens_total``, ``pagedserve:request_success_total{finished_reason="stop"}``.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedserve.outputs import RequestOutput
+
+PREFIX = "pagedserve:"
+
+# Buckets as vLLM's (seconds).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class EngineMetrics:
+    """The server's Prometheus metrics, labelled by ``model_name``."""
+
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        r, L = self.registry, ["model_name"]
+
+        def lab(metric):
+            return metric.labels(model_name=model_name)
+
+        self.num_requests_running = lab(Gauge(PREFIX + "num_requests_running", "Number of requests in model execution batches.", L, registry=r))
+        self.num_requests_waiting = lab(Gauge(PREFIX + "num_requests_waiting", "Number of requests waiting to be processed.", L, registry=r))
+        self.kv_cache_usage_perc = lab(Gauge(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L, registry=r))
+        self.prefix_cache_queries = lab(Counter(PREFIX + "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", L, registry=r))
+        self.prefix_cache_hits = lab(Counter(PREFIX + "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", L, registry=r))
+        self.num_preemptions = lab(Counter(PREFIX + "num_preemptions", "Cumulative number of preemptions from the engine.", L, registry=r))
+        self.prompt_tokens = lab(Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", L, registry=r))
+        self.generation_tokens = lab(Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.", L, registry=r))
+        self.time_to_first_token = lab(Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.", L, registry=r, buckets=TTFT_BUCKETS))
+        self.inter_token_latency = lab(Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", L, registry=r, buckets=ITL_BUCKETS))
+        self.e2e_request_latency = lab(Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", L, registry=r, buckets=E2E_BUCKETS))
+        self._request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name=model_name, finished_reason=reason)
+        self._lock = threading.Lock()
+        self._totals: dict[str, int] = {}
+        self._last_token_time: dict[str, float] = {}
+
+    # -- fed by the engine thread ----------------------------------------------------------
+    def observe_stats(self, stats: dict[str, Any]) -> None:
+        self.num_requests_running.set(stats.get("num_running", 0))
+        self.num_requests_waiting.set(stats.get("num_waiting", 0))
+        self.kv_cache_usage_perc.set(stats.get("kv_cache_usage", 0.0))
+        with self._lock:
+            for key, counter in (
+                ("prefix_cache_queries", self.prefix_cache_queries),
+                ("prefix_cache_hits", self.prefix_cache_hits),
+                ("num_preemptions", self.num_preemptions),
+                ("num_prompt_tokens", self.prompt_tokens),
+                ("num_generation_tokens", self.generation_tokens),
+            ):
+                value = int(stats.get(key, 0))
+                delta = value - self._totals.get(key, 0)
+                if delta > 0:
+                    counter.inc(delta)
+                self._totals[key] = value
+
+    def observe_output(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is None:
+            return
+        rid = out.request_id
+        with self._lock:
+            prev = self._last_token_time.get(rid)
+            if m.last_token_time is not None:
+                if prev is None:
+                    if m.first_token_time is not None:
+                        self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
+                elif m.last_token_time > prev:
+                    self.inter_token_latency.observe(m.last_token_time - prev)
+                self._last_token_time[rid] = m.last_token_time
+            if out.finished:
+                self._last_token_time.pop(rid, None)
+        if out.finished:
+            end = m.finished_time or m.last_token_time
+            if end is not None:
+                self.e2e_request_latency.observe(max(0.0, end - m.arrival_time))
+            for c in out.outputs:
+                if c.finish_reason:
+                    self._request_success.labels(model_name=self.model_name, finished_reason=c.finish_reason).inc()
+
+    def observe_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._last_token_time.pop(request_id, None)
+        self._request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
+
+    # -- exposition --------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,469 @@
+"""The OpenAI-compatible server, end to end: a real ``pagedserve serve`` process on a loopback
+port (SmolLM2-135M, float32) driven by the official ``openai`` client and by raw httpx.
+
+One server (with an API key) serves the whole module; tests leave it idle, and the checks that
+blocks come back read /metrics (``kv_cache_usage_perc`` and the request gauges)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+
+try:
+    import httpx
+except ImportError:  # some environments ship only httpx2 (what the openai client uses there)
+    import httpx2 as httpx
+import pytest
+
+API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 2048
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    # One intra-op thread: the test process (clients, the offline reference) shares the cores,
+    # and oversubscribed OpenMP spin-waits make a 2-thread server many times slower.
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("PAGEDSERVE_API_KEY", None)
+    cmd = [
+        sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--kv-cache-memory", "200000000", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not come up:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^(pagedserve:[a-z0-9_]+)(\{[^}]*\})?\s+(\S+)$', line)
+        if m:
+            labels = m.group(2) or ""
+            reason = re.search(r'finished_reason="(\w+)"', labels)
+            key = m.group(1) + (f"[{reason.group(1)}]" if reason else "")
+            out[key] = float(m.group(3))
+    return out
+
+
+def wait_idle(base: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and every KV block is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(base)
+        if (
+            m["pagedserve:num_requests_running"] == 0
+            and m["pagedserve:num_requests_waiting"] == 0
+            and m["pagedserve:kv_cache_usage_perc"] == 0
+        ):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout}s: {m}")
+        time.sleep(0.1)
+
+
+# -- AsyncLLM alone (no HTTP) ------------------------------------------------------------------
+def test_async_llm_generate_abort_and_errors(smollm2_llm):
+    from conftest import assert_engine_idle
+
+    from pagedserve import SamplingParams
+    from pagedserve.engine.async_engine import AsyncLLM
+    from pagedserve.sampling_params import RequestOutputKind
+
+    engine = smollm2_llm.llm_engine
+    ref = smollm2_llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    llm = AsyncLLM(engine)
+
+    async def wait_idle_async():
+        for _ in range(200):
+            s = llm.get_stats()
+            if s["num_unfinished_requests"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
+                return s
+            await asyncio.sleep(0.01)
+        raise AssertionError(llm.get_stats())
+
+    async def main():
+        delta = SamplingParams(max_tokens=6, temperature=0, output_kind=RequestOutputKind.DELTA)
+        # Deltas join to the offline text.
+        outs = [o async for o in llm.generate("The capital of France is", delta, "a")]
+        assert outs[-1].finished and "".join(o.outputs[0].text for o in outs) == ref.outputs[0].text
+        # Leaving early (break + aclose) aborts: the blocks come back.
+        long = SamplingParams(max_tokens=500, ignore_eos=True, temperature=0, output_kind=RequestOutputKind.DELTA)
+        gen = llm.generate("Tell me a story.", long, "b")
+        async for o in gen:
+            if len(o.outputs[0].token_ids):
+                break
+        await gen.aclose()
+        await wait_idle_async()
+        # Cancelling the consuming task aborts too.
+        async def consume():
+            async for _ in llm.generate("Tell me a story.", long, "c"):
+                pass
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle_async()
+        # Refusals come back as ValueError naming the field; the id stays usable.
+        with pytest.raises(ValueError, match="prompt"):
+            async for _ in llm.generate("", delta, "d"):
+                pass
+        with pytest.raises(ValueError, match="vocabulary"):
+            async for _ in llm.generate([1, 10**7], delta, "d"):
+                pass
+        outs = [o async for o in llm.generate("The capital of France is", delta, "d")]
+        assert "".join(o.outputs[0].text for o in outs) == ref.outputs[0].text
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert_engine_idle(engine)
+
+
+# -- basics ----------------------------------------------------------------------------------
+def test_models_health_version_metrics(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/version").json()["version"]
+    m = _metrics(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
+        assert "pagedserve:" + name in m, name
+    assert "pagedserve:request_success_total[stop]" in m
+
+
+def test_auth(server):
+    bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 401
+    err = r.json()["error"]
+    assert err["code"] == 401 and err["type"] == "AuthenticationError" and "API key" in err["message"]
+    assert httpx.get(server + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(server + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(server + "/health").status_code == 200  # stays open
+
+
+def test_completion(server, client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    c = r.choices[0]
+    assert "Paris" in c.text and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8 and r.usage.total_tokens == 13
+    assert r.object == "text_completion" and r.model == MODEL
+
+    # n=2 with a seed: two different samples, reproducible.
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=11, n=2)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text
+    assert a.usage.completion_tokens == 24
+
+    # Several prompts (text and token ids) in one request.
+    r = client.completions.create(model=MODEL, prompt=["Hello", "The sky is"], max_tokens=3, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 6
+    ids = httpx.post(server + "/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    assert r2.choices[0].text == r.choices[1].text
+
+    # echo
+    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text.startswith("The sky is")
+
+
+def test_stop_strings_and_stop_reason(client):
+    base = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0).choices[0].text
+    assert " Paris." in base
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["."])
+    c = r.choices[0]
+    assert c.text == base[: base.index(".")] and c.finish_reason == "stop" and c.model_extra["stop_reason"] == "."
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop="is",
+                                  extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text.endswith("is")
+    # stop token id: "." token of " Paris."
+    dot = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), json={"prompt": ".", "add_special_tokens": False}).json()["tokens"][0]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, extra_body={"stop_token_ids": [dot]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == dot
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert p <= 0 and 3 <= len(top) <= 4
+        assert abs(max(top.values()) - p) < 1e-4  # greedy: the sampled token is the most likely
+
+
+def test_chat(server, client):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    c = full.choices[0]
+    assert c.message.role == "assistant" and "Paris" in c.message.content
+    assert full.usage.completion_tokens <= 16 and c.finish_reason in ("stop", "length")
+    assert full.object == "chat.completion"
+
+    # logprobs: content list of {token, logprob, bytes, top_logprobs}
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.top_logprobs[0].token == e.token and bytes(e.bytes).decode("utf-8", "replace")
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+
+    # streaming with usage, via the official client
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == c.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [c.finish_reason]
+
+
+def test_raw_sse_format(server):
+    with httpx.stream("POST", server + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    usage = json.loads(events[-2][6:])["usage"]
+    assert usage["completion_tokens"] == 3 and usage["prompt_tokens"] == 1
+
+
+def _stream_completion(client, **kw):
+    deltas: dict[int, list[str]] = {}
+    finish = {}
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            deltas.setdefault(c.index, []).append(c.text)
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return deltas, finish
+
+
+def test_stream_equals_non_stream_sampled(client):
+    kw = dict(model=MODEL, prompt="Write a short story about a robot.", max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, n=2)
+    full = client.completions.create(**kw)
+    deltas, finish = _stream_completion(client, **kw)
+    for c in full.choices:
+        assert "".join(deltas[c.index]) == c.text
+        assert finish[c.index] == c.finish_reason
+
+
+def test_stream_no_replacement_chars(client):
+    # Emoji are 3-4 byte-level tokens each; CJK likewise. No delta may carry a half character.
+    kw = dict(model=MODEL, prompt="🍕🍕🍕🍕🍕🍕🍕🍕🍕🍕🍕", max_tokens=16, temperature=0)
+    deltas, _ = _stream_completion(client, **kw)
+    text = "".join(deltas[0])
+    assert "🍕" in text
+    assert not any("\ufffd" in d for d in deltas[0])
+    assert text == client.completions.create(**kw).choices[0].text
+
+    msgs = [{"role": "user", "content": "请用中文写一句关于猫的话。"}]
+    pieces = []
+    for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0, stream=True):
+        if ch.choices and ch.choices[0].delta.content:
+            pieces.append(ch.choices[0].delta.content)
+    joined = "".join(pieces)
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in joined), joined
+    assert not any("\ufffd" in p for p in pieces)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    # (path, body, expected param, words in message)
+    ("/v1/completions", b'{"prompt": "hi", ', None, "JSON"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, "model", "does not exist"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+    ("/v1/completions", {"prompt": []}, "prompt", "empty"),
+    ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN}, "prompt", "max_model_len"),
+    ("/v1/completions", {"prompt": "hello " * 3000}, "prompt", "max_model_len"),
+    ("/v1/completions", {"prompt": [5] * 2000, "max_tokens": 100}, "max_tokens", "maximum context length"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n", "n must be"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2, 49152]}, "prompt", "vocabulary"),
+    ("/v1/completions", {"prompt": [1, -3]}, "prompt", "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**6]}, "stop_token_ids", "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias", "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": "many"}, "n", "n"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 3000}]}, "messages", "max_model_len"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_completion_tokens", "maximum context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1, "stream": True}, "temperature", "temperature"),
+]
+
+
+def test_bad_inputs_are_400_and_lose_nothing(server):
+    good = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as http:
+        ref = http.post("/v1/completions", json=good).json()["choices"][0]["text"]
+        for path, body, param, words in BAD_REQUESTS:
+            if isinstance(body, bytes):
+                r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            assert r.status_code == 400, (body if not isinstance(body, dict) or len(str(body)) < 200 else path, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "BadRequestError" and err["code"] == 400
+            assert words.lower() in err["message"].lower(), (words, err)
+            assert err["param"] == param, (param, err)
+            ok = http.post("/v1/completions", json=good)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref
+        assert http.get("/health").status_code == 200
+    wait_idle(server)
+
+
+# -- disconnects -------------------------------------------------------------------------------
+def test_disconnect_aborts(server):
+    before = _metrics(server)["pagedserve:request_success_total[abort]"]
+    long = {"prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    # Non-streaming: the client gives up (read timeout closes the connection).
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=long, headers=AUTH, timeout=httpx.Timeout(60, read=1.0))
+    # Streaming: read a few chunks, then hang up.
+    with httpx.stream("POST", server + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"messages": [{"role": "user", "content": "Count to 1000."}], "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break
+    # Several prompts in one streaming request: hanging up aborts all of them.
+    with httpx.stream("POST", server + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"prompt": ["One", "Two", "Three"], "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break
+    m = wait_idle(server, timeout=10)
+    assert m["pagedserve:request_success_total[abort]"] - before == 5
+
+
+def test_load_64_streams_with_disconnects(server, smollm2_llm):
+    import torch
+
+    from pagedserve import SamplingParams
+
+    from conftest import assert_engine_idle
+
+    t_start = time.monotonic()
+    n_clients = 64
+    specs = []
+    for i in range(n_clients):
+        disconnect = i % 4 == 3
+        specs.append(dict(
+            prompt=f"Request {i}: " + ["Tell me about the sea.", "List some fruits:", "def fibonacci(n):", "The history of Rome"][i % 4] + " " * (i % 3),
+            max_tokens=200 if disconnect else 4 + (i * 7) % 45,
+            ignore_eos=disconnect or i % 2 == 0,
+            disconnect=disconnect,
+        ))
+    kept = [s for s in specs if not s["disconnect"]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see the server fixture: the server process is busy on the other core
+    try:
+        ref = smollm2_llm.generate(
+            [s["prompt"] for s in kept],
+            [SamplingParams(max_tokens=s["max_tokens"], temperature=0, ignore_eos=s["ignore_eos"]) for s in kept],
+            use_tqdm=False,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert_engine_idle(smollm2_llm)
+    expected = {s["prompt"]: (o.outputs[0].text, o.outputs[0].finish_reason) for s, o in zip(kept, ref)}
+    before = _metrics(server)["pagedserve:request_success_total[abort]"]
+
+    async def one(http: httpx.AsyncClient, spec: dict):
+        body = {"model": MODEL, "prompt": spec["prompt"], "max_tokens": spec["max_tokens"], "temperature": 0,
+                "ignore_eos": spec["ignore_eos"], "stream": True}
+        text, finish, n_chunks = [], None, 0
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                if line == "data: [DONE]":
+                    break
+                c = json.loads(line[6:])["choices"][0]
+                text.append(c["text"])
+                finish = c["finish_reason"] or finish
+                n_chunks += 1
+                if spec["disconnect"] and n_chunks >= 3:
+                    return None  # leaving the block closes the connection mid-stream
+        return "".join(text), finish
+
+    async def main():
+        limits = httpx.Limits(max_connections=n_clients + 8, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=80, limits=limits) as http:
+            return await asyncio.gather(*(one(http, s) for s in specs))
+
+    results = asyncio.run(main())
+    for spec, res in zip(specs, results):
+        if spec["disconnect"]:
+            assert res is None
+        else:
+            assert res == expected[spec["prompt"]], spec
+    m = wait_idle(server, timeout=15)
+    assert m["pagedserve:request_success_total[abort]"] - before == n_clients // 4
+    assert time.monotonic() - t_start < 90, time.monotonic() - t_start
+    assert httpx.get(server + "/health").status_code == 200
