@@ -51,17 +51,18 @@ class ScheduledRequest:
         num_new_tokens: tokens computed this step, positions
             ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
         block_ids: the request's block table after this step's allocation.
+        samples: this chunk reaches the end of the known tokens, so a token is sampled. Fixed
+            when the step is scheduled (the request grows once the sampled token is appended).
     """
 
     request: Request
     num_computed_tokens: int
     num_new_tokens: int
     block_ids: list[int]
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -80,8 +81,11 @@ class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up at admission
-    prefix_cache_hits: int = 0  # tokens served from the cache at admission
+    # Prompt tokens looked up / served from the cache at a request's first admission. Resumes
+    # after preemption are not counted (as in vLLM): they would mostly hit the request's own
+    # blocks and make the hit rate track preemption churn instead of prefix reuse.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -183,10 +187,10 @@ class Scheduler:
                 if self.kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
                     break
                 self.waiting.popleft()
-                if req.num_cached_tokens < 0:
+                if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
                     req.num_cached_tokens = num_hit
-                self.stats.prefix_cache_queries += req.num_tokens
-                self.stats.prefix_cache_hits += num_hit
+                    self.stats.prefix_cache_queries += req.num_tokens
+                    self.stats.prefix_cache_hits += num_hit
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = num_hit
                 if req.first_scheduled_time is None:
