@@ -42,6 +42,20 @@ def _available_ram_bytes() -> int:
     return 8 << 30
 
 
+def _sliding_window(hf_config) -> Optional[int]:
+    """The checkpoint's attention window (tokens) when any layer uses one, else None
+    (Mistral v0.1's ``sliding_window``; Qwen2/3 only with ``use_sliding_window``)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if hf_config.model_type in ("qwen2", "qwen3"):
+        return int(window) if getattr(hf_config, "use_sliding_window", False) else None
+    return int(window)
+
+
 @dataclass
 class _Child:
     """One of the n sequences of a request, with its frontend state."""
@@ -100,6 +114,17 @@ class LLMEngine:
         block_size = config.block_size
         block_bytes = kv_cache_bytes_per_block(self.hf_config, block_size, self.dtype)
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
+        window = _sliding_window(self.hf_config)
+        if window is not None and window < max_pos:
+            # Attention here is always full; it equals the checkpoint's sliding-window
+            # attention only while sequences fit in the window.
+            if config.max_model_len is not None and config.max_model_len > window:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} is larger than the model's sliding_window "
+                    f"({window} tokens), which pagedserve does not implement"
+                )
+            logger.warning("Model uses sliding-window attention (%d tokens): max_model_len capped at %d", window, window)
+            max_pos = window
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's context ({max_pos} tokens)")
         model = self._load_model(max_positions=config.max_model_len or max_pos)
@@ -204,8 +229,13 @@ class LLMEngine:
         Raises:
             ValueError: naming the field: empty prompt, prompt too long for max_model_len, token
                 ids outside the vocabulary, duplicate request_id, invalid sampling parameters.
+
+        ``prompt`` may be a dict with ``prompt`` or ``prompt_token_ids`` and an optional
+        ``cache_salt`` (requests with different salts never share prefix-cache blocks).
         """
         params = (params or SamplingParams()).clone()
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]  # vLLM accepts the salt inside the prompt dict too
         prompt_text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")

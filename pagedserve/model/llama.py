@@ -46,16 +46,20 @@ class RotaryEmbedding(nn.Module):
 
         rope_params = getattr(config, "rope_parameters", None) or {}
         rope_type = rope_params.get("rope_type", "default")
-        if rope_type == "default":
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            base = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            scaling = 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # Tables are computed on the CPU even when the model is built under
+        # ``torch.device("meta")``: transformers' init functions for scaled RoPE (llama3, yarn,
+        # ...) copy an arange to "cpu", which fails on meta tensors.
+        with torch.device("cpu"):
+            if rope_type == "default":
+                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                base = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+                inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+                scaling = 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            t = torch.arange(max_positions, dtype=torch.int64).float()
+            freqs = torch.outer(t, inv_freq.float())
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
