@@ -5,6 +5,7 @@ outputs). ``LLM`` (offline) and the HTTP server both drive one of these.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -133,6 +134,10 @@ class LLMEngine:
         else:
             budget = config.kv_cache_memory_bytes or self._default_kv_budget()
             num_blocks = budget // block_bytes
+            if config.kv_cache_memory_bytes is None:
+                # A default budget never needs more than every sequence at full length.
+                max_len = min(max_pos, config.max_model_len or max_pos)
+                num_blocks = min(num_blocks, config.max_num_seqs * -(-max_len // block_size))
             if num_blocks < 1:
                 raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({block_bytes} bytes)")
         capacity = num_blocks * block_size
@@ -208,13 +213,21 @@ class LLMEngine:
             return prompt, self.tokenize(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self._as_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenize(prompt["prompt"])
             raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._as_token_ids(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _as_token_ids(ids) -> list[int]:
+        """Token ids as Python ints (numpy / torch integers accepted). Raises ValueError otherwise."""
+        try:
+            return [operator.index(t) for t in ids]
+        except TypeError:
+            raise ValueError("prompt_token_ids must be a list of integers") from None
 
     def add_request(
         self,
@@ -239,7 +252,7 @@ class LLMEngine:
         prompt_text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
