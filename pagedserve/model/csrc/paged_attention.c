@@ -78,6 +78,38 @@ static inline void axpy(float p, const float* x, float* y, int64_t d) {
     for (; i < d; i++) y[i] += p * x[i];
 }
 
+/* exp(x) for a row of scores, in place; returns their sum. AVX-512: 2^(x log2 e) split into
+ * 2^n (vscalefps) times a degree-6 polynomial of 2^f, f in [-0.5, 0.5] (relative error ~2e-7). */
+static inline float exp_sum(float* x, int64_t n, float m) {
+    int64_t i = 0;
+    float sum = 0.f;
+#ifdef __AVX512F__
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), mv = _mm512_set1_ps(m);
+    const __m512 c1 = _mm512_set1_ps(0.693147180559945f), c2 = _mm512_set1_ps(0.240226506959101f),
+                 c3 = _mm512_set1_ps(0.0555041086648216f), c4 = _mm512_set1_ps(0.00961812910762848f),
+                 c5 = _mm512_set1_ps(0.00133335581464284f), c6 = _mm512_set1_ps(0.000154035303933816f),
+                 one = _mm512_set1_ps(1.f), lo = _mm512_set1_ps(-126.f);
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m512 y = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv), log2e), lo);
+        __m512 r = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 f = _mm512_sub_ps(y, r);
+        __m512 p = _mm512_fmadd_ps(c6, f, c5);
+        p = _mm512_fmadd_ps(p, f, c4);
+        p = _mm512_fmadd_ps(p, f, c3);
+        p = _mm512_fmadd_ps(p, f, c2);
+        p = _mm512_fmadd_ps(p, f, c1);
+        p = _mm512_fmadd_ps(p, f, one);
+        __m512 e = _mm512_scalef_ps(p, r);
+        _mm512_storeu_ps(x + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) { x[i] = expf(x[i] - m); sum += x[i]; }
+    return sum;
+}
+
 /* Returns 0 on success, -1 when group or head_dim exceed the static limits. */
 static int paged_decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                         int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t num_seqs,
@@ -109,10 +141,9 @@ static int paged_decode(const void* q, const void* k_cache, const void* v_cache,
             }
             for (int64_t g = 0; g < group; g++) {
                 float* sc = scores + g * n;
-                float m = -INFINITY, sum = 0.f;
+                float m = -INFINITY;
                 for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
-                for (int64_t t = 0; t < n; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
-                const float inv = 1.f / sum;
+                const float inv = 1.f / exp_sum(sc, n, m);
                 for (int64_t t = 0; t < n; t++) sc[t] *= inv;
             }
             for (int64_t t = 0; t < n; t++) {
