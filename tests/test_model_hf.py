@@ -79,9 +79,9 @@ def our_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     nb = -(-n // B)
     attn = model.layers[0].self_attn
-    kv = [torch.zeros(2, nb, B, attn.num_kv_heads, attn.head_dim, dtype=engine.dtype) for _ in model.layers]
+    kv = [torch.zeros(2, nb, attn.num_kv_heads, B, attn.head_dim, dtype=engine.dtype) for _ in model.layers]
     group = build_attention_group(0, [n], [0], [list(range(nb))], B, torch.device("cpu"))
-    meta = AttentionMetadata(torch.arange(n), [group])
+    meta = AttentionMetadata(torch.arange(n), [group], B)
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(n), kv, meta)
         return model.compute_logits(hidden).float()

@@ -2,9 +2,10 @@
 
 Algorithm: PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model
 Serving with PagedAttention", SOSP 2023). Each layer owns a cache of shape
-``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V). A step first writes every
-new token's K/V through the flat ``slot_mapping`` (slot = block_id * block_size + offset), then
-each request's queries attend to its own cached K/V up to their positions.
+``[2, num_blocks, num_kv_heads, block_size, head_dim]`` (K then V; head-major inside a block so
+one head's tokens of a block are contiguous). A step first writes every new token's K/V through
+the flat ``slot_mapping`` (slot = block_id * block_size + offset), then each request's queries
+attend to its own cached K/V up to their positions.
 
 To keep the number of Python-level ops per layer independent of the number of requests, the
 requests of a step are split into at most two groups, decodes (one query token each) and
@@ -61,6 +62,11 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        self.slot_block = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+        self.slot_offset = self.slot_mapping - self.slot_block * self.block_size
 
 
 def build_attention_group(
@@ -111,12 +117,12 @@ def build_attention_group(
     )
 
 
-def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: "AttentionMetadata") -> None:
     """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots in
-    ``kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]``."""
-    nkv, hd = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, nkv, hd).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, nkv, hd).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    ``kv_cache [2, num_blocks, num_kv_heads, block_size, head_dim]``."""
+    blk, off = metadata.slot_block, metadata.slot_offset
+    kv_cache[0][blk, :, off] = key.to(kv_cache.dtype)
+    kv_cache[1][blk, :, off] = value.to(kv_cache.dtype)
 
 
 def paged_attention(
@@ -130,7 +136,7 @@ def paged_attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` with this step's K/V
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` with this step's K/V
             already written.
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
@@ -138,16 +144,16 @@ def paged_attention(
     out = torch.empty_like(query)
     num_heads, hd = query.shape[1], query.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    nkv = k_cache.shape[2]
+    nkv = k_cache.shape[1]
     for g in metadata.groups:
         n = g.num_seqs
         if g.max_query_len == 1 and use_cpu_kernel and paged_decode_attention(
             query[g.token_start : g.token_end], kv_cache, g.block_tables, g.seq_lens, scale, out[g.token_start : g.token_end]
         ):
             continue
-        # [n, max_blocks, block_size, nkv, hd] -> [n, nkv, S, hd]
-        k = k_cache[g.block_tables].view(n, -1, nkv, hd).transpose(1, 2)
-        v = v_cache[g.block_tables].view(n, -1, nkv, hd).transpose(1, 2)
+        # [n, max_blocks, nkv, block_size, hd] -> [n, nkv, S, hd]
+        k = k_cache[g.block_tables].transpose(1, 2).reshape(n, nkv, -1, hd)
+        v = v_cache[g.block_tables].transpose(1, 2).reshape(n, nkv, -1, hd)
         q = query[g.token_start : g.token_end]
         if g.query_pad_index is None:
             qp = q.view(n, 1, num_heads, hd)

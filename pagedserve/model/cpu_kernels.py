@@ -84,7 +84,7 @@ def paged_decode_attention(
 
     Args:
         query: ``[num_seqs, num_heads, head_dim]`` contiguous, float32 or bfloat16.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, same dtype.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``, same dtype.
         block_tables: ``[num_seqs, max_blocks]`` int64, contiguous.
         seq_lens: ``[num_seqs]`` int64 (tokens, the new one included).
         out: ``[num_seqs, num_heads, head_dim]`` contiguous, written in place.
@@ -99,7 +99,7 @@ def paged_decode_attention(
         return False
     fn = lib.paged_decode_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
     n, h, d = query.shape
-    _, _, bs, nkv, _ = kv_cache.shape
+    _, _, nkv, bs, _ = kv_cache.shape
     rc = fn(
         query.data_ptr(),
         kv_cache[0].data_ptr(),

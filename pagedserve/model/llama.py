@@ -97,7 +97,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        write_kv_cache(kv_cache, k, v, attn_metadata.slot_mapping)
+        write_kv_cache(kv_cache, k, v, attn_metadata)
         o = paged_attention(q, kv_cache, attn_metadata, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 

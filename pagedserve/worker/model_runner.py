@@ -49,7 +49,7 @@ class ModelRunner:
     Args:
         model: a loaded LlamaForCausalLM (weights on ``device``, in the KV dtype).
         num_blocks: KV cache pool size (blocks); the cache is
-            ``num_layers x [2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            ``num_layers x [2, num_blocks, num_kv_heads, block_size, head_dim]``.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -60,7 +60,7 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         attn = model.layers[0].self_attn
-        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        shape = (cfg.num_hidden_layers, 2, num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
         # Zero-filled: padded block-table entries read stale slots that are masked out, and
         # masking needs them finite.
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -109,7 +109,7 @@ class ModelRunner:
         dev = self.device
         input_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), groups)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), groups, B)
         hidden = self.model(input_t, pos_t, self.kv_caches, meta)
 
         out = ModelRunnerOutput()

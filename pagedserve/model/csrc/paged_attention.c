@@ -10,7 +10,8 @@
  *
  * Layouts (row-major):
  *   q, out       [num_seqs, num_heads, head_dim]
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   k/v cache    [num_blocks, num_kv_heads, block_size, head_dim] (head-major inside a block, so
+ *                one (sequence, KV head) task streams block_size * head_dim contiguous values)
  *   block_tables [num_seqs, max_blocks] (int64)
  *   seq_lens     [num_seqs] (int64): tokens to attend to, the new one included
  * Storage types: float32 (f32) or bfloat16 (bf16, raw uint16).
@@ -110,6 +111,62 @@ static inline float exp_sum(float* x, int64_t n, float m) {
     return sum;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bfloat16 fast path for head_dim = 16 * NV (NV = 4 or 8) and small GQA groups: q.k by
+ * vdpbf16ps straight from the bf16 cache (no conversion of K), the V accumulators of the whole
+ * group kept in registers. Same math as the generic path: fp32 scores, fp32 softmax, fp32 sum. */
+static inline __attribute__((always_inline)) void decode_task_bf16(
+    const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n,
+    int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, float scale,
+    uint16_t* out, float* scores, const int NV) {
+    __m512bh qv[4][4];
+    for (int64_t g = 0; g < group; g++)
+        for (int v = 0; v < NV / 2; v++)
+            qv[g][v] = (__m512bh)_mm512_loadu_si512((const void*)(q + g * NV * 16 + v * 32));
+    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+        const uint16_t* kb = kc + table[t0 / block_size] * block_stride + head_off;
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        for (int64_t o = 0; o < len; o++) {
+            __m512bh kv[4];
+            for (int v = 0; v < NV / 2; v++) kv[v] = (__m512bh)_mm512_loadu_si512((const void*)(kb + o * NV * 16 + v * 32));
+            for (int64_t g = 0; g < group; g++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int v = 0; v < NV / 2; v++) acc = _mm512_dpbf16_ps(acc, kv[v], qv[g][v]);
+                scores[g * n + t0 + o] = _mm512_reduce_add_ps(acc) * scale;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float* sc = scores + g * n;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
+        const float inv = 1.f / exp_sum(sc, n, m);
+        for (int64_t t = 0; t < n; t++) sc[t] *= inv;
+    }
+    __m512 acc[4][8];
+    for (int64_t g = 0; g < group; g++)
+        for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+        const uint16_t* vb = vc + table[t0 / block_size] * block_stride + head_off;
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        for (int64_t o = 0; o < len; o++) {
+            __m512 row[8];
+            for (int v = 0; v < NV; v++)
+                row[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vb + o * NV * 16 + v * 16))), 16));
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * n + t0 + o]);
+                for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int v = 0; v < NV; v++)
+            _mm256_storeu_si256((__m256i*)(out + g * NV * 16 + v * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][v]));
+}
+#define HAVE_BF16_FAST_PATH 1
+#endif
+
 /* Returns 0 on success, -1 when group or head_dim exceed the static limits. */
 static int paged_decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                         int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t num_seqs,
@@ -118,7 +175,7 @@ static int paged_decode(const void* q, const void* k_cache, const void* v_cache,
     const int64_t group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
     const int64_t esize = is_bf16 ? 2 : 4;
-    const int64_t tok_stride = num_kv_heads * head_dim;
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;  /* elements */
     const char* kc = (const char*)k_cache;
     const char* vc = (const char*)v_cache;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
@@ -126,6 +183,21 @@ static int paged_decode(const void* q, const void* k_cache, const void* v_cache,
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {
             const int64_t n = seq_lens[s];
             const int64_t* table = block_tables + s * max_blocks;
+#ifdef HAVE_BF16_FAST_PATH
+            if (is_bf16 && group <= 4 && (head_dim == 64 || head_dim == 128)) {
+                float* sc = (float*)malloc(sizeof(float) * group * (n > 0 ? n : 1));
+                const uint16_t* qp = (const uint16_t*)q + (s * num_heads + kh * group) * head_dim;
+                uint16_t* op = (uint16_t*)out + (s * num_heads + kh * group) * head_dim;
+                if (head_dim == 64)
+                    decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size,
+                                     block_stride, kh * block_size * head_dim, group, scale, op, sc, 4);
+                else
+                    decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size,
+                                     block_stride, kh * block_size * head_dim, group, scale, op, sc, 8);
+                free(sc);
+                continue;
+            }
+#endif
             float qf[MAX_GROUP][MAX_HEAD_DIM];
             float acc[MAX_GROUP][MAX_HEAD_DIM];
             float row[MAX_HEAD_DIM];
@@ -134,10 +206,13 @@ static int paged_decode(const void* q, const void* k_cache, const void* v_cache,
                 load_row((const char*)q + ((s * num_heads + kh * group + g) * head_dim) * esize, is_bf16, head_dim, qf[g]);
                 for (int64_t d = 0; d < head_dim; d++) { qf[g][d] *= scale; acc[g][d] = 0.f; }
             }
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                load_row(kc + (slot * tok_stride + kh * head_dim) * esize, is_bf16, head_dim, row);
-                for (int64_t g = 0; g < group; g++) scores[g * n + t] = dot(qf[g], row, head_dim);
+            for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+                const char* kb = kc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
+                const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+                for (int64_t o = 0; o < len; o++) {
+                    load_row(kb + o * head_dim * esize, is_bf16, head_dim, row);
+                    for (int64_t g = 0; g < group; g++) scores[g * n + t0 + o] = dot(qf[g], row, head_dim);
+                }
             }
             for (int64_t g = 0; g < group; g++) {
                 float* sc = scores + g * n;
@@ -146,10 +221,13 @@ static int paged_decode(const void* q, const void* k_cache, const void* v_cache,
                 const float inv = 1.f / exp_sum(sc, n, m);
                 for (int64_t t = 0; t < n; t++) sc[t] *= inv;
             }
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                load_row(vc + (slot * tok_stride + kh * head_dim) * esize, is_bf16, head_dim, row);
-                for (int64_t g = 0; g < group; g++) axpy(scores[g * n + t], row, acc[g], head_dim);
+            for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+                const char* vb = vc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
+                const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+                for (int64_t o = 0; o < len; o++) {
+                    load_row(vb + o * head_dim * esize, is_bf16, head_dim, row);
+                    for (int64_t g = 0; g < group; g++) axpy(scores[g * n + t0 + o], row, acc[g], head_dim);
+                }
             }
             for (int64_t g = 0; g < group; g++) {
                 char* op = (char*)out + ((s * num_heads + kh * group + g) * head_dim) * esize;
