@@ -20,6 +20,7 @@ from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.model import loader
 from pagedserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from pagedserve.model.packed_linear import packing_available
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -202,6 +203,8 @@ class LLMEngine:
         model = model.to(self.dtype)
         # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
         model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
+        if packing_available(self.device, self.dtype):
+            model.pack_for_cpu()
         return model.eval()
 
     # -- requests -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""PagedAttention over a flat, unpadded token batch (pure PyTorch, CPU or CUDA).
+"""PagedAttention over a flat, unpadded token batch (PyTorch, plus a C kernel for CPU decode).
 
 Algorithm: PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model
 Serving with PagedAttention", SOSP 2023). Each layer owns a cache of shape
@@ -7,14 +7,21 @@ one head's tokens of a block are contiguous). A step first writes every new toke
 the flat ``slot_mapping`` (slot = block_id * block_size + offset), then each request's queries
 attend to its own cached K/V up to their positions.
 
-To keep the number of Python-level ops per layer independent of the number of requests, the
-requests of a step are split into at most two groups, decodes (one query token each) and
-prefill chunks (several), and each group runs one gather through its padded block table and one
-``scaled_dot_product_attention`` call with a boolean mask built once per step.
+The requests of a step form at most two groups, in flat-batch order:
+- decodes (one query token each): one call for the whole group, either the CPU kernel
+  (``cpu_kernels.paged_decode_attention``, reading the pool in place through the block tables)
+  or, elsewhere, one gather through the padded block table and one masked
+  ``scaled_dot_product_attention``;
+- prefill chunks: one ``scaled_dot_product_attention`` per chunk. A chunk with no cached context
+  (a fresh prompt) attends to its own new K/V with ``is_causal=True``, which lets the flash
+  kernel skip the upper triangle; a chunk after cached context (chunked prefill, prefix-cache
+  hit) reads its context from the cache with an explicit causal mask. The number of chunks per
+  step is bounded by the token budget, and prefill is compute-bound, so the loop's Python cost
+  is small next to the work (vLLM's CPU SDPA backend loops over prefills the same way).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -25,30 +32,35 @@ from pagedserve.model.cpu_kernels import paged_decode_attention
 
 @dataclass
 class AttentionGroup:
-    """Requests of one step that share a query padding.
+    """Requests of one step with the same kind of query (decode or prefill chunk).
 
     Attributes:
         token_start, token_end: the group's tokens are ``[token_start, token_end)`` of the flat batch.
         block_tables: ``[num_seqs, max_blocks]`` int64, padded with block 0.
-        query_pad_index: ``[num_tokens_in_group]`` int64 row of each token in the padded
-            ``[num_seqs * max_query_len]`` query layout, or None when max_query_len == 1.
-        max_query_len: longest query chunk in the group (tokens).
-        attn_mask: ``[num_seqs, 1, max_query_len, max_blocks * block_size]`` bool (True = attend);
-            None for a decode group, which the CPU kernel serves from ``seq_lens`` instead.
-        seq_lens: ``[num_seqs]`` int64 tokens each query attends to (context + its chunk).
+        seq_lens: ``[num_seqs]`` int64 tokens each sequence attends to (context + its chunk).
+        query_lens, context_lens: per sequence, new tokens and already-cached tokens (Python ints).
+        is_decode: every sequence has exactly one query token.
     """
 
     token_start: int
     token_end: int
     block_tables: torch.Tensor
-    query_pad_index: Optional[torch.Tensor]
-    max_query_len: int
-    attn_mask: Optional[torch.Tensor]
     seq_lens: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    is_decode: bool
+    _decode_mask: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
-        return self.block_tables.shape[0]
+        return len(self.query_lens)
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
+        """``[num_seqs, 1, 1, max_blocks * block_size]`` bool, for the PyTorch decode path."""
+        if self._decode_mask is None:
+            key_pos = torch.arange(self.block_tables.shape[1] * block_size, device=self.seq_lens.device)
+            self._decode_mask = (key_pos[None, :] < self.seq_lens[:, None])[:, None, None, :]
+        return self._decode_mask
 
 
 @dataclass
@@ -58,6 +70,7 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: ``[num_tokens]`` int64 cache slot of each new token.
         groups: decode group and/or prefill group (order matches the flat batch).
+        block_size: tokens per block.
     """
 
     slot_mapping: torch.Tensor
@@ -79,45 +92,22 @@ def build_attention_group(
 ) -> AttentionGroup:
     """Metadata for requests whose queries are ``query_lens`` tokens following
     ``context_lens`` already-cached tokens (both in tokens)."""
-    n = len(query_lens)
-    max_q = max(query_lens)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     max_blocks = -(-max(seq_lens) // block_size)
-    table = torch.zeros((n, max_blocks), dtype=torch.int64)
-    for i, ids in enumerate(block_ids):
-        nb = -(-seq_lens[i] // block_size)
-        table[i, :nb] = torch.tensor(ids[:nb], dtype=torch.int64)
-    S = max_blocks * block_size
-    key_pos = torch.arange(S)
-    ctx = torch.tensor(context_lens, dtype=torch.int64)
-    qlen = torch.tensor(query_lens, dtype=torch.int64)
-    if max_q == 1:
-        mask = key_pos[None, :] < (ctx + 1)[:, None]  # [n, S]
-        mask = mask[:, None, None, :]
-        pad_index = None
-    else:
-        j = torch.arange(max_q)
-        q_pos = ctx[:, None] + j[None, :]  # [n, max_q] absolute position of each query
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, also bounds by seq len
-        valid_q = j[None, :] < qlen[:, None]
-        # padded query rows attend to key 0 only (their output is discarded) to avoid NaN
-        mask = torch.where(valid_q[:, :, None], mask, key_pos[None, None, :] == 0)
-        mask = mask[:, None, :, :]
-        rows = torch.arange(n)[:, None] * max_q + j[None, :]
-        pad_index = rows[valid_q]
-    token_end = token_start + sum(query_lens)
+    rows = [ids[: -(-n // block_size)] for ids, n in zip(block_ids, seq_lens)]
+    table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.int64)
     return AttentionGroup(
-        token_start,
-        token_end,
-        table.to(device),
-        None if pad_index is None else pad_index.to(device),
-        max_q,
-        mask.to(device),
-        torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        token_start=token_start,
+        token_end=token_start + sum(query_lens),
+        block_tables=table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        query_lens=list(query_lens),
+        context_lens=list(context_lens),
+        is_decode=max(query_lens) == 1,
     )
 
 
-def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: "AttentionMetadata") -> None:
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata) -> None:
     """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots in
     ``kv_cache [2, num_blocks, num_kv_heads, block_size, head_dim]``."""
     blk, off = metadata.slot_block, metadata.slot_offset
@@ -125,8 +115,17 @@ def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     kv_cache[1][blk, :, off] = value.to(kv_cache.dtype)
 
 
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``cache [num_blocks, nkv, B, hd]`` through ``block_tables [n, max_blocks]`` ->
+    ``[n, nkv, max_blocks * B, hd]`` (a copy)."""
+    n, nkv, hd = block_tables.shape[0], cache.shape[1], cache.shape[3]
+    return cache[block_tables].transpose(1, 2).reshape(n, nkv, -1, hd)
+
+
 def paged_attention(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
@@ -136,8 +135,9 @@ def paged_attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
-        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` with this step's K/V
-            already written.
+        key, value: this step's ``[num_tokens, num_kv_heads, head_dim]`` (already written to
+            the cache; used directly by prefill chunks with no cached context).
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``.
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
     """
@@ -145,27 +145,34 @@ def paged_attention(
     num_heads, hd = query.shape[1], query.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     nkv = k_cache.shape[1]
+    gqa = nkv != num_heads
     for g in metadata.groups:
-        n = g.num_seqs
-        if g.max_query_len == 1 and use_cpu_kernel and paged_decode_attention(
-            query[g.token_start : g.token_end], kv_cache, g.block_tables, g.seq_lens, scale, out[g.token_start : g.token_end]
-        ):
+        s, e = g.token_start, g.token_end
+        if g.is_decode:
+            if use_cpu_kernel and paged_decode_attention(query[s:e], kv_cache, g.block_tables, g.seq_lens, scale, out[s:e]):
+                continue
+            q = query[s:e].unsqueeze(2)  # [n, H, 1, hd]
+            o = F.scaled_dot_product_attention(
+                q, _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables),
+                attn_mask=g.decode_mask(metadata.block_size), scale=scale, enable_gqa=gqa,
+            )
+            out[s:e] = o.squeeze(2)
             continue
-        # [n, max_blocks, nkv, block_size, hd] -> [n, nkv, S, hd]
-        k = k_cache[g.block_tables].transpose(1, 2).reshape(n, nkv, -1, hd)
-        v = v_cache[g.block_tables].transpose(1, 2).reshape(n, nkv, -1, hd)
-        q = query[g.token_start : g.token_end]
-        if g.query_pad_index is None:
-            qp = q.view(n, 1, num_heads, hd)
-        else:
-            qp = q.new_zeros((n * g.max_query_len, num_heads, hd))
-            qp.index_copy_(0, g.query_pad_index, q)
-            qp = qp.view(n, g.max_query_len, num_heads, hd)
-        o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), k, v, attn_mask=g.attn_mask, scale=scale, enable_gqa=(nkv != num_heads)
-        )  # [n, H, max_q, hd]
-        o = o.transpose(1, 2).reshape(n * g.max_query_len, num_heads, hd)
-        if g.query_pad_index is not None:
-            o = o.index_select(0, g.query_pad_index)
-        out[g.token_start : g.token_end] = o
+        t = s
+        for i, (qlen, ctx) in enumerate(zip(g.query_lens, g.context_lens)):
+            q = query[t : t + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
+            if ctx == 0:
+                k = key[t : t + qlen].transpose(0, 1).unsqueeze(0)
+                v = value[t : t + qlen].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                total = ctx + qlen
+                table = g.block_tables[i : i + 1, : -(-total // metadata.block_size)]
+                k = _gather(k_cache, table)[:, :, :total]
+                v = _gather(v_cache, table)[:, :, :total]
+                q_pos = torch.arange(ctx, total, device=query.device)
+                mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[t : t + qlen] = o[0].transpose(0, 1)
+            t += qlen
     return out

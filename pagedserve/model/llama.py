@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv_cache
+from pagedserve.model.packed_linear import pack_linears, pack_weight, packed_linear
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +99,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         write_kv_cache(kv_cache, k, v, attn_metadata)
-        o = paged_attention(q, kv_cache, attn_metadata, self.scale)
+        o = paged_attention(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -175,8 +176,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` for the selected hidden states ``[n, hidden_size]``."""
+        if self._packed_logits_weight is not None:
+            return packed_linear(hidden, self._packed_logits_weight)
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight)
+
+    _packed_logits_weight = None
+
+    def pack_for_cpu(self) -> None:
+        """Pre-pack every projection (and the logits weight) for oneDNN; bf16 on CPU only, after
+        the weights are loaded. See :mod:`pagedserve.model.packed_linear`."""
+        logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        self._packed_logits_weight = pack_weight(logits_weight)
+        pack_linears(self.layers)
 
     # -- weights ---------------------------------------------------------------------------
     _FUSED = {
