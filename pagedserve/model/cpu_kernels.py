@@ -95,7 +95,9 @@ def paged_decode_attention(
     lib = get_lib()
     if lib is None or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if kv_cache.dtype != query.dtype:
+    if kv_cache.dtype != query.dtype or not (query.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()):
+        return False
+    if not (block_tables.is_contiguous() and seq_lens.is_contiguous()):
         return False
     fn = lib.paged_decode_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
     n, h, d = query.shape

@@ -89,15 +89,16 @@ class Attention(nn.Module):
 
     def forward(self, hidden, cos, sin, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         T = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        # Q and K heads side by side: one RoPE pass over [T, num_heads + num_kv_heads, head_dim].
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q = q.contiguous()
         write_kv_cache(kv_cache, k, v, attn_metadata)
         o = paged_attention(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
