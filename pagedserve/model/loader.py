@@ -118,7 +118,7 @@ def iterate_gguf_weights(path: str, num_heads: int, num_kv_heads: int, arch: str
                 arr = _unpermute_rope(arr, num_heads)
             elif name.endswith("k_proj.weight"):
                 arr = _unpermute_rope(arr, num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(arr))
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))  # writable copy
 
 
 def convert_gguf(path: str) -> str:
