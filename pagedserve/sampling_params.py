@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 # Cap on logprobs / top_logprobs per token, as vLLM's default `max_logprobs`.
 MAX_LOGPROBS = 20
+# Most completions per request (one request must not be able to queue unbounded work).
+MAX_N = 128
 
 
 class RequestOutputKind(enum.Enum):
@@ -80,6 +83,13 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
+        if self.n > MAX_N:
+            bad("n", f"must be at most {MAX_N}, got {self.n}.")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"must be a finite number, got {getattr(self, name)}.")
+        if self.seed is not None and not 0 <= self.seed <= 2**63 - 1 - self.n:
+            bad("seed", f"must be in [0, 2**63 - 1 - n], got {self.seed}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -437,3 +437,32 @@ def test_dtype_auto(tiny_dir):
     out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
     assert_engine_idle(llm)
+
+
+def test_review_findings_offline(tiny_model_factory):
+    """Inputs a fresh-eyes review found mishandled: each is a clear ValueError (or works)."""
+    import numpy as np
+
+    llm = LLM(tiny_model_factory("llama"), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    ref = llm.generate({"prompt_token_ids": [1, 504, 3575]}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ([np.int64(1), np.int64(504), np.int64(3575)], (1, 504, 3575), np.array([1, 504, 3575]), torch.tensor([1, 504, 3575])):
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
+    with pytest.raises(ValueError, match="prompts"):
+        llm.generate(None, greedy)
+    for kwargs, field in (({"n": 10**9}, "n"), ({"seed": 2**70}, "seed"), ({"temperature": float("inf")}, "temperature"),
+                          ({"top_p": float("nan")}, "top_p")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+    assert llm.generate({"prompt_token_ids": [1, 504, 3575]}, greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
+    assert_engine_idle(llm)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "generate", "--prompt", "hi", "--model", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "error:" in r.stderr and "not found" in r.stderr and "Traceback" not in r.stderr

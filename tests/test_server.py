@@ -354,6 +354,18 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs", "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_completion_tokens", "maximum context length"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1, "stream": True}, "temperature", "temperature"),
+    # Found by a fresh-eyes review: each used to crash, hang or run away with the server.
+    ("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 2}', "prompt", "surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages", "surrogate"),
+    ("/tokenize", b'{"prompt": "\\udfff"}', "prompt", "surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 1000000000, "max_tokens": 1}, "n", "at most"),
+    ("/v1/completions", {"prompt": ["a"] * 300, "max_tokens": 1}, "n", "at most"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                              "chat_template": "{% for i in range(100000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}x"},
+     "chat_template", "not allowed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64 - 1, "n": 2, "stream": True}, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "inf"}, "temperature", "finite"),
 ]
 
 
@@ -467,3 +479,10 @@ def test_load_64_streams_with_disconnects(server, smollm2_llm):
     assert m["pagedserve:request_success_total[abort]"] - before == n_clients // 4
     assert time.monotonic() - t_start < 90, time.monotonic() - t_start
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_tokenize_messages_with_special_tokens(server):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True}
+    r = httpx.post(server + "/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == len(r.json()["tokens"]) > 3

@@ -97,6 +97,8 @@ class LLMEngine:
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             self.device = torch.device(config.device)
+            if self.device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device={config.device!r}, but this torch build has no CUDA device available")
         self.model_dir = loader.resolve_model(config.model)
         self.hf_config = loader.load_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(self.model_dir)
@@ -220,8 +222,8 @@ class LLMEngine:
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenize(prompt["prompt"])
             raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)):
-            return None, self._as_token_ids(prompt)
+        if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):  # also numpy arrays, tensors
+            return None, self._as_token_ids(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     @staticmethod
@@ -315,9 +317,8 @@ class LLMEngine:
             return []
         runner_out = self.runner.execute_model(sched_out)
         touched = self.scheduler.update_from_output(sched_out, runner_out.sampled)
-        self.num_prompt_tokens_total += sum(
-            min(s.num_new_tokens, max(0, s.request.num_prompt_tokens - s.num_computed_tokens)) for s in sched_out.scheduled
-        )
+        # Prompt tokens count once per request (cached ones included), when prefill completes.
+        self.num_prompt_tokens_total += sum(r.num_prompt_tokens for r in touched if r.num_output_tokens == 1)
         self.num_generation_tokens_total += len(touched)
         changed: dict[str, _Parent] = {}
         for req in touched:

@@ -105,7 +105,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         history.append({"role": "user", "content": line})
         ids = llm.apply_chat_template(history)
-        rid = engine.add_request(None, {"prompt_token_ids": ids}, params)
+        try:
+            rid = engine.add_request(None, {"prompt_token_ids": ids}, params)
+        except ValueError as e:
+            history.pop()
+            print(f"error: {e} (start a new chat, or raise --max-model-len)", file=sys.stderr)
+            continue
         reply = []
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -146,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set PAGEDSERVE_API_KEY)")
+    s.add_argument("--trust-request-chat-template", action="store_true", help="allow a chat_template field in requests (it runs as code in the server)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -162,7 +168,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:  # bad flags, model path, prompt: one line, no traceback
+        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

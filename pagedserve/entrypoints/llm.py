@@ -13,6 +13,19 @@ from pagedserve.sampling_params import SamplingParams
 Conversation = list[dict[str, Any]]
 
 
+def _is_token_ids(x: Any) -> bool:
+    """A flat sequence of integers (Python, numpy or torch), i.e. one tokenized prompt."""
+    import operator
+
+    if isinstance(x, (str, bytes, dict)) or not hasattr(x, "__len__") or len(x) == 0:
+        return False
+    try:
+        operator.index(x[0])
+        return True
+    except (TypeError, IndexError):
+        return False
+
+
 class LLM:
     """An engine for offline batched generation.
 
@@ -82,7 +95,9 @@ class LLM:
         Raises:
             ValueError: for invalid prompts or sampling parameters (nothing is queued then).
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if prompts is None or isinstance(prompts, bytes):
+            raise ValueError(f"prompts must be a string, a token-id list, a dict or a list of these, got {type(prompts).__name__}")
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:

@@ -98,9 +98,10 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499)
 
 
-def build_app(engine: LLMEngine | AsyncLLM, api_key: Optional[str] = None) -> FastAPI:
+def build_app(engine: LLMEngine | AsyncLLM, api_key: Optional[str] = None, trust_request_chat_template: bool = False) -> FastAPI:
     """The FastAPI app over ``engine`` (an AsyncLLM is created around a bare LLMEngine, with
-    this app's own metrics registry)."""
+    this app's own metrics registry). A ``chat_template`` in a request is refused unless
+    ``trust_request_chat_template`` (templates are code that runs in the server)."""
     if isinstance(engine, AsyncLLM):
         llm = engine
         metrics = llm.metrics if isinstance(llm.metrics, EngineMetrics) else EngineMetrics(llm.model_name)
@@ -110,7 +111,7 @@ def build_app(engine: LLMEngine | AsyncLLM, api_key: Optional[str] = None) -> Fa
         metrics = EngineMetrics(engine.model_name)
         llm = AsyncLLM(engine, metrics=metrics)
     served = [llm.model_name]
-    serving = OpenAIServing(llm, served)
+    serving = OpenAIServing(llm, served, trust_request_chat_template)
     model_root = getattr(getattr(llm, "engine", None), "config", None)
     model_root = getattr(model_root, "model", None) or served[0]
 
@@ -203,12 +204,11 @@ def build_app(engine: LLMEngine | AsyncLLM, api_key: Optional[str] = None) -> Fa
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(req.model)
         if req.messages is not None:
+            # The chat template already places every special token (as for chat completions).
             _, ids = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template)
-            if req.add_special_tokens:
-                ids = serving.tokenizer.build_inputs_with_special_tokens(ids)
         elif req.prompt is not None:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = serving.tokenizer(req.prompt, add_special_tokens=add)["input_ids"]
+            ids = serving._encode(req.prompt, add, "prompt")
         else:
             raise RequestError("tokenize needs prompt or messages.", param="prompt")
         strs = serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -233,7 +233,7 @@ def run_server(args: Any) -> int:
 
     api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDSERVE_API_KEY") or None
     engine = LLMEngine(engine_config_from_args(args, model=getattr(args, "model", None)))
-    app = build_app(engine, api_key=api_key)
+    app = build_app(engine, api_key=api_key, trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)))
     log_level = str(getattr(args, "log_level", "info")).lower()
     logger.info("pagedserve: serving %s on http://%s:%d%s", engine.model_name, args.host, args.port, " (API key required)" if api_key else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -167,6 +167,14 @@ class _Choice:
     started: bool = False
 
 
+def check_text(text: str, param: str) -> None:
+    """Reject strings that are not valid Unicode text (e.g. a lone surrogate from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{param} is not valid UTF-8 text (it contains a lone surrogate).", param=param) from None
+
+
 @dataclass
 class _Prompt:
     text: Optional[str]
@@ -187,8 +195,13 @@ SSE_DONE = "data: [DONE]\n\n"
 class OpenAIServing:
     """Completions and chat completions over one :class:`AsyncLLM`."""
 
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str]) -> None:
+    # Most sequences (prompts x n) one HTTP request may start: a single request must not be
+    # able to queue unbounded work or memory.
+    MAX_SEQUENCES_PER_REQUEST = 256
+
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False) -> None:
         self.llm = llm
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = llm.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = llm.max_model_len
@@ -237,6 +250,17 @@ class OpenAIServing:
             raise RequestError(str(e), param=param_of(str(e))) from None
         return params
 
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        check_text(text, param)
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def _check_num_sequences(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.MAX_SEQUENCES_PER_REQUEST:
+            raise RequestError(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); "
+                f"at most {self.MAX_SEQUENCES_PER_REQUEST} are allowed per request.", param="n",
+            )
+
     def _prompts(self, prompt: Any) -> list[_Prompt]:
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -249,7 +273,7 @@ class OpenAIServing:
             if isinstance(p, str):
                 if not p:
                     raise RequestError("prompt must not be empty.", param="prompt")
-                ids = self.tokenizer(p, add_special_tokens=True)["input_ids"]
+                ids = self._encode(p, True, "prompt")
                 out.append(_Prompt(p, ids))
             else:
                 ids = list(p)
@@ -263,6 +287,11 @@ class OpenAIServing:
                     tools: Optional[list] = None) -> tuple[list[dict], list[int]]:
         if not messages:
             raise RequestError("messages must not be empty.", param="messages")
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise RequestError(
+                "chat_template in the request is not allowed: a template is code that runs in the server. "
+                "Start the server with --trust-request-chat-template to allow it.", param="chat_template",
+            )
         conv = []
         for i, m in enumerate(messages):
             content = m.content
@@ -273,6 +302,8 @@ class OpenAIServing:
                         raise RequestError(f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}.", param="messages")
                     parts.append(part["text"])
                 content = "\n".join(parts)
+            if isinstance(content, str):
+                check_text(content, "messages")
             msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
             if m.name:
                 msg["name"] = m.name
@@ -295,6 +326,10 @@ class OpenAIServing:
     # -- completions ---------------------------------------------------------------------------
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[_Prompt], list[SamplingParams]]:
         model = self.check_model(req.model)
+        if isinstance(req.prompt, list) and req.prompt and not all(isinstance(p, int) for p in req.prompt):
+            self._check_num_sequences(len(req.prompt), req.n or 1)
+        else:
+            self._check_num_sequences(1, req.n or 1)
         prompts = self._prompts(req.prompt)
         params = [self._params(req, self._max_tokens(req.max_tokens, len(p.token_ids), "max_tokens")) for p in prompts]
         return model, prompts, params
@@ -408,6 +443,7 @@ class OpenAIServing:
     # -- chat ----------------------------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[dict], _Prompt, SamplingParams]:
         model = self.check_model(req.model)
+        self._check_num_sequences(1, req.n or 1)
         conv, ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template, req.chat_template_kwargs, req.tools)
         self._check_ids(ids)
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
