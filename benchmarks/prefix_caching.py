@@ -74,7 +74,8 @@ def run(llm: LLM, prompts, params: SamplingParams, first_wave: int) -> dict:
         # decodes, which caching does not shorten.
         first_wave_ttft_s=statistics.mean(ttft[:first_wave]),
         prompt_tokens=prompt_tokens,
-        computed_prefill_tokens=after["num_prompt_tokens"] - before["num_prompt_tokens"],
+        # Prompt tokens actually run through the model: all of them minus the cache hits.
+        computed_prefill_tokens=prompt_tokens - hits,
         output_tokens=out_tokens,
         hit_rate=hits / queries if queries else 0.0,
         hits=hits,

@@ -127,7 +127,14 @@ def convert_gguf(path: str) -> str:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{int(st.st_mtime)}|v1".encode()).hexdigest()[:16]
+    # Keyed by content (size + first and last MiB), not by path: every clone or venv holding the
+    # same file shares one converted copy.
+    h = hashlib.sha256(f"{os.path.basename(path)}|{st.st_size}|v1".encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(1 << 20))
+        fh.seek(max(0, st.st_size - (1 << 20)))
+        h.update(fh.read(1 << 20))
+    key = h.hexdigest()[:16]
     out = os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)[:-5]}-{key}")
     if os.path.exists(os.path.join(out, ".complete")):
         return out

@@ -19,7 +19,7 @@ from functools import lru_cache
 from typing import Any, AsyncIterator, Optional, Union
 
 from pagedserve.engine.async_engine import AsyncLLM
-from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
@@ -165,6 +165,16 @@ class _Choice:
     stop_reason: Union[int, str, None] = None
     text_offset: int = 0
     started: bool = False
+
+    def add(self, o: CompletionOutput) -> None:
+        """Fold in one delta output of this choice (ignored once the choice has finished)."""
+        if self.finish_reason is not None:
+            return
+        self.text.append(o.text)
+        self.token_ids.extend(o.token_ids)
+        if o.logprobs:
+            self.logprobs.extend(o.logprobs)
+        self.finish_reason, self.stop_reason = o.finish_reason, o.stop_reason
 
 
 def check_text(text: str, param: str) -> None:
@@ -373,14 +383,7 @@ class OpenAIServing:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
                 for o in out.outputs:
-                    ch = choices[pi * n + o.index]
-                    if ch.finish_reason is not None:
-                        continue
-                    ch.text.append(o.text)
-                    ch.token_ids.extend(o.token_ids)
-                    if o.logprobs:
-                        ch.logprobs.extend(o.logprobs)
-                    ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+                    choices[pi * n + o.index].add(o)
         result = []
         for idx, ch in enumerate(choices):
             p = prompts[idx // n]
@@ -477,14 +480,7 @@ class OpenAIServing:
                 if out.finished:
                     cached = out.num_cached_tokens
                 for o in out.outputs:
-                    ch = choices[o.index]
-                    if ch.finish_reason is not None:
-                        continue
-                    ch.text.append(o.text)
-                    ch.token_ids.extend(o.token_ids)
-                    if o.logprobs:
-                        ch.logprobs.extend(o.logprobs)
-                    ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+                    choices[o.index].add(o)
         echo = self._echo_text(req, conv)
         top_n = req.top_logprobs or 0
         result = [

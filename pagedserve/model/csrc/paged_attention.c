@@ -111,6 +111,17 @@ static inline float exp_sum(float* x, int64_t n, float m) {
     return sum;
 }
 
+/* In-place softmax of `rows` rows of n scores each (float32). */
+static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+    for (int64_t g = 0; g < rows; g++) {
+        float* sc = scores + g * n;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
+        const float inv = 1.f / exp_sum(sc, n, m);
+        for (int64_t t = 0; t < n; t++) sc[t] *= inv;
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* bfloat16 fast path for head_dim = 16 * NV (NV = 4 or 8) and small GQA groups: q.k by
  * vdpbf16ps straight from the bf16 cache (no conversion of K), the V accumulators of the whole
@@ -136,13 +147,7 @@ static inline __attribute__((always_inline)) void decode_task_bf16(
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float* sc = scores + g * n;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
-        const float inv = 1.f / exp_sum(sc, n, m);
-        for (int64_t t = 0; t < n; t++) sc[t] *= inv;
-    }
+    softmax_rows(scores, group, n);
     __m512 acc[4][8];
     for (int64_t g = 0; g < group; g++)
         for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
@@ -214,13 +219,7 @@ static int paged_decode(const void* q, const void* k_cache, const void* v_cache,
                     for (int64_t g = 0; g < group; g++) scores[g * n + t0 + o] = dot(qf[g], row, head_dim);
                 }
             }
-            for (int64_t g = 0; g < group; g++) {
-                float* sc = scores + g * n;
-                float m = -INFINITY;
-                for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
-                const float inv = 1.f / exp_sum(sc, n, m);
-                for (int64_t t = 0; t < n; t++) sc[t] *= inv;
-            }
+            softmax_rows(scores, group, n);
             for (int64_t t0 = 0; t0 < n; t0 += block_size) {
                 const char* vb = vc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
                 const int64_t len = n - t0 < block_size ? n - t0 : block_size;
