@@ -142,7 +142,7 @@ def paged_attention(
         ``[num_tokens, num_heads, head_dim]``.
     """
     out = torch.empty_like(query)
-    num_heads, hd = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     nkv = k_cache.shape[1]
     gqa = nkv != num_heads

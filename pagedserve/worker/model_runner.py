@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -74,7 +73,6 @@ class ModelRunner:
             return ModelRunnerOutput()
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        order = decodes + prefills
 
         input_ids: list[int] = []
         positions: list[int] = []

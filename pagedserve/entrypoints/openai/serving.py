@@ -43,7 +43,6 @@ from pagedserve.entrypoints.openai.protocol import (
     ErrorResponse,
     PromptTokensDetails,
     UsageInfo,
-    random_id,
 )
 
 logger = logging.getLogger("pagedserve")
