@@ -39,33 +39,6 @@ def main() -> None:
 
     # Wrap the pieces with timers (same objects the engine calls).
     timings = {k: 0.0 for k in ("schedule", "prepare+forward+sample", "forward", "sample")}
-    model_forward = runner.model.forward
-    sampler_forward = runner.sampler.forward
-
-    def timed_forward(*a, **kw):
-        t = time.perf_counter()
-        out = model_forward(*a, **kw)
-        timings["forward"] += time.perf_counter() - t
-        return out
-
-    def timed_sample(*a, **kw):
-        t = time.perf_counter()
-        out = sampler_forward(*a, **kw)
-        timings["sample"] += time.perf_counter() - t
-        return out
-
-    runner.model.forward = timed_forward
-    compute_logits = runner.model.compute_logits
-
-    def timed_logits(*a, **kw):
-        t = time.perf_counter()
-        out = compute_logits(*a, **kw)
-        timings["forward"] += time.perf_counter() - t
-        return out
-
-    runner.model.compute_logits = timed_logits
-    runner.sampler.forward = timed_sample
-    sched = eng.scheduler
 
     def timed(name, fn):
         def wrapper(*a, **kw):
@@ -76,6 +49,10 @@ def main() -> None:
 
         return wrapper
 
+    sched = eng.scheduler
+    runner.model.forward = timed("forward", runner.model.forward)
+    runner.model.compute_logits = timed("forward", runner.model.compute_logits)  # logits count as forward
+    runner.sampler.forward = timed("sample", runner.sampler.forward)
     sched.schedule = timed("schedule", sched.schedule)
     runner.execute_model = timed("prepare+forward+sample", runner.execute_model)
     t0 = time.perf_counter()
