@@ -122,6 +122,32 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return cache[block_tables].transpose(1, 2).reshape(n, nkv, -1, hd)
 
 
+CAUSAL_TILE = 128  # query rows per SDPA call in long causal prefills
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """Causal self-attention of one fresh prompt, ``q [1, H, L, hd]``, ``k, v [1, KVH, L, hd]``.
+
+    PyTorch's CPU flash kernel computes the masked upper triangle anyway, so a long prompt is
+    split into query tiles that each attend only to the keys up to their own end: about
+    (1 + 1/T) / 2 of the work for T tiles (measured 4.2 -> 3.0 ms per layer at 512 tokens).
+    """
+    L = q.shape[2]
+    if L <= 2 * CAUSAL_TILE:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    out = torch.empty_like(q)
+    out[:, :, :CAUSAL_TILE] = F.scaled_dot_product_attention(
+        q[:, :, :CAUSAL_TILE], k[:, :, :CAUSAL_TILE], v[:, :, :CAUSAL_TILE], is_causal=True, scale=scale, enable_gqa=gqa
+    )
+    for a in range(CAUSAL_TILE, L, CAUSAL_TILE):
+        b = min(a + CAUSAL_TILE, L)
+        mask = torch.arange(b, device=q.device)[None, :] <= torch.arange(a, b, device=q.device)[:, None]
+        out[:, :, a:b] = F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    return out
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -164,7 +190,7 @@ def paged_attention(
             if ctx == 0:
                 k = key[t : t + qlen].transpose(0, 1).unsqueeze(0)
                 v = value[t : t + qlen].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+                o = _causal_attention(q, k, v, scale, gqa)
             else:
                 total = ctx + qlen
                 table = g.block_tables[i : i + 1, : -(-total // metadata.block_size)]
