@@ -265,6 +265,8 @@ class LLMEngine:
                 f"prompt is {len(ids)} tokens, which leaves no room to generate within max_model_len={self.max_model_len}"
             )
         params.verify_vocab(self.vocab_size)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet (logprobs of generated tokens are)")
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         params._all_stop_token_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
