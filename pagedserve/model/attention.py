@@ -7,17 +7,19 @@ one head's tokens of a block are contiguous). A step first writes every new toke
 the flat ``slot_mapping`` (slot = block_id * block_size + offset), then each request's queries
 attend to its own cached K/V up to their positions.
 
-The requests of a step form at most two groups, in flat-batch order:
-- decodes (one query token each): one call for the whole group, either the CPU kernel
-  (``cpu_kernels.paged_decode_attention``, reading the pool in place through the block tables)
-  or, elsewhere, one gather through the padded block table and one masked
+The requests of a step form at most two groups, in flat-batch order: decodes (one query token
+each), then prefill chunks. On the CPU both go to one C kernel
+(``cpu_kernels.paged_attention_cpu``) that reads K/V in place through the block tables, one
+(query token, KV head) task at a time: a prefill token at position p attends to the first p + 1
+tokens of its sequence, cached context and its own chunk alike, so a row's result does not depend
+on chunking, prefix-cache hits or what else is in the batch. Elsewhere (or with
+``PAGEDSERVE_CPU_KERNELS=0``):
+- decodes: one gather through the padded block table and one masked
   ``scaled_dot_product_attention``;
 - prefill chunks: one ``scaled_dot_product_attention`` per chunk. A chunk with no cached context
-  (a fresh prompt) attends to its own new K/V with ``is_causal=True``, which lets the flash
-  kernel skip the upper triangle; a chunk after cached context (chunked prefill, prefix-cache
-  hit) reads its context from the cache with an explicit causal mask. The number of chunks per
-  step is bounded by the token budget, and prefill is compute-bound, so the loop's Python cost
-  is small next to the work (vLLM's CPU SDPA backend loops over prefills the same way).
+  (a fresh prompt) attends to its own new K/V causally (in query tiles, see
+  ``_causal_attention``); a chunk after cached context (chunked prefill, prefix-cache hit) reads
+  its context from the cache with an explicit causal mask.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model.cpu_kernels import paged_decode_attention
+from pagedserve.model.cpu_kernels import paged_attention_cpu
 
 
 @dataclass
@@ -40,6 +42,9 @@ class AttentionGroup:
         seq_lens: ``[num_seqs]`` int64 tokens each sequence attends to (context + its chunk).
         query_lens, context_lens: per sequence, new tokens and already-cached tokens (Python ints).
         is_decode: every sequence has exactly one query token.
+        token_seq, token_lens: ``[num_tokens]`` int64, per query token of a prefill group: its
+            sequence's row in ``block_tables`` and how many tokens it attends to (its position
+            + 1). None for a decode group (``seq_lens`` says it).
     """
 
     token_start: int
@@ -49,6 +54,8 @@ class AttentionGroup:
     query_lens: list[int]
     context_lens: list[int]
     is_decode: bool
+    token_seq: Optional[torch.Tensor] = None
+    token_lens: Optional[torch.Tensor] = None
     _decode_mask: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
@@ -96,6 +103,16 @@ def build_attention_group(
     max_blocks = -(-max(seq_lens) // block_size)
     rows = [ids[: -(-n // block_size)] for ids, n in zip(block_ids, seq_lens)]
     table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.int64)
+    is_decode = max(query_lens) == 1
+    token_seq = token_lens = None
+    if not is_decode:
+        seq_idx: list[int] = []
+        lens: list[int] = []
+        for i, (c, q) in enumerate(zip(context_lens, query_lens)):
+            seq_idx.extend([i] * q)
+            lens.extend(range(c + 1, c + q + 1))
+        token_seq = torch.tensor(seq_idx, dtype=torch.int64, device=device)
+        token_lens = torch.tensor(lens, dtype=torch.int64, device=device)
     return AttentionGroup(
         token_start=token_start,
         token_end=token_start + sum(query_lens),
@@ -103,7 +120,9 @@ def build_attention_group(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         query_lens=list(query_lens),
         context_lens=list(context_lens),
-        is_decode=max(query_lens) == 1,
+        is_decode=is_decode,
+        token_seq=token_seq,
+        token_lens=token_lens,
     )
 
 
@@ -174,9 +193,11 @@ def paged_attention(
     gqa = nkv != num_heads
     for g in metadata.groups:
         s, e = g.token_start, g.token_end
+        if use_cpu_kernel and paged_attention_cpu(
+            query[s:e], kv_cache, g.block_tables, g.token_seq, g.seq_lens if g.is_decode else g.token_lens, scale, out[s:e]
+        ):
+            continue
         if g.is_decode:
-            if use_cpu_kernel and paged_decode_attention(query[s:e], kv_cache, g.block_tables, g.seq_lens, scale, out[s:e]):
-                continue
             q = query[s:e].unsqueeze(2)  # [n, H, 1, hd]
             o = F.scaled_dot_product_attention(
                 q, _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables),

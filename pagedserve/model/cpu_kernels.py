@@ -47,10 +47,10 @@ def _build() -> Optional[ctypes.CDLL]:
         os.replace(tmp, so)
     lib = ctypes.CDLL(so)
     i64, f32, p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
+    for name in ("paged_attention_f32", "paged_attention_bf16"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f32]
+        fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32]
     return lib
 
 
@@ -72,34 +72,43 @@ def get_lib() -> Optional[ctypes.CDLL]:
     return _lib
 
 
-def paged_decode_attention(
+def paged_attention_cpu(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    token_seq: Optional[torch.Tensor],
+    token_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
 ) -> bool:
-    """Decode attention straight from the paged cache into ``out``.
+    """Attention straight from the paged cache into ``out``, one query token at a time.
+
+    Query token ``t`` attends to the first ``token_lens[t]`` tokens of the sequence whose block
+    table is row ``token_seq[t]`` (row ``t`` when ``token_seq`` is None: decode, one token per
+    sequence). A prefill chunk passes, for its token at position ``p``, ``token_lens = p + 1``:
+    causal attention over cached context and the chunk itself, whose K/V are already in the cache.
+    Every row is computed the same way whatever else is in the batch, so chunking, prefix-cache
+    hits and batch composition do not change a row's result.
 
     Args:
-        query: ``[num_seqs, num_heads, head_dim]`` contiguous, float32 or bfloat16.
+        query: ``[num_tokens, num_heads, head_dim]`` contiguous, float32 or bfloat16.
         kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``, same dtype.
         block_tables: ``[num_seqs, max_blocks]`` int64, contiguous.
-        seq_lens: ``[num_seqs]`` int64 (tokens, the new one included).
-        out: ``[num_seqs, num_heads, head_dim]`` contiguous, written in place.
+        token_seq: ``[num_tokens]`` int64 row of ``block_tables`` per token, or None.
+        token_lens: ``[num_tokens]`` int64 (tokens attended to, the query's own included).
+        out: ``[num_tokens, num_heads, head_dim]`` contiguous, written in place.
     Returns:
         False (and writes nothing) when the kernel cannot run here: no compiled library, a
-        device other than CPU, or another dtype.
+        device other than CPU, or another dtype or layout.
     """
     lib = get_lib()
     if lib is None or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
         return False
     if kv_cache.dtype != query.dtype or not (query.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()):
         return False
-    if not (block_tables.is_contiguous() and seq_lens.is_contiguous()):
+    if not (block_tables.is_contiguous() and token_lens.is_contiguous()) or (token_seq is not None and not token_seq.is_contiguous()):
         return False
-    fn = lib.paged_decode_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
+    fn = lib.paged_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_attention_f32
     n, h, d = query.shape
     _, _, nkv, bs, _ = kv_cache.shape
     rc = fn(
@@ -108,7 +117,8 @@ def paged_decode_attention(
         kv_cache[1].data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
-        seq_lens.data_ptr(),
+        None if token_seq is None else token_seq.data_ptr(),
+        token_lens.data_ptr(),
         out.data_ptr(),
         n,
         h,

@@ -172,43 +172,54 @@ static inline __attribute__((always_inline)) void decode_task_bf16(
 #define HAVE_BF16_FAST_PATH 1
 #endif
 
-/* Returns 0 on success, -1 when group or head_dim exceed the static limits. */
-static int paged_decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
-                        int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t num_seqs,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale, int is_bf16) {
+/* Attention of num_tokens query tokens, each to the first token_lens[t] cached tokens of the
+ * sequence whose block table is row token_seq[t] (token_seq NULL: row t, the decode case).
+ * One OpenMP task per (query token, KV head); each thread owns one score buffer per call.
+ * Returns 0 on success, -1 when group or head_dim exceed the static limits, -2 on allocation failure. */
+static int paged_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                           int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, void* out,
+                           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, int is_bf16) {
     const int64_t group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
     const int64_t esize = is_bf16 ? 2 : 4;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;  /* elements */
     const char* kc = (const char*)k_cache;
     const char* vc = (const char*)v_cache;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t s = 0; s < num_seqs; s++) {
+    int64_t max_n = 1;
+    for (int64_t t = 0; t < num_tokens; t++) max_n = token_lens[t] > max_n ? token_lens[t] : max_n;
+    int failed = 0;
+#pragma omp parallel
+    {
+    float* scores = (float*)malloc(sizeof(float) * group * max_n);
+    if (scores == NULL) {
+#pragma omp atomic write
+        failed = 1;
+    }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tokens; t++) {
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {
-            const int64_t n = seq_lens[s];
-            const int64_t* table = block_tables + s * max_blocks;
+            if (scores == NULL) continue;
+            const int64_t n = token_lens[t];
+            const int64_t* table = block_tables + (token_seq ? token_seq[t] : t) * max_blocks;
 #ifdef HAVE_BF16_FAST_PATH
             if (is_bf16 && group <= 4 && (head_dim == 64 || head_dim == 128)) {
-                float* sc = (float*)malloc(sizeof(float) * group * (n > 0 ? n : 1));
-                const uint16_t* qp = (const uint16_t*)q + (s * num_heads + kh * group) * head_dim;
-                uint16_t* op = (uint16_t*)out + (s * num_heads + kh * group) * head_dim;
+                const uint16_t* qp = (const uint16_t*)q + (t * num_heads + kh * group) * head_dim;
+                uint16_t* op = (uint16_t*)out + (t * num_heads + kh * group) * head_dim;
                 if (head_dim == 64)
                     decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size,
-                                     block_stride, kh * block_size * head_dim, group, scale, op, sc, 4);
+                                     block_stride, kh * block_size * head_dim, group, scale, op, scores, 4);
                 else
                     decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size,
-                                     block_stride, kh * block_size * head_dim, group, scale, op, sc, 8);
-                free(sc);
+                                     block_stride, kh * block_size * head_dim, group, scale, op, scores, 8);
                 continue;
             }
 #endif
             float qf[MAX_GROUP][MAX_HEAD_DIM];
             float acc[MAX_GROUP][MAX_HEAD_DIM];
             float row[MAX_HEAD_DIM];
-            float* scores = (float*)malloc(sizeof(float) * group * (n > 0 ? n : 1));
             for (int64_t g = 0; g < group; g++) {
-                load_row((const char*)q + ((s * num_heads + kh * group + g) * head_dim) * esize, is_bf16, head_dim, qf[g]);
+                load_row((const char*)q + ((t * num_heads + kh * group + g) * head_dim) * esize, is_bf16, head_dim, qf[g]);
                 for (int64_t d = 0; d < head_dim; d++) { qf[g][d] *= scale; acc[g][d] = 0.f; }
             }
             for (int64_t t0 = 0; t0 < n; t0 += block_size) {
@@ -229,30 +240,32 @@ static int paged_decode(const void* q, const void* k_cache, const void* v_cache,
                 }
             }
             for (int64_t g = 0; g < group; g++) {
-                char* op = (char*)out + ((s * num_heads + kh * group + g) * head_dim) * esize;
+                char* op = (char*)out + ((t * num_heads + kh * group + g) * head_dim) * esize;
                 if (is_bf16) {
                     for (int64_t d = 0; d < head_dim; d++) ((uint16_t*)op)[d] = f32_to_bf16(acc[g][d]);
                 } else {
                     memcpy(op, acc[g], sizeof(float) * head_dim);
                 }
             }
-            free(scores);
         }
     }
-    return 0;
+    free(scores);
+    }
+    return failed ? -2 : 0;
 }
 
-int paged_decode_attention_f32(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
-                               int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t num_seqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
-    return paged_decode(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                        head_dim, block_size, scale, 0);
+int paged_attention_f32(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
+                        int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, float* out,
+                        int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, float scale) {
+    return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 0);
 }
 
-int paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                                const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, uint16_t* out,
-                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                int64_t block_size, float scale) {
-    return paged_decode(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                        head_dim, block_size, scale, 1);
+int paged_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                         const int64_t* block_tables, int64_t max_blocks, const int64_t* token_seq,
+                         const int64_t* token_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+    return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 1);
 }
