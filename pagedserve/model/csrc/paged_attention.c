@@ -26,6 +26,9 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+#ifndef PF_DIST
+#define PF_DIST 2
+#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v;
@@ -116,58 +119,134 @@ static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
     for (int64_t g = 0; g < rows; g++) {
         float* sc = scores + g * n;
         float m = -INFINITY;
-        for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
+        int64_t t = 0;
+#ifdef __AVX512F__
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + t));
+        m = _mm512_reduce_max_ps(mv);
+#endif
+        for (; t < n; t++) m = sc[t] > m ? sc[t] : m;
         const float inv = 1.f / exp_sum(sc, n, m);
         for (int64_t t = 0; t < n; t++) sc[t] *= inv;
     }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* bfloat16 fast path for head_dim = 16 * NV (NV = 4 or 8) and small GQA groups: q.k by
- * vdpbf16ps straight from the bf16 cache (no conversion of K), the V accumulators of the whole
- * group kept in registers. Same math as the generic path: fp32 scores, fp32 softmax, fp32 sum. */
+/* Ask for the next block of one head's K or V (block_size * head_dim contiguous values) while
+ * this one is being used: blocks of a sequence are scattered over the pool, which defeats the
+ * hardware prefetcher at every block boundary. */
+static inline void prefetch_block(const uint16_t* p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T0);
+}
+
+/* Sixteen vectors -> one: lane i = sum of the lanes of a[i]. 45 shuffles/adds instead of 16
+ * full horizontal reductions (~8 each). */
+static inline __m512 hsum16(__m512 a[16]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 4; j++) {  /* per 128-bit lane L: partial sums of a[4j..4j+3] over lane L */
+        __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
+        c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
+
+/* bfloat16 fast path for head_dim = 16 * NV (NV = 4 or 8) and small GQA groups, all with
+ * vdpbf16ps (bf16 pairs multiplied, accumulated in fp32):
+ * - scores: q.k straight from the cache, 16 tokens at a time with one transposing reduction;
+ * - softmax in fp32, probabilities then rounded to bf16 (as PyTorch's CPU flash attention does
+ *   before its P.V product);
+ * - P.V: two V rows interleaved into (token t, token t+1) pairs per dimension and multiplied by
+ *   the broadcast probability pair; the group's accumulators stay in registers, in an
+ *   interleaved dimension order that is undone once at the end. */
 static inline __attribute__((always_inline)) void decode_task_bf16(
     const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n,
     int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, float scale,
-    uint16_t* out, float* scores, const int NV) {
+    uint16_t* out, float* scores, uint16_t* pbf, const int NV) {
+    const int NC = NV / 2;  /* 32-value chunks of a head row */
     __m512bh qv[4][4];
     for (int64_t g = 0; g < group; g++)
-        for (int v = 0; v < NV / 2; v++)
+        for (int v = 0; v < NC; v++)
             qv[g][v] = (__m512bh)_mm512_loadu_si512((const void*)(q + g * NV * 16 + v * 32));
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    const int64_t blk_bytes = block_size * NV * 32;  /* one head of one block */
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const uint16_t* kb = kc + table[t0 / block_size] * block_stride + head_off;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        for (int64_t o = 0; o < len; o++) {
+        if (t0 + PF_DIST * block_size < n) prefetch_block(kc + table[t0 / block_size + PF_DIST] * block_stride + head_off, blk_bytes);
+        int64_t o = 0;
+        for (; o + 16 <= len; o += 16) {
+            for (int64_t g = 0; g < group; g++) {
+                __m512 a[16];
+                for (int r = 0; r < 16; r++) {
+                    a[r] = _mm512_setzero_ps();
+                    for (int v = 0; v < NC; v++)
+                        a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512((const void*)(kb + (o + r) * NV * 16 + v * 32)), qv[g][v]);
+                }
+                _mm512_storeu_ps(scores + g * n + t0 + o, _mm512_mul_ps(hsum16(a), scale_v));
+            }
+        }
+        for (; o < len; o++) {
             __m512bh kv[4];
-            for (int v = 0; v < NV / 2; v++) kv[v] = (__m512bh)_mm512_loadu_si512((const void*)(kb + o * NV * 16 + v * 32));
+            for (int v = 0; v < NC; v++) kv[v] = (__m512bh)_mm512_loadu_si512((const void*)(kb + o * NV * 16 + v * 32));
             for (int64_t g = 0; g < group; g++) {
                 __m512 acc = _mm512_setzero_ps();
-                for (int v = 0; v < NV / 2; v++) acc = _mm512_dpbf16_ps(acc, kv[v], qv[g][v]);
+                for (int v = 0; v < NC; v++) acc = _mm512_dpbf16_ps(acc, kv[v], qv[g][v]);
                 scores[g * n + t0 + o] = _mm512_reduce_add_ps(acc) * scale;
             }
         }
     }
     softmax_rows(scores, group, n);
-    __m512 acc[4][8];
+    {
+        int64_t i = 0;
+        const int64_t total = group * n;
+        for (; i + 16 <= total; i += 16)
+            _mm256_storeu_si256((__m256i*)(pbf + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i)));
+        for (; i < total; i++) pbf[i] = f32_to_bf16(scores[i]);
+    }
+    __m512 acc[4][8];  /* [g][2 * chunk + (0: unpacklo dims, 1: unpackhi dims)] */
     for (int64_t g = 0; g < group; g++)
         for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const uint16_t* vb = vc + table[t0 / block_size] * block_stride + head_off;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        for (int64_t o = 0; o < len; o++) {
-            __m512 row[8];
-            for (int v = 0; v < NV; v++)
-                row[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vb + o * NV * 16 + v * 16))), 16));
+        if (t0 + PF_DIST * block_size < n) prefetch_block(vc + table[t0 / block_size + PF_DIST] * block_stride + head_off, blk_bytes);
+        for (int64_t o = 0; o < len; o += 2) {
+            const int has2 = o + 1 < len;
+            const uint16_t* r0 = vb + o * NV * 16;
+            const uint16_t* r1 = has2 ? r0 + NV * 16 : r0;  /* odd tail: paired with probability 0 */
+            __m512i pairs[8];
+            for (int v = 0; v < NC; v++) {
+                const __m512i x = _mm512_loadu_si512((const void*)(r0 + v * 32)), y = _mm512_loadu_si512((const void*)(r1 + v * 32));
+                pairs[2 * v] = _mm512_unpacklo_epi16(x, y);
+                pairs[2 * v + 1] = _mm512_unpackhi_epi16(x, y);
+            }
             for (int64_t g = 0; g < group; g++) {
-                const __m512 p = _mm512_set1_ps(scores[g * n + t0 + o]);
-                for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);
+                const uint16_t* pg = pbf + g * n + t0 + o;
+                const uint32_t pp = (uint32_t)pg[0] | (has2 ? (uint32_t)pg[1] << 16 : 0u);
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
+                for (int v = 0; v < NV; v++) acc[g][v] = _mm512_dpbf16_ps(acc[g][v], (__m512bh)pairs[v], pv);
             }
         }
     }
-    for (int64_t g = 0; g < group; g++)
+    for (int64_t g = 0; g < group; g++) {
+        float res[8][16];
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(res[v], acc[g][v]);
+        float row[MAX_HEAD_DIM];
+        /* unpacklo/hi on 128-bit lanes: element 4L+k of the lo (hi) result is dimension 8L+k
+         * (8L+4+k) of its 32-dimension chunk. */
+        for (int c = 0; c < NC; c++)
+            for (int L = 0; L < 4; L++)
+                for (int k = 0; k < 4; k++) {
+                    row[c * 32 + 8 * L + k] = res[2 * c][4 * L + k];
+                    row[c * 32 + 8 * L + 4 + k] = res[2 * c + 1][4 * L + k];
+                }
         for (int v = 0; v < NV; v++)
-            _mm256_storeu_si256((__m256i*)(out + g * NV * 16 + v * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][v]));
+            _mm256_storeu_si256((__m256i*)(out + g * NV * 16 + v * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + v * 16)));
+    }
 }
 #define HAVE_BF16_FAST_PATH 1
 #endif
@@ -191,7 +270,9 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
     int failed = 0;
 #pragma omp parallel
     {
-    float* scores = (float*)malloc(sizeof(float) * group * max_n);
+    /* fp32 scores, then (bf16 path) the probabilities in bf16 */
+    float* scores = (float*)malloc(sizeof(float) * group * max_n + sizeof(uint16_t) * group * max_n);
+    uint16_t* pbf = scores ? (uint16_t*)(scores + group * max_n) : NULL;
     if (scores == NULL) {
 #pragma omp atomic write
         failed = 1;
@@ -208,10 +289,10 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
                 uint16_t* op = (uint16_t*)out + (t * num_heads + kh * group) * head_dim;
                 if (head_dim == 64)
                     decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size,
-                                     block_stride, kh * block_size * head_dim, group, scale, op, scores, 4);
+                                     block_stride, kh * block_size * head_dim, group, scale, op, scores, pbf, 4);
                 else
                     decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size,
-                                     block_stride, kh * block_size * head_dim, group, scale, op, scores, 8);
+                                     block_stride, kh * block_size * head_dim, group, scale, op, scores, pbf, 8);
                 continue;
             }
 #endif
