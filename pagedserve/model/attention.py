@@ -169,8 +169,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def paged_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: Optional[torch.Tensor],
+    value: Optional[torch.Tensor],
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
@@ -181,7 +181,8 @@ def paged_attention(
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
         key, value: this step's ``[num_tokens, num_kv_heads, head_dim]`` (already written to
-            the cache; used directly by prefill chunks with no cached context).
+            the cache; used directly by prefill chunks with no cached context), or None to
+            read them from the cache too.
         kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``.
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
@@ -208,7 +209,7 @@ def paged_attention(
         t = s
         for i, (qlen, ctx) in enumerate(zip(g.query_lens, g.context_lens)):
             q = query[t : t + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
-            if ctx == 0:
+            if ctx == 0 and key is not None:
                 k = key[t : t + qlen].transpose(0, 1).unsqueeze(0)
                 v = value[t : t + qlen].transpose(0, 1).unsqueeze(0)
                 o = _causal_attention(q, k, v, scale, gqa)

@@ -1,8 +1,9 @@
 """CPU kernels in plain C, compiled once on first use with the system C compiler and called
 through ctypes (no torch headers, so the build takes about a second).
 
-The shared object is cached under ``$PAGEDSERVE_CACHE/kernels`` keyed by the source hash and
-the compiler flags. It links ``libgomp.so.1``, which the dynamic loader resolves to the OpenMP
+Two libraries: ``paged_attention.c`` (the paged attention kernel) and ``fused_ops.c`` (fused
+RMSNorm + residual add, SiLU-and-mul, RoPE + KV-cache write). Each shared object is cached
+under ``$PAGEDSERVE_CACHE/kernels`` keyed by the source hash and the compiler flags. It links ``libgomp.so.1``, which the dynamic loader resolves to the OpenMP
 runtime torch already loaded, so the kernels share torch's thread pool and thread count.
 
 Set ``PAGEDSERVE_CPU_KERNELS=0`` to disable them; without a C compiler they are disabled
@@ -23,53 +24,81 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=fast"]
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# name -> (source, extra flags). The fused element-wise ops must round like PyTorch, so no FMA
+# contraction there; attention accumulates in fp32 and may contract.
+_LIBS = {
+    "paged_attention": ("paged_attention.c", ["-ffp-contract=fast"]),
+    "fused_ops": ("fused_ops.c", ["-ffp-contract=off"]),
+}
+_libs: dict[str, Optional[ctypes.CDLL]] = {}
 _lock = threading.Lock()
 
 
-def _build() -> Optional[ctypes.CDLL]:
+def _compile(name: str) -> ctypes.CDLL:
     from pagedserve.model.loader import cache_dir
 
-    with open(_SRC, "rb") as fh:
+    src_name, extra = _LIBS[name]
+    src_path = os.path.join(_CSRC, src_name)
+    flags = _COMMON_FLAGS + extra
+    with open(src_path, "rb") as fh:
         src = fh.read()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels")
-    so = os.path.join(out_dir, f"paged_attention-{key}.so")
+    so = os.path.join(out_dir, f"{name}-{key}.so")
     if not os.path.exists(so):
         os.makedirs(out_dir, exist_ok=True)
         cc = os.environ.get("CC", "cc")
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        subprocess.run([cc, *_FLAGS, _SRC, "-o", tmp, "-lm"], check=True, capture_output=True)
+        subprocess.run([cc, *flags, src_path, "-o", tmp, "-lm"], check=True, capture_output=True)
         os.replace(tmp, so)
-    lib = ctypes.CDLL(so)
-    i64, f32, p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    for name in ("paged_attention_f32", "paged_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32]
-    return lib
+    return ctypes.CDLL(so)
+
+
+def _declare(name: str, lib: ctypes.CDLL) -> None:
+    i64, f32, p, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+    if name == "paged_attention":
+        for fn_name in ("paged_attention_f32", "paged_attention_bf16"):
+            fn = getattr(lib, fn_name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32]
+    else:
+        lib.add_rms_norm.restype = None
+        lib.add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
+        lib.silu_mul.restype = None
+        lib.silu_mul.argtypes = [p, p, i64, i64, i32]
+        lib.rope_write_kv.restype = None
+        lib.rope_write_kv.argtypes = [p, i64, p, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i32]
+
+
+def _get(name: str) -> Optional[ctypes.CDLL]:
+    if name in _libs:
+        return _libs[name]
+    with _lock:
+        if name not in _libs:
+            lib = None
+            if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0":
+                try:
+                    lib = _compile(name)
+                    _declare(name, lib)
+                except (OSError, subprocess.CalledProcessError, AttributeError) as e:
+                    detail = getattr(e, "stderr", b"") or b""
+                    logger.warning("CPU kernels %r unavailable, using PyTorch ops: %s %s", name, e, detail.decode()[-500:])
+                    lib = None
+            _libs[name] = lib
+    return _libs[name]
 
 
 def get_lib() -> Optional[ctypes.CDLL]:
-    """The compiled kernels, or None when disabled or unavailable."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0":
-                try:
-                    _lib = _build()
-                except (OSError, subprocess.CalledProcessError) as e:
-                    detail = getattr(e, "stderr", b"") or b""
-                    logger.warning("CPU attention kernel unavailable, using PyTorch attention: %s %s", e, detail.decode()[-500:])
-                    _lib = None
-            _tried = True
-    return _lib
+    """The compiled attention kernel, or None when disabled or unavailable."""
+    return _get("paged_attention")
+
+
+def get_fused_lib() -> Optional[ctypes.CDLL]:
+    """The compiled fused element-wise ops, or None when disabled or unavailable."""
+    return _get("fused_ops")
 
 
 def paged_attention_cpu(
@@ -128,3 +157,82 @@ def paged_attention_cpu(
         scale,
     )
     return rc == 0
+
+
+_FUSED_MAX_DIM = 16384  # MAX_DIM in fused_ops.c (hidden size of one row)
+
+
+def fused_ops_usable(x: torch.Tensor) -> bool:
+    """Whether the fused element-wise ops can run on tensors like ``x`` (CPU, float32 or
+    bfloat16, compiled library present)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and get_fused_lib() is not None
+
+
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` (or ``x`` when residual is None), then RMSNorm of it with HF
+    LlamaRMSNorm's rounding (Zhang & Sennrich 2019).
+
+    Args:
+        x: ``[rows, dim]`` contiguous; residual: same shape, updated in place (or None);
+            weight: ``[dim]``, same dtype. Callers check ``fused_ops_usable``.
+    Returns:
+        (normed ``[rows, dim]``, residual) where residual is the updated tensor (``x`` itself
+        when None was given).
+    """
+    lib = get_fused_lib()
+    assert lib is not None and x.is_contiguous() and weight.dtype == x.dtype and x.shape[-1] <= _FUSED_MAX_DIM
+    out = torch.empty_like(x)
+    if residual is not None:
+        assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+    rows, dim = x.shape
+    lib.add_rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        rows, dim, eps, int(x.dtype == torch.bfloat16),
+    )
+    return out, (x if residual is None else residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [rows, 2 * inter]`` (gate first) -> ``[rows, inter]``,
+    with PyTorch's rounding (silu rounded to the storage type before the product)."""
+    lib = get_fused_lib()
+    assert lib is not None and gate_up.is_contiguous()
+    rows, two_inter = gate_up.shape
+    out = torch.empty(rows, two_inter // 2, dtype=gate_up.dtype)
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, two_inter // 2, int(gate_up.dtype == torch.bfloat16))
+    return out
+
+
+def rope_write_kv(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """RoPE (NeoX halves, HF rounding) on Q and K, K and V written to their cache slots.
+
+    Args:
+        qk: ``[rows, (num_heads + num_kv_heads) * head_dim]`` view with unit inner stride (rows
+            may be strided, e.g. a slice of the fused QKV output); v: ``[rows, num_kv_heads *
+            head_dim]`` likewise. positions, slot_mapping: ``[rows]`` int64 contiguous.
+        cos, sin: float32 ``[max_positions, head_dim]`` tables.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` contiguous, same dtype.
+    Returns:
+        q ``[rows, num_heads, head_dim]`` contiguous, rotated.
+    """
+    lib = get_fused_lib()
+    _, _, nkv, bs, hd = kv_cache.shape
+    rows = qk.shape[0]
+    assert lib is not None and qk.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.is_contiguous()
+    assert positions.is_contiguous() and slot_mapping.is_contiguous() and cos.dtype == torch.float32
+    q = torch.empty(rows, num_heads, hd, dtype=qk.dtype)
+    lib.rope_write_kv(
+        qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(), slot_mapping.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        rows, num_heads, nkv, hd, bs, int(qk.dtype == torch.bfloat16),
+    )
+    return q

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.model import cpu_kernels
 from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv_cache
 from pagedserve.model.packed_linear import pack_linears, pack_weight, packed_linear
 
@@ -103,6 +104,22 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
+    def forward_fused(self, hidden, positions, rope: "RotaryEmbedding", kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Same as ``forward`` with RoPE and the K/V cache write in one C pass
+        (``cpu_kernels.rope_write_kv``); attention reads this step's K/V from the cache."""
+        T = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        qk_end = self.q_size + self.kv_size
+        qk = qkv[:, :qk_end]
+        if self.qk_norm:
+            q, k = qk.reshape(T, self.num_heads + self.num_kv_heads, self.head_dim).split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(T, qk_end)
+        q = cpu_kernels.rope_write_kv(
+            qk, qkv[:, qk_end:], positions, attn_metadata.slot_mapping, rope.cos_cache, rope.sin_cache, kv_cache, self.num_heads
+        )
+        o = paged_attention(q, None, None, kv_cache, attn_metadata, self.scale)
+        return self.o_proj(o.view(T, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config) -> None:
@@ -115,6 +132,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -132,6 +152,16 @@ class DecoderLayer(nn.Module):
         residual = hidden
         hidden = self.mlp(self.post_attention_layernorm(hidden))
         return residual + hidden
+
+    def forward_fused(self, hidden, residual, positions, rope, kv_cache, attn_metadata):
+        """The layer with fused C element-wise ops; ``residual`` is carried between layers
+        (None before the first) and updated in place: returns (mlp output, residual), whose sum
+        is ``forward``'s output."""
+        eps = self.input_layernorm.eps
+        h, residual = cpu_kernels.add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
+        h = self.self_attn.forward_fused(h, positions, rope, kv_cache, attn_metadata)
+        h, residual = cpu_kernels.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return self.mlp.forward_fused(h), residual
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -170,10 +200,33 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden_size]`` of the flat batch ``input_ids [num_tokens]``
         at ``positions [num_tokens]``; writes their K/V into ``kv_caches`` (one per layer)."""
         hidden = self.embed_tokens(input_ids)
+        if self.use_fused_ops and cpu_kernels.fused_ops_usable(hidden):
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary_emb, kv_cache, attn_metadata)
+            return cpu_kernels.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.norm(hidden)
+
+    @property
+    def use_fused_ops(self) -> bool:
+        """CPU fused element-wise ops (``cpu_kernels``): on unless ``PAGEDSERVE_CPU_KERNELS=0``,
+        for shapes the C code handles (hidden size and head_dim bounds, GQA group <= 16)."""
+        if self._use_fused_ops is None:
+            attn = self.layers[0].self_attn
+            self._use_fused_ops = (
+                self.config.hidden_size <= 16384
+                and attn.head_dim <= 256
+                and attn.head_dim % 2 == 0
+                and attn.num_heads // attn.num_kv_heads <= 16
+                and cpu_kernels.get_fused_lib() is not None
+                and cpu_kernels.get_lib() is not None
+            )
+        return self._use_fused_ops
+
+    _use_fused_ops = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` for the selected hidden states ``[n, hidden_size]``."""

@@ -1,0 +1,82 @@
+"""Fused C element-wise ops against the PyTorch ops they replace (HF's op order and rounding)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model import cpu_kernels
+from pagedserve.model.llama import RMSNorm, rotate_half
+
+pytestmark = pytest.mark.skipif(cpu_kernels.get_fused_lib() is None, reason="no C compiler: CPU kernels unavailable")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: within 2e-6 relative. bfloat16: at most one bf16 step apart, and bit-identical for
+    at least 99 % of the values (the only differences come from fp32 summation order / exp
+    rounding landing on the other side of a bf16 rounding boundary)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+        return
+    diff = (a.float() - b.float()).abs()
+    step = b.float().abs().clamp_min(1e-30) * 2**-7
+    assert bool((diff <= step * 1.01).all()), f"max diff {diff.max().item()}"
+    assert (a != b).float().mean().item() <= 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [576, 40])
+def test_add_rms_norm_matches_hf_order(dtype, dim):
+    torch.manual_seed(0)
+    rows = 37
+    x = (torch.randn(rows, dim) * 3).to(dtype)
+    res = torch.randn(rows, dim).to(dtype)
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    norm = norm.to(dtype)
+    with torch.no_grad():
+        want_res = res + x
+        want = norm(want_res)
+        got, got_res = cpu_kernels.add_rms_norm(x, res.clone(), norm.weight, 1e-5)
+        assert torch.equal(got_res, want_res)
+        _close(got, want, dtype)
+        # first layer: no residual yet, the input is the residual
+        got0, res0 = cpu_kernels.add_rms_norm(x, None, norm.weight, 1e-5)
+        assert res0 is x
+        _close(got0, norm(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 72])
+def test_silu_mul_matches_torch(dtype, inter):
+    torch.manual_seed(1)
+    gu = (torch.randn(19, 2 * inter) * 4).to(dtype)
+    gate, up = gu.split(inter, dim=-1)
+    _close(cpu_kernels.silu_mul(gu), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 6)])
+def test_rope_write_kv_matches_hf(dtype, num_heads, num_kv_heads, head_dim):
+    torch.manual_seed(2)
+    T, block_size, num_blocks, max_pos = 23, 16, 8, 200
+    qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    positions = torch.randint(0, max_pos, (T,))
+    slots = torch.randperm(num_blocks * block_size)[:T]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([torch.outer(torch.arange(max_pos).float(), inv_freq)] * 2, dim=-1)
+    cos_t, sin_t = emb.cos().contiguous(), emb.sin().contiguous()
+    cache = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype)
+    qk_end = (num_heads + num_kv_heads) * head_dim
+    q = cpu_kernels.rope_write_kv(qkv[:, :qk_end], qkv[:, qk_end:], positions, slots, cos_t, sin_t, cache, num_heads)
+    # HF apply_rotary_pos_emb with cos/sin cast to the model dtype
+    cos, sin = cos_t[positions].to(dtype)[:, None], sin_t[positions].to(dtype)[:, None]
+    qk = qkv[:, :qk_end].view(T, num_heads + num_kv_heads, head_dim)
+    want = qk * cos + rotate_half(qk) * sin
+    assert torch.equal(q, want[:, :num_heads])
+    blk, off = slots // block_size, slots % block_size
+    assert torch.equal(cache[0][blk, :, off], want[:, num_heads:])
+    assert torch.equal(cache[1][blk, :, off], qkv[:, qk_end:].view(T, num_kv_heads, head_dim))
