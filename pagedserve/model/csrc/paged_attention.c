@@ -27,7 +27,7 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #ifndef PF_DIST
-#define PF_DIST 2
+#define PF_DIST 1
 #endif
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -164,8 +164,10 @@ static inline __m512 hsum16(__m512 a[16]) {
  *   interleaved dimension order that is undone once at the end. */
 static inline __attribute__((always_inline)) void decode_task_bf16(
     const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n,
-    int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, float scale,
+    int64_t block_size, int64_t block_stride, int64_t head_off, const int G, float scale,
     uint16_t* out, float* scores, uint16_t* pbf, const int NV) {
+    const int64_t group = G; /* a compile-time constant in each instantiation: loops unroll and
+                                the accumulators stay in registers */
     const int NC = NV / 2;  /* 32-value chunks of a head row */
     __m512bh qv[4][4];
     for (int64_t g = 0; g < group; g++)
@@ -226,7 +228,12 @@ static inline __attribute__((always_inline)) void decode_task_bf16(
             }
             for (int64_t g = 0; g < group; g++) {
                 const uint16_t* pg = pbf + g * n + t0 + o;
-                const uint32_t pp = (uint32_t)pg[0] | (has2 ? (uint32_t)pg[1] << 16 : 0u);
+                uint32_t pp;
+                if (has2) {
+                    memcpy(&pp, pg, sizeof(pp)); /* (p_t, p_t+1): one broadcast load */
+                } else {
+                    pp = pg[0];
+                }
                 const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
                 for (int v = 0; v < NV; v++) acc[g][v] = _mm512_dpbf16_ps(acc[g][v], (__m512bh)pairs[v], pv);
             }
@@ -287,12 +294,24 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
             if (is_bf16 && group <= 4 && (head_dim == 64 || head_dim == 128)) {
                 const uint16_t* qp = (const uint16_t*)q + (t * num_heads + kh * group) * head_dim;
                 uint16_t* op = (uint16_t*)out + (t * num_heads + kh * group) * head_dim;
-                if (head_dim == 64)
-                    decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size,
-                                     block_stride, kh * block_size * head_dim, group, scale, op, scores, pbf, 4);
-                else
-                    decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size,
-                                     block_stride, kh * block_size * head_dim, group, scale, op, scores, pbf, 8);
+#define TASK(G_, NV_) decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size, \
+                                        block_stride, kh * block_size * head_dim, G_, scale, op, scores, pbf, NV_)
+                if (head_dim == 64) {
+                    switch (group) {
+                        case 1: TASK(1, 4); break;
+                        case 2: TASK(2, 4); break;
+                        case 3: TASK(3, 4); break;
+                        default: TASK(4, 4); break;
+                    }
+                } else {
+                    switch (group) {
+                        case 1: TASK(1, 8); break;
+                        case 2: TASK(2, 8); break;
+                        case 3: TASK(3, 8); break;
+                        default: TASK(4, 8); break;
+                    }
+                }
+#undef TASK
                 continue;
             }
 #endif
