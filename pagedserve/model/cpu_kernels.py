@@ -101,6 +101,12 @@ def get_fused_lib() -> Optional[ctypes.CDLL]:
     return _get("fused_ops")
 
 
+def _kv_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """Addresses of K and V in a contiguous ``[2, ...]`` cache (cheaper than indexing views)."""
+    base = kv_cache.data_ptr()
+    return base, base + kv_cache.stride(0) * kv_cache.element_size()
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -142,8 +148,7 @@ def paged_attention_cpu(
     _, _, nkv, bs, _ = kv_cache.shape
     rc = fn(
         query.data_ptr(),
-        kv_cache[0].data_ptr(),
-        kv_cache[1].data_ptr(),
+        *_kv_pointers(kv_cache),
         block_tables.data_ptr(),
         block_tables.shape[1],
         None if token_seq is None else token_seq.data_ptr(),
@@ -232,7 +237,7 @@ def rope_write_kv(
     q = torch.empty(rows, num_heads, hd, dtype=qk.dtype)
     lib.rope_write_kv(
         qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(), slot_mapping.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), q.data_ptr(), *_kv_pointers(kv_cache),
         rows, num_heads, nkv, hd, bs, int(qk.dtype == torch.bfloat16),
     )
     return q
