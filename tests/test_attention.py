@@ -145,3 +145,20 @@ def test_kernel_and_pytorch_paths_agree(dtype):
     b = paged_attention(q, k, v, cache, meta, D**-0.5, use_cpu_kernel=False)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def test_kernel_refuses_wrong_dtypes_and_shapes():
+    """The wrapper returns False (PyTorch path) instead of handing the C code memory it would
+    misread: int32 tables/lengths, an output of another dtype or shape, too few table rows."""
+    cache, tables = _paged_case([20, 7], 2, 64, 16, torch.bfloat16, seed=3)
+    bt = torch.tensor([t + [0] * (2 - len(t)) for t in tables], dtype=torch.int64)
+    q = torch.randn(2, 4, 64).to(torch.bfloat16)
+    lens = torch.tensor([20, 7])
+    ok = lambda *a: cpu_kernels.paged_attention_cpu(*a)  # noqa: E731
+    assert ok(q, cache, bt, None, lens, 0.125, torch.empty_like(q))
+    assert not ok(q, cache, bt.int(), None, lens, 0.125, torch.empty_like(q))
+    assert not ok(q, cache, bt, None, lens.int(), 0.125, torch.empty_like(q))
+    assert not ok(q, cache, bt, None, lens, 0.125, torch.empty(2, 4, 64))
+    assert not ok(q, cache, bt, None, lens, 0.125, torch.empty(1, 4, 64, dtype=torch.bfloat16))
+    assert not ok(q, cache, bt[:1], None, lens, 0.125, torch.empty_like(q))
+    assert not ok(q, cache, bt, torch.zeros(2, dtype=torch.int32), lens, 0.125, torch.empty_like(q))

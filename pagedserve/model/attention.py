@@ -8,12 +8,13 @@ the flat ``slot_mapping`` (slot = block_id * block_size + offset), then each req
 attend to its own cached K/V up to their positions.
 
 The requests of a step form at most two groups, in flat-batch order: decodes (one query token
-each), then prefill chunks. On the CPU both go to one C kernel
+each), then prefill chunks. On the CPU decodes go to a C kernel
 (``cpu_kernels.paged_attention_cpu``) that reads K/V in place through the block tables, one
-(query token, KV head) task at a time: a prefill token at position p attends to the first p + 1
-tokens of its sequence, cached context and its own chunk alike, so a row's result does not depend
-on chunking, prefix-cache hits or what else is in the batch. Elsewhere (or with
-``PAGEDSERVE_CPU_KERNELS=0``):
+(query token, KV head) task at a time. Prefill chunks use the same kernel where its vectorised
+bf16 path applies (``cpu_kernels.prefill_kernel_preferred``): a token at position p attends to
+the first p + 1 tokens of its sequence, cached context and its own chunk alike, so a row's
+result does not depend on chunking, prefix-cache hits or what else is in the batch. Otherwise
+(float32, other shapes, no AVX512-BF16, other devices, ``PAGEDSERVE_CPU_KERNELS=0``):
 - decodes: one gather through the padded block table and one masked
   ``scaled_dot_product_attention``;
 - prefill chunks: one ``scaled_dot_product_attention`` per chunk. A chunk with no cached context
@@ -29,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model.cpu_kernels import paged_attention_cpu
+from pagedserve.model.cpu_kernels import paged_attention_cpu, prefill_kernel_preferred
 
 
 @dataclass
@@ -194,8 +195,12 @@ def paged_attention(
     gqa = nkv != num_heads
     for g in metadata.groups:
         s, e = g.token_start, g.token_end
-        if use_cpu_kernel and paged_attention_cpu(
-            query[s:e], kv_cache, g.block_tables, g.token_seq, g.seq_lens if g.is_decode else g.token_lens, scale, out[s:e]
+        if (
+            use_cpu_kernel
+            and (g.is_decode or prefill_kernel_preferred(query.dtype, num_heads, nkv, query.shape[2]))
+            and paged_attention_cpu(
+                query[s:e], kv_cache, g.block_tables, g.token_seq, g.seq_lens if g.is_decode else g.token_lens, scale, out[s:e]
+            )
         ):
             continue
         if g.is_decode:

@@ -153,13 +153,18 @@ class DecoderLayer(nn.Module):
         hidden = self.mlp(self.post_attention_layernorm(hidden))
         return residual + hidden
 
-    def forward_fused(self, hidden, residual, positions, rope, kv_cache, attn_metadata):
+    def forward_fused(self, hidden, residual, positions, rope, kv_cache, attn_metadata, cos_sin=None):
         """The layer with fused C element-wise ops; ``residual`` is carried between layers
         (None before the first) and updated in place: returns (mlp output, residual), whose sum
-        is ``forward``'s output."""
+        is ``forward``'s output. With ``cos_sin`` given, attention takes the PyTorch RoPE path
+        (``Attention.forward``) instead of the fused RoPE + cache write, whose attention reads
+        every K/V from the cache and suits only the C kernel's fast path."""
         eps = self.input_layernorm.eps
         h, residual = cpu_kernels.add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
-        h = self.self_attn.forward_fused(h, positions, rope, kv_cache, attn_metadata)
+        if cos_sin is None:
+            h = self.self_attn.forward_fused(h, positions, rope, kv_cache, attn_metadata)
+        else:
+            h = self.self_attn(h, cos_sin[0], cos_sin[1], kv_cache, attn_metadata)
         h, residual = cpu_kernels.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         return self.mlp.forward_fused(h), residual
 
@@ -201,9 +206,12 @@ class LlamaForCausalLM(nn.Module):
         at ``positions [num_tokens]``; writes their K/V into ``kv_caches`` (one per layer)."""
         hidden = self.embed_tokens(input_ids)
         if self.use_fused_ops and cpu_kernels.fused_ops_usable(hidden):
+            attn = self.layers[0].self_attn
+            fused_rope = cpu_kernels.prefill_kernel_preferred(hidden.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            cos_sin = None if fused_rope else self.rotary_emb(positions, hidden.dtype)
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary_emb, kv_cache, attn_metadata)
+                hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary_emb, kv_cache, attn_metadata, cos_sin)
             return cpu_kernels.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):

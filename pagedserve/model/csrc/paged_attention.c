@@ -256,6 +256,9 @@ static inline __attribute__((always_inline)) void decode_task_bf16(
     }
 }
 #define HAVE_BF16_FAST_PATH 1
+static inline int fast_path_shape(int64_t group, int64_t head_dim) {
+    return group <= 4 && (head_dim == 64 || head_dim == 128);
+}
 #endif
 
 /* Attention of num_tokens query tokens, each to the first token_lens[t] cached tokens of the
@@ -291,7 +294,7 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
             const int64_t n = token_lens[t];
             const int64_t* table = block_tables + (token_seq ? token_seq[t] : t) * max_blocks;
 #ifdef HAVE_BF16_FAST_PATH
-            if (is_bf16 && group <= 4 && (head_dim == 64 || head_dim == 128)) {
+            if (is_bf16 && fast_path_shape(group, head_dim)) {
                 const uint16_t* qp = (const uint16_t*)q + (t * num_heads + kh * group) * head_dim;
                 uint16_t* op = (uint16_t*)out + (t * num_heads + kh * group) * head_dim;
 #define TASK(G_, NV_) decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size, \
@@ -368,4 +371,16 @@ int paged_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint1
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
     return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
                            num_heads, num_kv_heads, head_dim, block_size, scale, 1);
+}
+
+/* 1 when bf16 attention with this GQA group size and head_dim runs the vectorised bf16 path
+ * (built for a CPU with AVX512-BF16), 0 when it would take the generic path. */
+int paged_attention_bf16_fast_path(int64_t group, int64_t head_dim) {
+#ifdef HAVE_BF16_FAST_PATH
+    return fast_path_shape(group, head_dim);
+#else
+    (void)group;
+    (void)head_dim;
+    return 0;
+#endif
 }
