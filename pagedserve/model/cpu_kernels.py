@@ -56,6 +56,9 @@ def _compile(name: str) -> ctypes.CDLL:
     flags = _COMMON_FLAGS + extra
     with open(src_path, "rb") as fh:
         src = fh.read()
+    for header in sorted(f for f in os.listdir(_CSRC) if f.endswith(".h")):  # included by the sources
+        with open(os.path.join(_CSRC, header), "rb") as fh:
+            src += fh.read()
     # -march=native: the binary is only valid on this CPU model, so the CPU is part of the key
     # (a cache directory shared with or copied to another machine must not load it).
     key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_identity()).hexdigest()[:16]
