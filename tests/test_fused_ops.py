@@ -80,3 +80,23 @@ def test_rope_write_kv_matches_hf(dtype, num_heads, num_kv_heads, head_dim):
     blk, off = slots // block_size, slots % block_size
     assert torch.equal(cache[0][blk, :, off], want[:, num_heads:])
     assert torch.equal(cache[1][blk, :, off], qkv[:, qk_end:].view(T, num_kv_heads, head_dim))
+
+
+def test_fused_forward_checks_positions_and_slots(tiny_model_factory):
+    """The fused RoPE + cache write indexes the RoPE table and the cache in C: out-of-range
+    positions or slots must raise, not read or write outside them."""
+    from pagedserve import LLM
+    from pagedserve.model.attention import AttentionMetadata, build_attention_group
+
+    if not cpu_kernels.prefill_kernel_preferred(torch.bfloat16, 4, 2, 64):
+        pytest.skip("the fused RoPE path needs the bf16 kernel fast path (AVX512-BF16)")
+    llm = LLM(tiny_model_factory("llama", head_dim=64), dtype="bfloat16", num_kv_blocks=8, max_model_len=64)
+    model = llm.llm_engine.runner.model
+    kv = llm.llm_engine.runner.kv_caches
+    group = build_attention_group(0, [2], [0], [[1]], 16, torch.device("cpu"))
+    with torch.inference_mode():
+        with pytest.raises(IndexError, match="positions"):
+            model(torch.tensor([5, 6]), torch.tensor([0, 10**6]), kv, AttentionMetadata(torch.tensor([16, 17]), [group], 16))
+        with pytest.raises(IndexError, match="slot_mapping"):
+            model(torch.tensor([5, 6]), torch.tensor([0, 1]), kv, AttentionMetadata(torch.tensor([16, 8 * 16]), [group], 16))
+        model(torch.tensor([5, 6]), torch.tensor([0, 1]), kv, AttentionMetadata(torch.tensor([16, 17]), [group], 16))

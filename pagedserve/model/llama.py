@@ -172,6 +172,14 @@ class DecoderLayer(nn.Module):
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def _check_range(name: str, values: torch.Tensor, limit: int) -> None:
+    """Raise IndexError unless every value is in ``[0, limit)``."""
+    if values.numel():
+        lo, hi = torch.aminmax(values)
+        if int(lo) < 0 or int(hi) >= limit:
+            raise IndexError(f"{name} out of range [0, {limit}): min {int(lo)}, max {int(hi)}")
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a flat token batch.
 
@@ -209,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
             attn = self.layers[0].self_attn
             fused_rope = cpu_kernels.prefill_kernel_preferred(hidden.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
             cos_sin = None if fused_rope else self.rotary_emb(positions, hidden.dtype)
+            if fused_rope:  # the C op indexes the RoPE table and the cache without bounds checks
+                _check_range("positions", positions, self.rotary_emb.cos_cache.shape[0])
+                _check_range("slot_mapping", attn_metadata.slot_mapping, kv_caches[0][0].numel() // (attn.num_kv_heads * attn.head_dim))
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary_emb, kv_cache, attn_metadata, cos_sin)
