@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import json
 import math
 import os
@@ -430,6 +431,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     from pagedserve.bench.throughput import write_json
+
+    for name in ("httpx", "httpx2", "httpcore"):  # one INFO line per request would bury the results
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     args.percentile_metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     bad = [m for m in args.percentile_metrics if m not in METRICS]
