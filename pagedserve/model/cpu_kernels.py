@@ -12,6 +12,7 @@ with a warning and the pure-PyTorch path is used.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -120,6 +121,7 @@ def get_fused_lib() -> Optional[ctypes.CDLL]:
     return _get("fused_ops")
 
 
+@functools.lru_cache(maxsize=None)  # asked once per layer per step; the answer never changes
 def prefill_kernel_preferred(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether prefill chunks should use the C kernel: only on its vectorised bf16 path. The
     generic path (float32, other shapes, CPUs without AVX512-BF16) computes one query row at a
