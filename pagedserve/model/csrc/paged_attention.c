@@ -1,19 +1,21 @@
 /*
- * Paged decode attention for the CPU (one query token per sequence).
+ * Paged attention for the CPU, one query token at a time (decode rows and prefill chunks).
  *
  * PagedAttention (Kwon et al., SOSP 2023): each sequence's K/V lives in fixed-size blocks of a
  * shared pool, found through its block table. This kernel reads K/V straight from the pool:
  * no gather into a padded copy, no padding to the longest sequence. One OpenMP task per
- * (sequence, KV head) computes the scores of the GQA group's query heads against every cached
- * token, a softmax in float32, and the weighted sum of V. AVX-512 when the compiler targets it
- * (head_dim a multiple of 16), plain C otherwise.
+ * (query token, KV head) computes the scores of the GQA group's query heads against the first
+ * token_lens[t] cached tokens of the token's sequence (causal: a prefill token at position p
+ * sees p + 1 tokens, its chunk's own K/V already written), a softmax in float32, and the
+ * weighted sum of V. AVX-512 / AVX512-BF16 when the compiler targets them, plain C otherwise.
  *
  * Layouts (row-major):
- *   q, out       [num_seqs, num_heads, head_dim]
+ *   q, out       [num_tokens, num_heads, head_dim]
  *   k/v cache    [num_blocks, num_kv_heads, block_size, head_dim] (head-major inside a block, so
- *                one (sequence, KV head) task streams block_size * head_dim contiguous values)
+ *                one (token, KV head) task streams block_size * head_dim contiguous values)
  *   block_tables [num_seqs, max_blocks] (int64)
- *   seq_lens     [num_seqs] (int64): tokens to attend to, the new one included
+ *   token_seq    [num_tokens] (int64): the token's row of block_tables; NULL = row t (decode)
+ *   token_lens   [num_tokens] (int64): tokens to attend to, the token itself included
  * Storage types: float32 (f32) or bfloat16 (bf16, raw uint16).
  */
 #include <math.h>
