@@ -1,8 +1,10 @@
 """CPU kernels in plain C, compiled once on first use with the system C compiler and called
 through ctypes (no torch headers, so the build takes about a second).
 
-Two libraries: ``paged_attention.c`` (the paged attention kernel) and ``fused_ops.c`` (fused
-RMSNorm + residual add, SiLU-and-mul, RoPE + KV-cache write). Each shared object is cached
+Three libraries: ``paged_attention.c`` (the paged attention kernel), ``fused_ops.c`` (fused
+RMSNorm + residual add, SiLU-and-mul, RoPE + KV-cache write) and ``decode_step.c`` (bf16 matmuls
+of 1-4 rows straight from oneDNN's packed weights, ``small_gemm.c``, and a whole decode step's
+layer loop for such small batches). Each shared object is cached
 under ``$PAGEDSERVE_CACHE/kernels`` keyed by the source hash and the compiler flags. It links ``libgomp.so.1``, which the dynamic loader resolves to the OpenMP
 runtime torch already loaded, so the kernels share torch's thread pool and thread count.
 
@@ -32,6 +34,7 @@ _COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _LIBS = {
     "paged_attention": ("paged_attention.c", ["-ffp-contract=fast"]),
     "fused_ops": ("fused_ops.c", ["-ffp-contract=off"]),
+    "decode": ("decode_step.c", ["-ffp-contract=off"]),  # includes fused_ops.c and small_gemm.c
 }
 _libs: dict[str, Optional[ctypes.CDLL]] = {}
 _lock = threading.Lock()
@@ -57,8 +60,8 @@ def _compile(name: str) -> ctypes.CDLL:
     flags = _COMMON_FLAGS + extra
     with open(src_path, "rb") as fh:
         src = fh.read()
-    for header in sorted(f for f in os.listdir(_CSRC) if f.endswith(".h")):  # included by the sources
-        with open(os.path.join(_CSRC, header), "rb") as fh:
+    for other in sorted(f for f in os.listdir(_CSRC) if f.endswith((".h", ".c")) and f != src_name):  # may be included
+        with open(os.path.join(_CSRC, other), "rb") as fh:
             src += fh.read()
     # -march=native: the binary is only valid on this CPU model, so the CPU is part of the key
     # (a cache directory shared with or copied to another machine must not load it).
@@ -84,6 +87,13 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
             fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32]
         lib.paged_attention_bf16_fast_path.restype = ctypes.c_int
         lib.paged_attention_bf16_fast_path.argtypes = [i64, i64]
+    elif name == "decode":
+        lib.small_gemm_bf16.restype = ctypes.c_int
+        lib.small_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, i64]
+        lib.decode_layer_entries.restype = ctypes.c_int
+        lib.decode_layer_entries.argtypes = []
+        lib.decode_layers_bf16.restype = ctypes.c_int
+        lib.decode_layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, p, p, i64, p, p]
     else:
         lib.add_rms_norm.restype = None
         lib.add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
@@ -281,3 +291,158 @@ def rope_write_kv(
         rows, num_heads, nkv, hd, bs, int(qk.dtype == torch.bfloat16),
     )
     return q
+
+
+# -- small-M matmuls on oneDNN's packed weights (decode of 1-4 sequences) -------------------------
+
+SMALL_GEMM_MAX_ROWS = 4  # SG_MAX_ROWS in small_gemm.c
+
+
+def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
+    """The compiled small-M matmul, or None when disabled (also by ``PAGEDSERVE_SMALL_GEMM=0``)."""
+    if os.environ.get("PAGEDSERVE_SMALL_GEMM", "1") == "0":
+        return None
+    return _get("decode")
+
+
+def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of an opaque oneDNN tensor's buffer."""
+    return torch.ops.mkldnn.data_ptr(packed_weight), torch.ops.mkldnn._nbytes(packed_weight)
+
+
+def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, plan: tuple[int, int]) -> torch.Tensor:
+    """``x [M, K]`` (bf16, contiguous, 1 <= M <= 4) times a packed weight whose ``plan`` came
+    from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
+    batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
+    lib = get_small_gemm_lib()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    rc = lib.small_gemm_bf16(
+        x.data_ptr(), m, k, torch.ops.mkldnn.data_ptr(packed_weight), None if bias is None else bias.data_ptr(),
+        y.data_ptr(), out_features, plan[0], plan[1],
+    )
+    if rc != 0:
+        raise RuntimeError(f"small_gemm_bf16 rejected x {tuple(x.shape)} -> {out_features}")
+    return y
+
+
+def calibrate_small_gemm(packed_weight: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
+    """Find how oneDNN splits K into partial sums for this weight shape, so that the small-M
+    kernel reproduces its batched output bit for bit (see ``small_gemm.c``).
+
+    Tries (chain, body) candidates (k pairs: partial sums of ``chain`` pairs over the first
+    ``body``, then one over the rest) on 64 random rows and returns the first whose every output
+    equals oneDNN's 64-row result, or None: the layout is not [N/64][K/2][64][2], the shape is
+    not supported, or no candidate matches. A wrong candidate differs from oneDNN in about one
+    output in 10^4, so 64 x N outputs tell them apart.
+    """
+    lib = get_small_gemm_lib()
+    n, k = out_features, in_features
+    if lib is None or n % 64 or k % 2 or packed_weight.dtype != torch.bfloat16:
+        return None
+    try:
+        _, nbytes = _packed_address(packed_weight)
+    except (RuntimeError, AttributeError):
+        return None
+    if nbytes != n * k * 2:  # padded layout (N or K not a multiple of the block)
+        return None
+    k2 = k // 2
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(64, k, generator=gen).to(torch.bfloat16)
+    ref = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    bodies = []
+    for b in (32, 64, 128, 256, 512, k2):
+        if k2 - k2 % b not in bodies:
+            bodies.append(k2 - k2 % b)
+    y = torch.empty_like(ref)
+    for chain in (256, 512, 128, 1024, 64, k2):
+        for body in bodies:
+            ok = True
+            for r0 in range(0, 64, SMALL_GEMM_MAX_ROWS):
+                xr = x[r0 : r0 + SMALL_GEMM_MAX_ROWS]
+                rc = lib.small_gemm_bf16(
+                    xr.data_ptr(), xr.shape[0], k, torch.ops.mkldnn.data_ptr(packed_weight),
+                    None if bias is None else bias.data_ptr(), y[r0].data_ptr(), n, chain, body,
+                )
+                if rc != 0:
+                    return None
+                if not torch.equal(y[r0 : r0 + SMALL_GEMM_MAX_ROWS], ref[r0 : r0 + SMALL_GEMM_MAX_ROWS]):
+                    ok = False
+                    break
+            if ok:
+                return chain, body
+    return None
+
+
+_MADV_COLLAPSE = 25
+_HUGE_PAGE = 2 << 20
+
+
+def collapse_to_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask Linux (>= 6.1) to back ``[address, address + nbytes)`` with 2 MiB pages now
+    (``madvise(MADV_COLLAPSE)``; contents unchanged, independent of the THP sysfs mode). Decode
+    streams every weight each step, and with 4 KiB pages TLB misses cap that stream: measured
+    here, a batch-1 step's matmuls 6.0 -> 5.3 ms. Tries the 2 MiB-aligned range around the
+    buffer, then the aligned range inside it. Returns False where unsupported (nothing changes)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    lo, hi = address // _HUGE_PAGE * _HUGE_PAGE, -(-(address + nbytes) // _HUGE_PAGE) * _HUGE_PAGE
+    if madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
+        return True
+    lo, hi = -(-address // _HUGE_PAGE) * _HUGE_PAGE, (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    return hi > lo and madvise(lo, hi - lo, _MADV_COLLAPSE) == 0
+
+
+def decode_layer_entries() -> int:
+    """Entries per layer of the table :func:`decode_layers` takes (``decode_step.c``)."""
+    return int(get_small_gemm_lib().decode_layer_entries())
+
+
+def decode_layers(
+    table: torch.Tensor,
+    hidden: torch.Tensor,
+    final_norm: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    inter: int,
+    block_size: int,
+    eps: float,
+    scale: float,
+) -> int:
+    """Every decoder layer and the final RMSNorm of a decode step of ``M <= 4`` sequences, in
+    one C call (``decode_step.c``), bf16.
+
+    Args:
+        table: ``[num_layers, decode_layer_entries()]`` int64: per layer the packed weights,
+            biases (0 if none) and small-M plans of qkv, o, gate_up, down, the two RMSNorm
+            weights and the layer's K and V cache addresses.
+        hidden: ``[M, hidden_size]`` contiguous bf16 embeddings, overwritten with the final
+            normed hidden states.
+        positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables: ``[M, max_blocks]``
+            int64; cos, sin: float32 ``[max_positions, head_dim]``. Positions and slots must be
+            in range (the C code does not check).
+    Returns:
+        0 on success; -1 unsupported shape, -2 out of memory, -3 attention failed.
+    """
+    lib = get_small_gemm_lib()
+    attention = ctypes.cast(get_lib().paged_attention_bf16, ctypes.c_void_p).value
+    m, hid = hidden.shape
+    assert hidden.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous() and positions.is_contiguous()
+    return lib.decode_layers_bf16(
+        table.data_ptr(), table.shape[0], m, hid, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale,
+        hidden.data_ptr(), final_norm.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), attention,
+    )

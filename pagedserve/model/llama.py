@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedserve.model import cpu_kernels
 from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv_cache
-from pagedserve.model.packed_linear import pack_linears, pack_weight, packed_linear
+from pagedserve.model.packed_linear import pack_linears, pack_weight, packed_or_small_linear, prepare_small_gemm
 
 
 class RMSNorm(nn.Module):
@@ -213,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden_size]`` of the flat batch ``input_ids [num_tokens]``
         at ``positions [num_tokens]``; writes their K/V into ``kv_caches`` (one per layer)."""
         hidden = self.embed_tokens(input_ids)
+        if self._decode_step_c(hidden, positions, kv_caches, attn_metadata):
+            return hidden
         if self.use_fused_ops and cpu_kernels.fused_ops_usable(hidden):
             attn = self.layers[0].self_attn
             fused_rope = cpu_kernels.prefill_kernel_preferred(hidden.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
@@ -228,6 +230,78 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.norm(hidden)
+
+    def _decode_step_c(self, hidden, positions, kv_caches, attn_metadata) -> bool:
+        """Run every layer of a decode step of 1-4 sequences in one C call
+        (``csrc/decode_step.c``: the fused-op path's ops in the same order, bit-identical),
+        overwriting ``hidden [M, hidden_size]`` with the final normed states. Returns False,
+        having done nothing, when the step or the model does not qualify: CPU bf16 with the fused
+        ops and the attention kernel's fast path, no q/k norm, every projection with a small-M
+        plan (``pack_for_cpu``), one decode group of at most 4 tokens."""
+        groups = attn_metadata.groups
+        if (
+            hidden.dtype != torch.bfloat16
+            or hidden.shape[0] > cpu_kernels.SMALL_GEMM_MAX_ROWS
+            or len(groups) != 1
+            or not groups[0].is_decode
+            or not self.use_fused_ops
+            or hidden.device.type != "cpu"
+        ):
+            return False
+        table = self._decode_table(kv_caches)
+        if table is None:
+            return False
+        attn = self.layers[0].self_attn
+        g = groups[0]
+        _check_range("positions", positions, self.rotary_emb.cos_cache.shape[0])
+        _check_range("slot_mapping", attn_metadata.slot_mapping, kv_caches[0][0].numel() // (attn.num_kv_heads * attn.head_dim))
+        rc = cpu_kernels.decode_layers(
+            table, hidden, self.norm.weight, positions, attn_metadata.slot_mapping, self.rotary_emb.cos_cache,
+            self.rotary_emb.sin_cache, g.block_tables, g.seq_lens, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=self.config.intermediate_size,
+            block_size=kv_caches[0].shape[3], eps=self.norm.eps, scale=attn.scale,
+        )
+        if rc != 0:
+            raise RuntimeError(f"decode_layers_bf16 failed with code {rc}")
+        return True
+
+    def _decode_table(self, kv_caches) -> "torch.Tensor | None":
+        """``[num_layers, entries]`` int64 addresses and plans for ``decode_layers`` (built once
+        per KV cache), or None when the model does not qualify for the one-call decode step."""
+        key = (len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        if self._decode_table_cache is not None and self._decode_table_cache[0] == key:
+            return self._decode_table_cache[1]
+        table = None
+        attn = self.layers[0].self_attn
+        eps = self.norm.eps
+        ok = (
+            self._packed_logits_weight is not None
+            and not attn.qk_norm
+            and cpu_kernels.get_small_gemm_lib() is not None
+            and cpu_kernels.prefill_kernel_preferred(torch.bfloat16, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            and all(kv.is_contiguous() and kv.dtype == torch.bfloat16 for kv in kv_caches)
+            and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in self.layers)
+        )
+        rows = []
+        for layer, kv in zip(self.layers, kv_caches):
+            if not ok:
+                break
+            entries = []
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                plan = getattr(lin, "small_plan", None)
+                if plan is None:
+                    ok = False
+                    break
+                entries += [torch.ops.mkldnn.data_ptr(lin.packed_weight), 0 if lin.bias is None else lin.bias.data_ptr(), *plan]
+            if ok:
+                entries += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *cpu_kernels._kv_pointers(kv)]
+                rows.append(entries)
+        if ok and rows and len(rows[0]) == cpu_kernels.decode_layer_entries():
+            table = torch.tensor(rows, dtype=torch.int64)
+        self._decode_table_cache = (key, table)
+        return table
+
+    _decode_table_cache = None
 
     @property
     def use_fused_ops(self) -> bool:
@@ -250,18 +324,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` for the selected hidden states ``[n, hidden_size]``."""
         if self._packed_logits_weight is not None:
-            return packed_linear(hidden, self._packed_logits_weight)
+            return packed_or_small_linear(hidden, self._packed_logits_weight, None, self.config.vocab_size, self._logits_small_plan)
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight)
 
     _packed_logits_weight = None
+    _logits_small_plan = None
 
     def pack_for_cpu(self) -> None:
         """Pre-pack every projection (and the logits weight) for oneDNN; bf16 on CPU only, after
         the weights are loaded. See :mod:`pagedserve.model.packed_linear`."""
         logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self._packed_logits_weight = pack_weight(logits_weight)
-        pack_linears(self.layers)
+        plans: dict = {}
+        self._logits_small_plan = prepare_small_gemm(self._packed_logits_weight, logits_weight.shape[0], logits_weight.shape[1], None, plans)
+        pack_linears(self.layers, plans)
 
     # -- weights ---------------------------------------------------------------------------
     _FUSED = {

@@ -5,7 +5,12 @@ it once at load time (the same thing torch.compile's CPU "freezing" pass does) m
 matmuls faster: measured here, [32 x 576] @ [576 x 3072] 0.190 -> 0.145 ms and batch-1 matmuls
 about 2x. Results are bit-identical to ``F.linear`` in bfloat16.
 
-Disable with ``PAGEDSERVE_PACK_WEIGHTS=0``.
+Inputs of 1-4 rows (decode of a few sequences) skip oneDNN: ``cpu_kernels.small_gemm`` streams
+the same packed buffer with no per-call set-up, bit-identical to oneDNN's batched result (its
+partial-sum structure is calibrated per weight shape at load time; shapes that do not match keep
+oneDNN). The packed buffers are also moved to 2 MiB pages where Linux allows it.
+
+Disable with ``PAGEDSERVE_PACK_WEIGHTS=0`` (packing) or ``PAGEDSERVE_SMALL_GEMM=0`` (small-M path).
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from pagedserve.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -43,24 +50,58 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[t
 
 
 class PackedLinear(nn.Module):
-    """Drop-in inference replacement for an ``nn.Linear`` (weights frozen)."""
+    """Drop-in inference replacement for an ``nn.Linear`` (weights frozen).
+
+    ``small_plan``: the small-M kernel's partial-sum plan for this weight shape
+    (``cpu_kernels.calibrate_small_gemm``), or None to always use oneDNN.
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = pack_weight(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.small_plan: Optional[tuple[int, int]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias)
+        return packed_or_small_linear(x, self.packed_weight, self.bias, self.out_features, self.small_plan)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many."""
+def packed_or_small_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, small_plan: Optional[tuple[int, int]]
+) -> torch.Tensor:
+    """:func:`packed_linear`, or the small-M kernel for a contiguous bf16 ``x [M <= 4, in]``
+    when ``small_plan`` is set (same result bit for bit)."""
+    if small_plan is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
+        return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)
+    return packed_linear(x, packed, bias)
+
+
+def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor], plans: dict) -> Optional[tuple[int, int]]:
+    """Move ``packed``'s buffer to huge pages and return its small-M plan (cached in ``plans``
+    per (out, in, has bias)); None when the small-M path is unavailable or does not match."""
+    try:
+        cpu_kernels.collapse_to_huge_pages(*cpu_kernels._packed_address(packed))
+    except (RuntimeError, AttributeError):
+        pass
+    key = (out_features, in_features, bias is not None)
+    if key not in plans:
+        plans[key] = cpu_kernels.calibrate_small_gemm(packed, out_features, in_features, bias)
+        if plans[key] is None:
+            logger.info("small-M matmul unavailable for weight %s x %s; oneDNN only", out_features, in_features)
+    return plans[key]
+
+
+def pack_linears(model: nn.Module, plans: Optional[dict] = None) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear` (with its small-M
+    plan, see :func:`prepare_small_gemm`); returns how many."""
+    plans = {} if plans is None else plans
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+                packed = PackedLinear(child)
+                packed.small_plan = prepare_small_gemm(packed.packed_weight, packed.out_features, packed.in_features, packed.bias, plans)
+                setattr(module, name, packed)
                 count += 1
     return count
