@@ -1,0 +1,159 @@
+"""The small-M bf16 matmul on oneDNN's packed weights (``csrc/small_gemm.c``) and the one-call
+C decode step (``csrc/decode_step.c``): bit-identical to the oneDNN / layer-by-layer paths, so
+a sequence's greedy tokens do not depend on how many sequences were decoded with it.
+
+Skipped where the kernels cannot run (no C compiler, no AVX512-BF16, packing disabled)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_engine_idle
+from pagedserve import LLM, SamplingParams
+from pagedserve.model import cpu_kernels
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.packed_linear import PackedLinear, pack_weight, packed_linear, packing_available
+
+
+def _plan_or_skip(packed, n, k, bias=None):
+    if not packing_available(torch.device("cpu"), torch.bfloat16) or cpu_kernels.get_small_gemm_lib() is None:
+        pytest.skip("oneDNN packing or the C kernels are unavailable")
+    plan = cpu_kernels.calibrate_small_gemm(packed, n, k, bias)
+    if plan is None:
+        pytest.skip("the small-M kernel does not run on this CPU (needs AVX512-BF16)")
+    return plan
+
+
+def _onednn_batched(x, packed, bias, extra_rows=28):
+    """oneDNN's result for the rows of ``x`` computed inside a larger batch (the batched numerics)."""
+    g = torch.Generator().manual_seed(7)
+    rest = torch.randn(extra_rows, x.shape[1], generator=g).to(torch.bfloat16)
+    return torch.ops.mkldnn._linear_pointwise(torch.cat([x, rest]), packed, bias, "none", [], "")[: x.shape[0]]
+
+
+# SmolLM2's four projection shapes and its tied LM head, plus Qwen2-0.5B-like shapes (qkv bias,
+# K = 896 and 4864) whose partial-sum structure differs.
+SHAPES = [(960, 576, False), (576, 576, False), (3072, 576, False), (576, 1536, False), (49152, 576, False), (1152, 896, True), (896, 4864, False)]
+
+
+@pytest.mark.parametrize("n,k,has_bias", SHAPES)
+def test_small_gemm_bit_identical_to_onednn_batched(n, k, has_bias):
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16) if has_bias else None
+    packed = pack_weight(w)
+    plan = _plan_or_skip(packed, n, k, bias)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        got = cpu_kernels.small_gemm(x, packed, bias, n, plan)
+        assert torch.equal(got, _onednn_batched(x, packed, bias)), (n, k, m)
+    # and close to the float64 product (a layout or indexing bug would not be)
+    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    got = cpu_kernels.small_gemm(x, packed, bias, n, plan).double()
+    assert (got - exact).abs().max() <= 0.01 * exact.abs().max() + 1e-3
+
+
+def test_calibration_distinguishes_partial_sum_orders():
+    """K = 1536: one running sum over all of K (the obvious kernel) differs from oneDNN in a few
+    outputs; the calibrated plan does not. Shows the calibration is what buys bit-identity."""
+    n, k = 576, 1536
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    packed = pack_weight(w)
+    plan = _plan_or_skip(packed, n, k)
+    x = torch.randn(64, k, generator=g).to(torch.bfloat16)
+    ref = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    naive = (k // 2, k // 2)
+    assert plan != naive
+    mismatches = {p: sum(int((cpu_kernels.small_gemm(x[i : i + 4], packed, None, n, p) != ref[i : i + 4]).sum()) for i in range(0, 64, 4)) for p in (plan, naive)}
+    assert mismatches[plan] == 0 and mismatches[naive] > 0, mismatches
+
+
+def test_unsupported_shapes_fall_back_to_onednn():
+    n, k = 100, 64  # N not a multiple of 64: oneDNN pads its layout
+    w = torch.randn(n, k).to(torch.bfloat16)
+    if not packing_available(torch.device("cpu"), torch.bfloat16) or cpu_kernels.get_small_gemm_lib() is None:
+        pytest.skip("oneDNN packing or the C kernels are unavailable")
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w.float())
+    lin = lin.to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert cpu_kernels.calibrate_small_gemm(packed.packed_weight, n, k, None) is None
+    x = torch.randn(1, k).to(torch.bfloat16)
+    assert torch.equal(packed(x), packed_linear(x, packed.packed_weight))
+    # the C entry point itself refuses what it cannot do (5 rows, N % 64 != 0)
+    lib = cpu_kernels.get_small_gemm_lib()
+    y = torch.empty(5, 128, dtype=torch.bfloat16)
+    x5 = torch.randn(5, 64).to(torch.bfloat16)
+    assert lib.small_gemm_bf16(x5.data_ptr(), 5, 64, 0, None, y.data_ptr(), 128, 32, 32) == -1
+    assert lib.small_gemm_bf16(x5.data_ptr(), 1, 64, 0, None, y.data_ptr(), 100, 32, 32) == -1
+
+
+# -- the one-call decode step -------------------------------------------------------------------
+PROMPTS = [
+    {"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 40, 130, 19, 64, 3)
+]
+LOGPROBS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
+
+
+def _run(llm, prompts, params=LOGPROBS):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
+
+
+def _randomize_norms(path):
+    """HF initialises RMSNorm weights to 1, which would hide a mixed-up norm weight."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(path, "model.safetensors")
+    weights = load_file(f)
+    g = torch.Generator().manual_seed(5)
+    for name, t in weights.items():
+        if name.endswith("norm.weight"):
+            weights[name] = 1 + 0.2 * torch.randn(t.shape, generator=g).to(t.dtype)
+    save_file(weights, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, monkeypatch):
+    """head_dim 64 (the attention kernel's fast path), GQA 2:1, qkv bias for qwen2. Decodes of
+    1-4 sequences take the C step; the same requests with the C step disabled give identical
+    tokens and logprobs, alone and batched, so batch size does not change the output."""
+    path = tiny_model_factory(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
+    _randomize_norms(path)
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=128, max_model_len=512)
+    calls = []
+    real = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
+    alone = [_run(llm, p)[0] for p in PROMPTS]
+    if not calls:
+        pytest.skip("the C decode step does not run on this CPU")
+    assert set(calls) == {1}
+    for n in (2, 3, 4):
+        calls.clear()
+        assert _run(llm, PROMPTS[:n]) == alone[:n]
+        assert set(calls) == {n}
+    calls.clear()
+    assert _run(llm, PROMPTS) == alone  # 6 sequences: the layer-by-layer path
+    assert not calls
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_step_c", lambda *a: False)
+    calls.clear()
+    assert [_run(llm, p)[0] for p in PROMPTS] == alone and _run(llm, PROMPTS) == alone
+    assert not calls
+    assert_engine_idle(llm)
+
+
+def test_smollm2_bf16_alone_matches_batched():
+    """Before the small-M path, oneDNN's single-row matmul rounded differently from its batched
+    one (K = 1536), and 3 of these 5 prompts decoded differently alone than together."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    prompts = ["The capital of France is", "Write a poem about the sea:", "def fibonacci(n):", "Once upon a time", "List three colors:"]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert alone == batched
+    assert_engine_idle(llm)
