@@ -43,7 +43,7 @@ def test_small_gemm_bit_identical_to_onednn_batched(n, k, has_bias):
     bias = torch.randn(n, generator=g).to(torch.bfloat16) if has_bias else None
     packed = pack_weight(w)
     plan = _plan_or_skip(packed, n, k, bias)
-    for m in (1, 2, 3, 4):
+    for m in (1, 2, 3, 4, 7, 16):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         got = cpu_kernels.small_gemm(x, packed, bias, n, plan)
         assert torch.equal(got, _onednn_batched(x, packed, bias)), (n, k, m)
@@ -83,12 +83,13 @@ def test_unsupported_shapes_fall_back_to_onednn():
     assert cpu_kernels.calibrate_small_gemm(packed.packed_weight, n, k, None) is None
     x = torch.randn(1, k).to(torch.bfloat16)
     assert torch.equal(packed(x), packed_linear(x, packed.packed_weight))
-    # the C entry point itself refuses what it cannot do (5 rows, N % 64 != 0)
+    # the C entry point itself refuses what it cannot do (17 rows, N % 64 != 0)
     lib = cpu_kernels.get_small_gemm_lib()
-    y = torch.empty(5, 128, dtype=torch.bfloat16)
-    x5 = torch.randn(5, 64).to(torch.bfloat16)
-    assert lib.small_gemm_bf16(x5.data_ptr(), 5, 64, 0, None, y.data_ptr(), 128, 32, 32) == -1
-    assert lib.small_gemm_bf16(x5.data_ptr(), 1, 64, 0, None, y.data_ptr(), 100, 32, 32) == -1
+    m = cpu_kernels.SMALL_GEMM_MAX_ROWS + 1
+    y = torch.empty(m, 128, dtype=torch.bfloat16)
+    xm = torch.randn(m, 64).to(torch.bfloat16)
+    assert lib.small_gemm_bf16(xm.data_ptr(), m, 64, 0, None, y.data_ptr(), 128, 32, 32) == -1
+    assert lib.small_gemm_bf16(xm.data_ptr(), 1, 64, 0, None, y.data_ptr(), 100, 32, 32) == -1
 
 
 # -- the one-call decode step -------------------------------------------------------------------
@@ -121,7 +122,7 @@ def _randomize_norms(path):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, monkeypatch):
     """head_dim 64 (the attention kernel's fast path), GQA 2:1, qkv bias for qwen2. Decodes of
-    1-4 sequences take the C step; the same requests with the C step disabled give identical
+    1-16 sequences take the C step; the same requests with the C step disabled give identical
     tokens and logprobs, alone and batched, so batch size does not change the output."""
     path = tiny_model_factory(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
     _randomize_norms(path)
@@ -133,12 +134,13 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     if not calls:
         pytest.skip("the C decode step does not run on this CPU")
     assert set(calls) == {1}
-    for n in (2, 3, 4):
+    for n in (2, 3, 4, 6):
         calls.clear()
         assert _run(llm, PROMPTS[:n]) == alone[:n]
         assert set(calls) == {n}
+    many = PROMPTS * 3  # 18 sequences: more than the C step takes, the layer-by-layer path
     calls.clear()
-    assert _run(llm, PROMPTS) == alone  # 6 sequences: the layer-by-layer path
+    assert _run(llm, many) == alone * 3
     assert not calls
     monkeypatch.setattr(LlamaForCausalLM, "_decode_step_c", lambda *a: False)
     calls.clear()

@@ -3,7 +3,7 @@ through ctypes (no torch headers, so the build takes about a second).
 
 Three libraries: ``paged_attention.c`` (the paged attention kernel), ``fused_ops.c`` (fused
 RMSNorm + residual add, SiLU-and-mul, RoPE + KV-cache write) and ``decode_step.c`` (bf16 matmuls
-of 1-4 rows straight from oneDNN's packed weights, ``small_gemm.c``, and a whole decode step's
+of 1-16 rows straight from oneDNN's packed weights, ``small_gemm.c``, and a whole decode step's
 layer loop for such small batches). Each shared object is cached
 under ``$PAGEDSERVE_CACHE/kernels`` keyed by the source hash and the compiler flags. It links ``libgomp.so.1``, which the dynamic loader resolves to the OpenMP
 runtime torch already loaded, so the kernels share torch's thread pool and thread count.
@@ -293,9 +293,9 @@ def rope_write_kv(
     return q
 
 
-# -- small-M matmuls on oneDNN's packed weights (decode of 1-4 sequences) -------------------------
+# -- small-M matmuls on oneDNN's packed weights (decode of 1-16 sequences) ------------------------
 
-SMALL_GEMM_MAX_ROWS = 4  # SG_MAX_ROWS in small_gemm.c
+SMALL_GEMM_MAX_ROWS = 16  # SG_MAX_ROWS in small_gemm.c
 
 
 def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
@@ -311,7 +311,7 @@ def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
 
 
 def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, plan: tuple[int, int]) -> torch.Tensor:
-    """``x [M, K]`` (bf16, contiguous, 1 <= M <= 4) times a packed weight whose ``plan`` came
+    """``x [M, K]`` (bf16, contiguous, 1 <= M <= 16) times a packed weight whose ``plan`` came
     from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
     batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
     lib = get_small_gemm_lib()
@@ -422,7 +422,7 @@ def decode_layers(
     eps: float,
     scale: float,
 ) -> int:
-    """Every decoder layer and the final RMSNorm of a decode step of ``M <= 4`` sequences, in
+    """Every decoder layer and the final RMSNorm of a decode step of ``M <= 16`` sequences, in
     one C call (``decode_step.c``), bf16.
 
     Args:

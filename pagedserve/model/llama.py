@@ -232,12 +232,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def _decode_step_c(self, hidden, positions, kv_caches, attn_metadata) -> bool:
-        """Run every layer of a decode step of 1-4 sequences in one C call
+        """Run every layer of a decode step of 1-16 sequences in one C call
         (``csrc/decode_step.c``: the fused-op path's ops in the same order, bit-identical),
         overwriting ``hidden [M, hidden_size]`` with the final normed states. Returns False,
         having done nothing, when the step or the model does not qualify: CPU bf16 with the fused
         ops and the attention kernel's fast path, no q/k norm, every projection with a small-M
-        plan (``pack_for_cpu``), one decode group of at most 4 tokens."""
+        plan (``pack_for_cpu``), one decode group of at most 16 tokens."""
         groups = attn_metadata.groups
         if (
             hidden.dtype != torch.bfloat16

@@ -5,7 +5,7 @@ it once at load time (the same thing torch.compile's CPU "freezing" pass does) m
 matmuls faster: measured here, [32 x 576] @ [576 x 3072] 0.190 -> 0.145 ms and batch-1 matmuls
 about 2x. Results are bit-identical to ``F.linear`` in bfloat16.
 
-Inputs of 1-4 rows (decode of a few sequences) skip oneDNN: ``cpu_kernels.small_gemm`` streams
+Inputs of 1-16 rows (decode of a few sequences) skip oneDNN: ``cpu_kernels.small_gemm`` streams
 the same packed buffer with no per-call set-up, bit-identical to oneDNN's batched result (its
 partial-sum structure is calibrated per weight shape at load time; shapes that do not match keep
 oneDNN). The packed buffers are also moved to 2 MiB pages where Linux allows it.
@@ -70,7 +70,7 @@ class PackedLinear(nn.Module):
 def packed_or_small_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, small_plan: Optional[tuple[int, int]]
 ) -> torch.Tensor:
-    """:func:`packed_linear`, or the small-M kernel for a contiguous bf16 ``x [M <= 4, in]``
+    """:func:`packed_linear`, or the small-M kernel for a contiguous bf16 ``x [M <= 16, in]``
     when ``small_plan`` is set (same result bit for bit)."""
     if small_plan is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
         return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)

@@ -1,5 +1,5 @@
 /*
- * A whole decode step of a Llama-family decoder in one call, for 1-4 sequences in bf16 on the
+ * A whole decode step of a Llama-family decoder in one call, for 1-16 sequences in bf16 on the
  * CPU. With one sequence the step is a stream of small matmuls and element-wise ops; issued one
  * by one from Python, their dispatch (~10 us each, ~9 per layer) costs as much as a third of
  * the step. This loop runs the same ops in the same order as `DecoderLayer.forward_fused`
