@@ -13,7 +13,7 @@ for i in 1 2 3; do
     | grep -E "Throughput|/ hf|Load average"
 done
 echo "== batch-1 latency"
-$bin/pagedserve bench latency --dtype bfloat16 --output-json "$out/latency.json" 2>/dev/null | grep -E "prefill|decode|Load"
+$bin/pagedserve bench latency --dtype bfloat16 --output-json "$out/latency.json" 2>/dev/null | grep -E "prefill|decode|bandwidth|Load"
 echo "== chunked prefill: p99 ITL of 16 streams while a 2,000-token prompt arrives"
 $bin/python benchmarks/chunked_prefill_itl.py 2>/dev/null | tail -3
 echo "== CPU time outside the forward at 64 running requests"

@@ -111,6 +111,15 @@ def test_latency(tiny_model_factory, tmp_path, capsys):
     assert [r["backend"] for r in results] == ["pagedserve", "hf"]
     for r in results:
         assert r["ttft_s"]["median"] > 0 and r["prefill_tokens_per_s"]["median"] > 0 and r["decode_tokens_per_s"]["median"] > 0
+    ps = results[0]
+    if "memory_read_gb_per_s" in ps:  # CPU with the compiled kernels: the decode bandwidth ceiling
+        from pagedserve.bench.flops import model_flops
+        from pagedserve.model import loader
+
+        mf = model_flops(loader.load_config(tiny_model_factory("llama")))
+        assert ps["decode_weight_bytes_per_token"] == 4 * (mf.layer_params + mf.lm_head_params)  # float32
+        assert ps["memory_read_gb_per_s"] > 0
+        assert ps["decode_bandwidth_ceiling_tokens_per_s"] == pytest.approx(ps["memory_read_gb_per_s"] * 1e9 / ps["decode_weight_bytes_per_token"])
 
 
 # -- serve ---------------------------------------------------------------------------------

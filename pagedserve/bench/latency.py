@@ -155,6 +155,33 @@ def _print(res: dict[str, Any]) -> None:
         )
 
 
+def _print_bandwidth_ceiling(res: dict[str, Any], args: argparse.Namespace) -> None:
+    """Batch-1 decode streams every weight once per token, so memory read bandwidth sets its
+    ceiling: print it (measured now, CPU only) and the decode rate as a share of it."""
+    from pagedserve.bench.flops import model_flops
+    from pagedserve.bench.throughput import _resolve_device_dtype, load_tokenizer_and_config
+    from pagedserve.model import cpu_kernels
+
+    dec = res["decode_tokens_per_s"]
+    if dec is None or torch.device(_resolve_device_dtype(args)[0]).type != "cpu":
+        return
+    bw = cpu_kernels.memory_read_bandwidth()
+    if bw is None:
+        return
+    _, _, cfg = load_tokenizer_and_config(args.model_flag)
+    mf = model_flops(cfg)
+    esize = 2 if res.get("dtype") in ("bfloat16", "float16") else 4
+    weight_bytes = (mf.layer_params + mf.lm_head_params) * esize
+    ceiling = bw / weight_bytes
+    res["memory_read_gb_per_s"] = bw / 1e9
+    res["decode_weight_bytes_per_token"] = weight_bytes
+    res["decode_bandwidth_ceiling_tokens_per_s"] = ceiling
+    print(
+        f"{'':13}memory read bandwidth now {bw / 1e9:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of weights per decode token "
+        f"-> ceiling {ceiling:.0f} tok/s; decode at {100 * dec['median'] / ceiling:.0f} % of it"
+    )
+
+
 def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="pagedserve", choices=["pagedserve", "hf", "both"], help="engine, HF generate, or both")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens of the prefill measurement")
@@ -185,6 +212,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if args.backend in ("pagedserve", "both"):
         results.append(latency_pagedserve(args, prompts, decode_prompts))
         _print(results[-1])
+        _print_bandwidth_ceiling(results[-1], args)
     if args.backend in ("hf", "both"):
         results.append(latency_hf(args, model_dir, prompts, decode_prompts))
         _print(results[-1])

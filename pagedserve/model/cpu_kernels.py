@@ -94,6 +94,8 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
         lib.decode_layer_entries.argtypes = []
         lib.decode_layers_bf16.restype = ctypes.c_int
         lib.decode_layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, p, p, i64, p, p]
+        lib.stream_read.restype = f32
+        lib.stream_read.argtypes = [p, i64]
     else:
         lib.add_rms_norm.restype = None
         lib.add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
@@ -446,3 +448,24 @@ def decode_layers(
         hidden.data_ptr(), final_norm.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos.data_ptr(),
         sin.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), attention,
     )
+
+
+def memory_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> Optional[float]:
+    """Memory read bandwidth in bytes/s: the best of ``repeats`` reads of an ``nbytes`` buffer
+    (2 MiB pages where Linux allows, like the packed weights) with every OpenMP thread. The
+    ceiling of batch-1 decode, which streams every weight once per token. None without the
+    compiled kernels."""
+    import time
+
+    lib = _get("decode") if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0" else None
+    if lib is None:
+        return None
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    collapse_to_huge_pages(buf.data_ptr(), nbytes)
+    lib.stream_read(buf.data_ptr(), nbytes)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        lib.stream_read(buf.data_ptr(), nbytes)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best

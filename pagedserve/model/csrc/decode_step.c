@@ -83,3 +83,29 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
     return -1;
 #endif
 }
+
+/* Read nbytes (a multiple of 256) with every OpenMP thread, each its contiguous share, with
+ * 512-bit loads; returns a sum of what was read so the loads are not optimised away. Used by
+ * `bench latency` to measure the memory read bandwidth the decode weight stream is up against. */
+float stream_read(const void* buf, int64_t nbytes) {
+    float total = 0.f;
+#ifdef __AVX512F__
+#pragma omp parallel reduction(+ : total)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t chunks = nbytes / 256, c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
+        const char* p = (const char*)buf;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = c0; c < c1; c++) {
+            a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p + 256 * c));
+            a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + 256 * c + 64));
+            a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + 256 * c + 128));
+            a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + 256 * c + 192));
+        }
+        total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    }
+#else
+    for (int64_t i = 0; i < nbytes; i += 64) total += ((const unsigned char*)buf)[i];
+#endif
+    return total;
+}
