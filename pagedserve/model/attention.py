@@ -85,9 +85,15 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     block_size: int = 16
 
-    def __post_init__(self) -> None:
-        self.slot_block = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
-        self.slot_offset = self.slot_mapping - self.slot_block * self.block_size
+    _slot_split: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
+
+    def slot_block_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot_mapping // block_size, slot_mapping % block_size)``, computed on first use
+        (only the PyTorch cache write needs them; the C ops take the flat slots)."""
+        if self._slot_split is None:
+            blk = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+            self._slot_split = (blk, self.slot_mapping - blk * self.block_size)
+        return self._slot_split
 
 
 def build_attention_group(
@@ -130,7 +136,7 @@ def build_attention_group(
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata) -> None:
     """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots in
     ``kv_cache [2, num_blocks, num_kv_heads, block_size, head_dim]``."""
-    blk, off = metadata.slot_block, metadata.slot_offset
+    blk, off = metadata.slot_block_offset()
     kv_cache[0][blk, :, off] = key.to(kv_cache.dtype)
     kv_cache[1][blk, :, off] = value.to(kv_cache.dtype)
 
