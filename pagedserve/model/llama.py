@@ -268,9 +268,11 @@ class LlamaForCausalLM(nn.Module):
     def _decode_table(self, kv_caches) -> "torch.Tensor | None":
         """``[num_layers, entries]`` int64 addresses and plans for ``decode_layers`` (built once
         per KV cache), or None when the model does not qualify for the one-call decode step."""
-        key = (len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
-        if self._decode_table_cache is not None and self._decode_table_cache[0] == key:
-            return self._decode_table_cache[1]
+        # The runner passes the same list every step; a new list (or cache) rebuilds the table.
+        key = (id(kv_caches), len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        cached = self._decode_table_cache
+        if cached is not None and cached[0] == key and cached[2] is kv_caches:
+            return cached[1]
         table = None
         attn = self.layers[0].self_attn
         eps = self.norm.eps
@@ -298,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
                 rows.append(entries)
         if ok and rows and len(rows[0]) == cpu_kernels.decode_layer_entries():
             table = torch.tensor(rows, dtype=torch.int64)
-        self._decode_table_cache = (key, table)
+        self._decode_table_cache = (key, table, kv_caches)
         return table
 
     _decode_table_cache = None
