@@ -70,6 +70,35 @@ def test_calibration_distinguishes_partial_sum_orders():
     assert mismatches[plan] == 0 and mismatches[naive] > 0, mismatches
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_calibration_reliable_for_narrow_weights(seed):
+    """A 64-output weight with K = 1536: with a fixed 64 probe rows (4,096 outputs) a wrong plan
+    passed about half the time; the probe now scales to 2^18 outputs and is confirmed twice."""
+    n, k = 64, 1536
+    g = torch.Generator().manual_seed(100 + seed)
+    packed = pack_weight((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+    plan = _plan_or_skip(packed, n, k)
+    x = torch.randn(2048, k, generator=g).to(torch.bfloat16)
+    ref = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    got = torch.cat([cpu_kernels.small_gemm(x[i : i + 16], packed, None, n, plan) for i in range(0, 2048, 16)])
+    assert torch.equal(got, ref), plan
+
+
+def test_zero_rows_and_env_change_after_load(monkeypatch):
+    n, k = 128, 576
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    packed = PackedLinear(lin)
+    packed.small_plan = _plan_or_skip(packed.packed_weight, n, k)
+    assert packed(torch.empty(0, k, dtype=torch.bfloat16)).shape == (0, n)
+    x = torch.randn(2, k).to(torch.bfloat16)
+    before = packed(x)
+    monkeypatch.setenv("PAGEDSERVE_SMALL_GEMM", "0")  # plans made at load keep working
+    assert torch.equal(packed(x), before)
+
+
 def test_unsupported_shapes_fall_back_to_onednn():
     n, k = 100, 64  # N not a multiple of 64: oneDNN pads its layout
     w = torch.randn(n, k).to(torch.bfloat16)
@@ -149,9 +178,28 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     assert_engine_idle(llm)
 
 
-def test_smollm2_bf16_alone_matches_batched():
-    """Before the small-M path, oneDNN's single-row matmul rounded differently from its batched
-    one (K = 1536), and 3 of these 5 prompts decoded differently alone than together."""
+def test_onednn_path_one_row_matches_batched():
+    """Without a plan, one row goes through oneDNN as two (its one-row kernel sums K = 1536 in
+    another order, ~1 output in 10^4), so it equals the row computed in a batch."""
+    from pagedserve.model.packed_linear import packed_or_small_linear
+
+    if not packing_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("oneDNN packing unavailable")
+    n, k = 576, 1536
+    g = torch.Generator().manual_seed(11)
+    packed = pack_weight((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(64, k, generator=g).to(torch.bfloat16)
+    batched = packed_linear(x, packed)
+    alone = torch.cat([packed_or_small_linear(x[i : i + 1], packed, None, n, None) for i in range(64)])
+    assert torch.equal(alone, batched)
+
+
+@pytest.mark.parametrize("small_gemm", ["1", "0"])
+def test_smollm2_bf16_alone_matches_batched(small_gemm, monkeypatch):
+    """Before this, oneDNN's single-row matmul rounded differently from its batched one
+    (K = 1536), and 3 of these 5 prompts decoded differently alone than together. Both the
+    small-M path and the oneDNN path (``PAGEDSERVE_SMALL_GEMM=0``) are now invariant."""
+    monkeypatch.setenv("PAGEDSERVE_SMALL_GEMM", small_gemm)
     llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512)
     prompts = ["The capital of France is", "Write a poem about the sea:", "def fibonacci(n):", "Once upon a time", "List three colors:"]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

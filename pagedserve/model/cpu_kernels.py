@@ -316,7 +316,7 @@ def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torc
     """``x [M, K]`` (bf16, contiguous, 1 <= M <= 16) times a packed weight whose ``plan`` came
     from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
     batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
-    lib = get_small_gemm_lib()
+    lib = _get("decode")  # not get_small_gemm_lib(): plans made at load stay usable if the env changes
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
     rc = lib.small_gemm_bf16(
@@ -328,15 +328,21 @@ def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torc
     return y
 
 
+_CALIBRATION_OUTPUTS = 1 << 18  # outputs compared per probe batch
+
+
 def calibrate_small_gemm(packed_weight: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
     """Find how oneDNN splits K into partial sums for this weight shape, so that the small-M
     kernel reproduces its batched output bit for bit (see ``small_gemm.c``).
 
     Tries (chain, body) candidates (k pairs: partial sums of ``chain`` pairs over the first
-    ``body``, then one over the rest) on 64 random rows and returns the first whose every output
-    equals oneDNN's 64-row result, or None: the layout is not [N/64][K/2][64][2], the shape is
-    not supported, or no candidate matches. A wrong candidate differs from oneDNN in about one
-    output in 10^4, so 64 x N outputs tell them apart.
+    ``body``, then one over the rest) on random rows and keeps the first whose every output
+    equals oneDNN's batched result, then confirms it on a second, independent batch. Returns
+    None when the layout is not [N/64][K/2][64][2], the shape is not supported, or no candidate
+    matches both batches. A wrong candidate differs from oneDNN in about 1-3 outputs in 10^4,
+    so each batch has enough rows for 2^18 outputs (at least 64 rows): a wrong candidate then
+    shows ~40 mismatches, and passes by chance with probability ~e^-40. (With a fixed 64 rows
+    a 64-output weight was given a wrong plan about half the time.)
     """
     lib = get_small_gemm_lib()
     n, k = out_features, in_features
@@ -349,30 +355,38 @@ def calibrate_small_gemm(packed_weight: torch.Tensor, out_features: int, in_feat
     if nbytes != n * k * 2:  # padded layout (N or K not a multiple of the block)
         return None
     k2 = k // 2
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(64, k, generator=gen).to(torch.bfloat16)
-    ref = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    step = SMALL_GEMM_MAX_ROWS
+    rows = max(64, -(-_CALIBRATION_OUTPUTS // n))
+    rows = min(-(-rows // step) * step, 4096)
+    w_ptr = torch.ops.mkldnn.data_ptr(packed_weight)
+    b_ptr = None if bias is None else bias.data_ptr()
+
+    def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        return x, torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+    def matches(x: torch.Tensor, ref: torch.Tensor, chain: int, body: int) -> Optional[bool]:
+        y = torch.empty(step, n, dtype=torch.bfloat16)
+        for r0 in range(0, rows, step):
+            if lib.small_gemm_bf16(x[r0].data_ptr(), step, k, w_ptr, b_ptr, y.data_ptr(), n, chain, body) != 0:
+                return None
+            if not torch.equal(y, ref[r0 : r0 + step]):
+                return False
+        return True
+
     bodies = []
     for b in (32, 64, 128, 256, 512, k2):
         if k2 - k2 % b not in bodies:
             bodies.append(k2 - k2 % b)
-    y = torch.empty_like(ref)
+    x, ref = batch(1234)
     for chain in (256, 512, 128, 1024, 64, k2):
         for body in bodies:
-            ok = True
-            for r0 in range(0, 64, SMALL_GEMM_MAX_ROWS):
-                xr = x[r0 : r0 + SMALL_GEMM_MAX_ROWS]
-                rc = lib.small_gemm_bf16(
-                    xr.data_ptr(), xr.shape[0], k, torch.ops.mkldnn.data_ptr(packed_weight),
-                    None if bias is None else bias.data_ptr(), y[r0].data_ptr(), n, chain, body,
-                )
-                if rc != 0:
-                    return None
-                if not torch.equal(y[r0 : r0 + SMALL_GEMM_MAX_ROWS], ref[r0 : r0 + SMALL_GEMM_MAX_ROWS]):
-                    ok = False
-                    break
+            ok = matches(x, ref, chain, body)
+            if ok is None:
+                return None
             if ok:
-                return chain, body
+                x2, ref2 = batch(4321)
+                return (chain, body) if matches(x2, ref2, chain, body) else None
     return None
 
 
@@ -402,7 +416,7 @@ def collapse_to_huge_pages(address: int, nbytes: int) -> bool:
 
 def decode_layer_entries() -> int:
     """Entries per layer of the table :func:`decode_layers` takes (``decode_step.c``)."""
-    return int(get_small_gemm_lib().decode_layer_entries())
+    return int(_get("decode").decode_layer_entries())
 
 
 def decode_layers(
@@ -439,7 +453,7 @@ def decode_layers(
     Returns:
         0 on success; -1 unsupported shape, -2 out of memory, -3 attention failed.
     """
-    lib = get_small_gemm_lib()
+    lib = _get("decode")  # the table was built with it (see small_gemm)
     attention = ctypes.cast(get_lib().paged_attention_bf16, ctypes.c_void_p).value
     m, hid = hidden.shape
     assert hidden.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous() and positions.is_contiguous()

@@ -71,9 +71,14 @@ def packed_or_small_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, small_plan: Optional[tuple[int, int]]
 ) -> torch.Tensor:
     """:func:`packed_linear`, or the small-M kernel for a contiguous bf16 ``x [M <= 16, in]``
-    when ``small_plan`` is set (same result bit for bit)."""
-    if small_plan is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
+    when ``small_plan`` is set (same result bit for bit as oneDNN's batched kernel)."""
+    if small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
         return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)
+    if x.dim() == 2 and x.shape[0] == 1:
+        # oneDNN's one-row kernel sums in another order than its batched one for some K (1536,
+        # 4096, 4864: ~1 output in 10^4); two rows take the batched kernel, so a sequence's
+        # result does not depend on whether it was alone in the step.
+        return packed_linear(x.expand(2, -1).contiguous(), packed, bias)[:1]
     return packed_linear(x, packed, bias)
 
 
