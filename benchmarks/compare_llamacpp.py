@@ -1,0 +1,100 @@
+"""Batch-1 prefill and decode of llama.cpp and pagedserve in the same minutes, alternating.
+
+This box's memory bandwidth swings by 2x from minute to minute (see "Batch-1 decode and the
+bandwidth ceiling" in benchmarks/README.md), so a peer's number from another day says little;
+this script measures llama.cpp (through llama-cpp-python) next to `pagedserve bench latency`
+on the same weights in bf16, and prints the memory read bandwidth of each round.
+
+llama-cpp-python is not a project dependency. One way to get it and a BF16 GGUF of SmolLM2:
+
+    python3 -m venv /tmp/llvenv
+    CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llvenv/bin/pip install llama-cpp-python   # builds llama.cpp (~15 min on 2 cores)
+    # convert pagedserve's dequantized HF copy (add "architectures": ["LlamaForCausalLM"] to a
+    # copy of its config.json) with llama.cpp's converter from the llama-cpp-python sdist:
+    .venv/bin/python vendor/llama.cpp/convert_hf_to_gguf.py DIR --outtype bf16 --outfile smol-bf16.gguf
+
+    /tmp/llvenv/bin/python benchmarks/compare_llamacpp.py --gguf smol-bf16.gguf [--rounds 3]
+
+The llama.cpp side runs in the interpreter given (it needs only llama_cpp); the pagedserve
+side runs `.venv/bin/pagedserve bench latency --dtype bfloat16` as a subprocess. Prompts for
+llama.cpp are windows of the same English text, tokenized by llama.cpp; decode tok/s =
+(n - 1) / time from the first generated token to the last, greedy, EOS ignored, like
+`bench latency`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _text() -> str:
+    import pydoc_data.topics
+
+    return "\n".join(pydoc_data.topics.topics.values())[:100_000]
+
+
+def llamacpp_latency(gguf: str, input_len: int, output_len: int, threads: int, iters: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=input_len + output_len + 16, n_threads=threads, n_threads_batch=threads, n_batch=input_len, verbose=False)
+    ids = llm.tokenize(_text().encode(), add_bos=False)
+    ttfts, rates = [], []
+    for i in range(iters + 1):  # the first is a warm-up
+        prompt = ids[i * input_len : (i + 1) * input_len]
+        llm.reset()
+        t0 = time.perf_counter()
+        times = []
+        for n, _tok in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+            times.append(time.perf_counter())
+            if n + 1 >= output_len:
+                break
+        if i == 0:
+            continue
+        ttfts.append(times[0] - t0)
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    return {"ttft_ms": 1000 * statistics.median(ttfts), "prefill_tok_s": input_len / statistics.median(ttfts), "decode_tok_s": statistics.median(rates)}
+
+
+def pagedserve_latency(input_len: int, output_len: int, iters: int) -> dict:
+    cmd = [os.path.join(ROOT, ".venv", "bin", "pagedserve"), "bench", "latency", "--dtype", "bfloat16",
+           "--input-len", str(input_len), "--output-len", str(output_len), "--num-iters", str(iters)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    pre = re.search(r"prefill \d+ tokens: TTFT ([\d.]+) ms median \(([\d.]+) tok/s", out)
+    dec = re.search(r"decode \d+ tokens .*?: ([\d.]+) tok/s median", out)
+    bw = re.search(r"memory read bandwidth now ([\d.]+) GB/s", out)
+    return {"ttft_ms": float(pre.group(1)), "prefill_tok_s": float(pre.group(2)), "decode_tok_s": float(dec.group(1)), "bandwidth_gb_s": float(bw.group(1)) if bw else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", required=True, help="BF16 GGUF of the same model, for llama.cpp")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--iters", type=int, default=3, help="measured iterations per round (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two engines")
+    args = ap.parse_args()
+    print(f"batch 1, {args.input_len}-token prompts, {args.output_len} output tokens, {args.threads} threads, median of {args.iters}")
+    for r in range(args.rounds):
+        lc = llamacpp_latency(args.gguf, args.input_len, args.output_len, args.threads, args.iters)
+        ps = pagedserve_latency(args.input_len, args.output_len, args.iters)
+        bw = f"{ps['bandwidth_gb_s']:.1f} GB/s" if ps["bandwidth_gb_s"] else "n/a"
+        print(
+            f"round {r + 1} (memory read {bw}): "
+            f"llama.cpp prefill {lc['prefill_tok_s']:.0f} tok/s, decode {lc['decode_tok_s']:.1f} tok/s | "
+            f"pagedserve prefill {ps['prefill_tok_s']:.0f} tok/s, decode {ps['decode_tok_s']:.1f} tok/s | "
+            f"decode ratio {ps['decode_tok_s'] / lc['decode_tok_s']:.2f}x"
+        )
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
