@@ -15,8 +15,13 @@ llama-cpp-python is not a project dependency. One way to get it and a BF16 GGUF 
 
     /tmp/llvenv/bin/python benchmarks/compare_llamacpp.py --gguf smol-bf16.gguf [--rounds 3]
 
-The llama.cpp side runs in the interpreter given (it needs only llama_cpp); the pagedserve
-side runs `.venv/bin/pagedserve bench latency --dtype bfloat16` as a subprocess. Prompts for
+With `--llama-bench PATH` it also runs llama.cpp's own `llama-bench -p 512 -n 128` (pure C,
+no sampling, and its tg128 decodes from an empty context: llama.cpp's best case), built from
+the same sources: `cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build
+--target llama-bench` in the sdist's vendor/llama.cpp. Without `--gguf` only that runs.
+
+The llama-cpp-python side runs in the interpreter given (it needs only llama_cpp); the
+pagedserve side runs `.venv/bin/pagedserve bench latency --dtype bfloat16` as a subprocess. Prompts for
 llama.cpp are windows of the same English text, tokenized by llama.cpp; decode tok/s =
 (n - 1) / time from the first generated token to the last, greedy, EOS ignored, like
 `bench latency`.
@@ -62,6 +67,19 @@ def llamacpp_latency(gguf: str, input_len: int, output_len: int, threads: int, i
     return {"ttft_ms": 1000 * statistics.median(ttfts), "prefill_tok_s": input_len / statistics.median(ttfts), "decode_tok_s": statistics.median(rates)}
 
 
+def llama_bench(path: str, gguf: str, input_len: int, output_len: int, threads: int) -> dict:
+    out = subprocess.run(
+        [path, "-m", gguf, "-p", str(input_len), "-n", str(output_len), "-t", str(threads), "-r", "3", "-o", "csv"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    import csv
+    import io
+
+    rows = list(csv.DictReader(io.StringIO(out)))
+    by = {("pp" if int(r["n_prompt"]) else "tg"): float(r["avg_ts"]) for r in rows}
+    return {"prefill_tok_s": by["pp"], "decode_tok_s": by["tg"]}
+
+
 def pagedserve_latency(input_len: int, output_len: int, iters: int) -> dict:
     cmd = [os.path.join(ROOT, ".venv", "bin", "pagedserve"), "bench", "latency", "--dtype", "bfloat16",
            "--input-len", str(input_len), "--output-len", str(output_len), "--num-iters", str(iters)]
@@ -75,6 +93,8 @@ def pagedserve_latency(input_len: int, output_len: int, iters: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True, help="BF16 GGUF of the same model, for llama.cpp")
+    ap.add_argument("--llama-bench", default=None, help="path of a llama-bench binary: run it too")
+    ap.add_argument("--no-python-bindings", action="store_true", help="skip llama-cpp-python (llama-bench only)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -83,15 +103,19 @@ def main() -> int:
     args = ap.parse_args()
     print(f"batch 1, {args.input_len}-token prompts, {args.output_len} output tokens, {args.threads} threads, median of {args.iters}")
     for r in range(args.rounds):
-        lc = llamacpp_latency(args.gguf, args.input_len, args.output_len, args.threads, args.iters)
+        peers = {}
+        if args.llama_bench:
+            peers["llama-bench"] = llama_bench(args.llama_bench, args.gguf, args.input_len, args.output_len, args.threads)
+        if not args.no_python_bindings:
+            peers["llama-cpp-python"] = llamacpp_latency(args.gguf, args.input_len, args.output_len, args.threads, args.iters)
         ps = pagedserve_latency(args.input_len, args.output_len, args.iters)
         bw = f"{ps['bandwidth_gb_s']:.1f} GB/s" if ps["bandwidth_gb_s"] else "n/a"
-        print(
-            f"round {r + 1} (memory read {bw}): "
-            f"llama.cpp prefill {lc['prefill_tok_s']:.0f} tok/s, decode {lc['decode_tok_s']:.1f} tok/s | "
-            f"pagedserve prefill {ps['prefill_tok_s']:.0f} tok/s, decode {ps['decode_tok_s']:.1f} tok/s | "
-            f"decode ratio {ps['decode_tok_s'] / lc['decode_tok_s']:.2f}x"
-        )
+        print(f"round {r + 1} (memory read {bw}): pagedserve prefill {ps['prefill_tok_s']:.0f} tok/s, decode {ps['decode_tok_s']:.1f} tok/s")
+        for name, lc in peers.items():
+            print(
+                f"    {name:17s} prefill {lc['prefill_tok_s']:.0f} tok/s, decode {lc['decode_tok_s']:.1f} tok/s"
+                f" -> pagedserve / it: prefill {ps['prefill_tok_s'] / lc['prefill_tok_s']:.2f}x, decode {ps['decode_tok_s'] / lc['decode_tok_s']:.2f}x"
+            )
         sys.stdout.flush()
     return 0
 
