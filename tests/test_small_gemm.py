@@ -20,7 +20,7 @@ def _plan_or_skip(packed, n, k, bias=None):
         pytest.skip("oneDNN packing or the C kernels are unavailable")
     plan = cpu_kernels.calibrate_small_gemm(packed, n, k, bias)
     if plan is None:
-        pytest.skip("the small-M kernel does not run on this CPU (needs AVX512-BF16)")
+        pytest.skip("no small-M summation plan matches oneDNN on this CPU (its AMX kernels, or no AVX512-BF16)")
     return plan
 
 
@@ -190,6 +190,10 @@ def test_onednn_path_one_row_matches_batched():
     packed = pack_weight((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
     x = torch.randn(64, k, generator=g).to(torch.bfloat16)
     batched = packed_linear(x, packed)
+    if any(not torch.equal(packed_linear(x[:m], packed), batched[:m]) for m in range(2, 64)):
+        # AMX (Sapphire Rapids and later): oneDNN's kernels sum in an order that depends on the
+        # batch size itself, so there is no "batched numerics" for one row to match.
+        pytest.skip("oneDNN's batched kernel on this CPU is not batch-size invariant (AMX)")
     alone = torch.cat([packed_or_small_linear(x[i : i + 1], packed, None, n, None) for i in range(64)])
     assert torch.equal(alone, batched)
 
