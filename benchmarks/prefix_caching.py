@@ -62,8 +62,8 @@ def run(llm: LLM, prompts, params: SamplingParams, first_wave: int) -> dict:
     total = time.monotonic() - t0
     after = llm.stats()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(
@@ -79,7 +79,7 @@ def run(llm: LLM, prompts, params: SamplingParams, first_wave: int) -> dict:
         output_tokens=out_tokens,
         hit_rate=hits / queries if queries else 0.0,
         hits=hits,
-        preemptions=after["num_preemptions"] - before["num_preemptions"],
+        preemptions=after.num_preemptions - before.num_preemptions,
         token_ids=[o.outputs[0].token_ids for o in outs],
     )
 

@@ -1,13 +1,30 @@
-"""Engine configuration, with vLLM's parameter names."""
+"""EngineConfig: everything that shapes an engine instance, with vLLM's names, and its CLI
+flags, defined once here (vLLM's ``EngineArgs.add_cli_args`` / ``from_cli_args`` shape).
+
+``LLM(model, **kwargs)``, ``pagedserve generate|chat|serve|bench`` and the server's engine
+process all build the same :class:`EngineConfig`. Values the engine resolves at start-up
+(``max_model_len`` from the model and the KV cache, the token budget) are filled into a copy by
+:meth:`EngineConfig.resolved`, so the scheduler reads one config, never a second one.
+Torch-free: the engine core imports this.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DEFAULT_TOKEN_BUDGET = 2048
+
+
+def _flag(help: str, *names: str, **argparse_kwargs: Any) -> Any:
+    """Field metadata: the CLI flag names (default ``--field-name``), help and argparse extras."""
+    return {"help": help, "names": names, "argparse": argparse_kwargs}
 
 
 @dataclass
 class EngineConfig:
-    """Everything that shapes an engine instance.
+    """Configuration of one engine (model, KV cache, scheduler, process layout).
 
     Attributes:
         model: HF model directory or .gguf file; None = the default SmolLM2-135M-Instruct.
@@ -17,48 +34,103 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output, tokens); None = the model's
             max_position_embeddings, lowered to what the KV cache can hold.
         max_num_seqs: most requests running at once.
-        max_num_batched_tokens: token budget of one step (tokens); None = max(2048, max_model_len
-            when chunked prefill is off).
+        max_num_batched_tokens: token budget of one step (tokens); None = 2048 (with chunked
+            prefill off: at least max_model_len).
         kv_cache_memory_bytes: KV cache budget (bytes); None = a share of free memory
-            (CPU: 20% of available RAM, at most 4 GiB; CUDA: gpu_memory_utilization).
+            (CPU: 20 % of available RAM, at most 4 GiB; CUDA: gpu_memory_utilization).
         num_kv_blocks: set the pool size directly (blocks); overrides the memory budget.
         gpu_memory_utilization: fraction of GPU memory the engine may use (CUDA only).
         enable_prefix_caching: reuse KV blocks across requests by chained block hashes.
         enable_chunked_prefill: split long prompts across steps under the token budget.
         long_prefill_token_threshold: cap on one request's prefill chunk per step (0 = none).
         seed: global seed (sampling of requests without their own seed).
-        device: "auto" (CUDA when available, else CPU), "cpu" or "cuda".
+        device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:i]".
         served_model_name: name reported by the API; default: the model's name.
+        num_threads: torch CPU threads of the engine (the process that runs the model);
+            None = one per core this process may run on.
     """
 
-    model: Optional[str] = None
-    dtype: str = "auto"
-    block_size: int = 16
-    max_model_len: Optional[int] = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: Optional[int] = None
-    kv_cache_memory_bytes: Optional[int] = None
-    num_kv_blocks: Optional[int] = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    seed: int = 0
-    device: str = "auto"
-    served_model_name: Optional[str] = None
+    model: Optional[str] = field(default=None, metadata=_flag("HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"))
+    dtype: str = field(default="auto", metadata=_flag("weights and KV cache dtype", choices=["auto", "float32", "bfloat16", "float16"]))
+    block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
+    max_model_len: Optional[int] = field(default=None, metadata=_flag("longest prompt + output (tokens)"))
+    max_num_seqs: int = field(default=64, metadata=_flag("most requests running at once"))
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata=_flag("token budget per step"))
+    kv_cache_memory_bytes: Optional[int] = field(
+        default=None, metadata=_flag("KV cache budget in bytes", "--kv-cache-memory", "--kv-cache-memory-bytes")
+    )
+    num_kv_blocks: Optional[int] = field(default=None, metadata=_flag("KV cache pool size in blocks (overrides the memory budget)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_flag("fraction of GPU memory the engine may use"))
+    enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse KV blocks of shared prefixes"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_flag("split long prompts under the token budget"))
+    long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one request's prefill chunk per step (0 = none)"))
+    seed: int = field(default=0, metadata=_flag("global sampling seed"))
+    device: str = field(default="auto", metadata=_flag("auto, cpu or cuda"))
+    served_model_name: Optional[str] = field(default=None, metadata=_flag("model name reported by the API"))
+    num_threads: Optional[int] = field(default=None, metadata=_flag("torch CPU threads of the engine (default: one per core)"))
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        def positive(name: str, allow_none: bool = True) -> None:
+            v = getattr(self, name)
+            if (v is not None or not allow_none) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be at least 1, got {v}")
+
+        for name in ("max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+            positive(name)
+        for name in ("block_size", "max_num_seqs"):
+            positive(name, allow_none=False)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    # -- values resolved at start-up --------------------------------------------------------
+    def resolved(self, max_model_len: int) -> "EngineConfig":
+        """A copy with ``max_model_len`` and ``max_num_batched_tokens`` filled in (the budget
+        defaults to 2048 tokens, and with chunked prefill off to at least max_model_len)."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_TOKEN_BUDGET if self.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
+        return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget)
+
+    def verify_token_budget(self) -> None:
+        """Raises ValueError when, with chunked prefill off, a prompt of max_model_len tokens
+        could never be scheduled (call on a resolved config)."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len})"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- CLI --------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
+        """Add every field as a flag (``--max-num-seqs``, ``--[no-]enable-prefix-caching``, ...)
+        in an "engine" group. ``model_flag=False`` leaves ``--model`` out (``serve`` takes the
+        model as a positional argument and also accepts ``--model``, added by the caller)."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(EngineConfig):
+            if f.name == "model" and not model_flag:
+                continue
+            meta = f.metadata
+            names = list(meta["names"]) or ["--" + f.name.replace("_", "-")]
+            kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=meta["help"], **meta["argparse"])
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif "choices" not in kwargs:
+                kwargs["type"] = {"int": int, "Optional[int]": int, "float": float}.get(str(f.type), str)
+            group.add_argument(*names, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":
+        """The config the parsed flags describe; ``overrides`` win (e.g. a positional model)."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

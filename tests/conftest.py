@@ -104,12 +104,19 @@ def smollm2_llm():
 
 
 def assert_engine_idle(llm_or_engine) -> None:
-    """No request state left and every block back in the free queue with ref_cnt 0."""
+    """No request state left anywhere (frontend, scheduler, worker) and every block back in the
+    free queue with ref_cnt 0."""
     engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
     stats = engine.get_stats()
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-    assert not engine.scheduler.requests
-    assert not engine.kv_manager.req_to_blocks
-    assert all(b.ref_cnt == 0 for b in engine.kv_manager.block_pool.blocks)
+    assert stats.num_running == 0 and stats.num_waiting == 0, stats
+    assert stats.num_free_blocks == stats.num_total_blocks, stats
+    sched = engine.core.scheduler
+    kv = sched.kv_cache_manager
+    assert not sched.requests
+    assert not kv.req_to_blocks
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
     assert not engine.has_unfinished_requests()
+    # The worker drops a finished request's state when the next step's message says so.
+    engine.core.step()
+    runner = engine.core.worker.model_runner
+    assert not runner.requests and runner.input_batch.num_reqs == 0, list(runner.requests)

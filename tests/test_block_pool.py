@@ -11,22 +11,16 @@ import struct
 import pytest
 import xxhash
 
+from core_utils import B, IDENTITY, assert_pool_idle
+from core_utils import make_kv_manager as manager
+from core_utils import make_request
 from pagedserve.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from pagedserve.core.kv_cache_manager import KVCacheManager, hash_block_tokens, hash_seed
 from pagedserve.core.request import Request
-from pagedserve.sampling_params import SamplingParams
-
-B = 4  # block size used throughout
-IDENTITY = "/models/tiny|torch.float32"
 
 
 def make_req(rid: str, tokens: list[int], salt: str | None = None, **params) -> Request:
-    params.setdefault("max_tokens", 8)
-    return Request(rid, tokens, SamplingParams(temperature=0.0, **params), eos_token_ids={2}, cache_salt=salt)
-
-
-def manager(num_blocks: int = 16, caching: bool = True) -> KVCacheManager:
-    return KVCacheManager(num_blocks, B, enable_caching=caching, model_identity=IDENTITY)
+    return make_request(rid, tokens, salt, **params)
 
 
 def admit(kv: KVCacheManager, req: Request) -> tuple[list[KVCacheBlock], int]:
@@ -55,14 +49,6 @@ def snapshot(kv: KVCacheManager):
         {rid: [b.block_id for b in blocks] for rid, blocks in kv.req_to_blocks.items()},
         dict(kv.num_cached_blocks),
     )
-
-
-def assert_pool_idle(kv: KVCacheManager) -> None:
-    pool = kv.block_pool
-    assert not kv.req_to_blocks and not kv.num_cached_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert pool.num_free_blocks == pool.num_blocks == len(list(pool.free_queue))
-    assert sorted(free_order(kv)) == list(range(pool.num_blocks))
 
 
 def expected_hashes(tokens: list[int], identity: str = IDENTITY, salt: str | None = None) -> list[bytes]:

@@ -17,6 +17,7 @@ import torch
 
 from conftest import TINY_VOCAB, assert_engine_idle
 from pagedserve import LLM, SamplingParams
+from pagedserve.core.outputs import SchedulerStats
 from pagedserve.model import loader
 
 EOS = 2  # the tiny models' eos_token_id
@@ -79,7 +80,7 @@ def reference_tokens(tiny_dir, batch_prompts):
 def test_batch_of_32_mixed_lengths_matches_alone(tiny_dir, batch_prompts, reference_tokens):
     llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=1024, max_model_len=512, enable_prefix_caching=False)
     assert _tokens(llm.generate(batch_prompts, GREEDY16, use_tqdm=False)) == reference_tokens
-    assert llm.stats()["num_preemptions"] == 0
+    assert llm.stats().num_preemptions == 0
     assert_engine_idle(llm)
 
 
@@ -95,19 +96,19 @@ def test_tiny_block_pool_preemption_matches_alone(tiny_dir, batch_prompts, refer
     # 40 blocks = 640 tokens for 32 requests of up to 316 tokens: preemption by recompute.
     llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=40, max_model_len=320, max_num_batched_tokens=128)
     assert _tokens(llm.generate(batch_prompts, GREEDY16, use_tqdm=False)) == reference_tokens
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     assert_engine_idle(llm)
 
 
 def test_prefix_caching_on_matches_off(tiny_dir, batch_prompts, reference_tokens):
     llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=1024, max_model_len=512, enable_prefix_caching=True)
     first = llm.generate(batch_prompts, GREEDY16, use_tqdm=False)
-    hits_first = llm.stats()["prefix_cache_hits"]
+    hits_first = llm.stats().prefix_cache_hits
     assert hits_first > 0  # the shared 64-token prefix
     assert_engine_idle(llm)
     # Second pass: every prompt's full blocks are cached now.
     second = llm.generate(batch_prompts, GREEDY16, use_tqdm=False)
-    assert llm.stats()["prefix_cache_hits"] > hits_first
+    assert llm.stats().prefix_cache_hits > hits_first
     assert all(o.num_cached_tokens > 0 for o, p in zip(second, batch_prompts) if len(p["prompt_token_ids"]) > 16)
     assert _tokens(first) == reference_tokens
     assert _tokens(second) == reference_tokens
@@ -126,7 +127,7 @@ def test_identical_prompts_in_one_step(tiny_llm, tiny_dir):
     tiny_llm.reset_prefix_cache()
     prompts = [{"prompt_token_ids": p} for p in (p17, p40, p17, p40, p17)]
     assert _tokens(tiny_llm.generate(prompts, GREEDY16, use_tqdm=False)) == [ref17, ref40, ref17, ref40, ref17]
-    assert tiny_llm.stats()["prefix_cache_hits"] > 0
+    assert tiny_llm.stats().prefix_cache_hits > 0
     params = SamplingParams(n=3, temperature=0.0, max_tokens=16, ignore_eos=True)
     out = tiny_llm.generate({"prompt_token_ids": p40}, params, use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [ref40] * 3
@@ -156,7 +157,7 @@ def test_smollm2_batch_invariance(smollm2_llm):
     assert sum(needs) > num_blocks
     small = LLM(dtype="float32", num_kv_blocks=num_blocks, max_model_len=num_blocks * 16, max_num_batched_tokens=16, enable_prefix_caching=False)
     assert _tokens(small.generate(SMOL_PROMPTS, params, use_tqdm=False)) == batched
-    assert small.stats()["num_preemptions"] > 0
+    assert small.stats().num_preemptions > 0
     assert_engine_idle(small)
 
 
@@ -332,24 +333,29 @@ def test_logprobs(tiny_llm):
     assert_engine_idle(tiny_llm)
 
 
-def test_stats_keys(tiny_llm):
-    stats = tiny_llm.stats()
-    for key in ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions"):
-        assert key in stats
-    assert stats["num_total_blocks"] == 128
+def test_stats_are_typed_and_count_tokens(tiny_llm):
+    before = tiny_llm.stats()
+    assert isinstance(before, SchedulerStats)
+    assert before.num_total_blocks == before.num_free_blocks == 128 and before.kv_cache_usage == 0.0
+    outs = tiny_llm.generate([[5] * 20, [6] * 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    after = tiny_llm.stats()
+    assert after.num_prompt_tokens - before.num_prompt_tokens == 27
+    assert after.num_generation_tokens - before.num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in outs) == 6
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 27
+    assert (after.num_running, after.num_waiting) == (0, 0)
     assert_engine_idle(tiny_llm)
 
 
 def test_abort_frees_blocks(tiny_llm):
     engine = tiny_llm.llm_engine
-    total = engine.get_stats()["num_total_blocks"]
+    total = engine.get_stats().num_total_blocks
     engine.add_request("long", {"prompt_token_ids": list(range(10, 110))}, SamplingParams(max_tokens=100, ignore_eos=True))
     engine.add_request("waiting-too", "hi", SamplingParams(max_tokens=100, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.get_stats()["num_free_blocks"] < total
+    assert engine.get_stats().num_free_blocks < total
     engine.abort_request(["long", "waiting-too"])
-    assert engine.get_stats()["num_free_blocks"] == total
+    assert engine.get_stats().num_free_blocks == total
     assert engine.step() == []
     assert_engine_idle(tiny_llm)
     # Abort while still waiting (never scheduled).
@@ -360,15 +366,15 @@ def test_abort_frees_blocks(tiny_llm):
 
 def test_finished_request_frees_blocks_in_same_step(tiny_llm):
     engine = tiny_llm.llm_engine
-    kv = engine.kv_manager
-    total = engine.get_stats()["num_total_blocks"]
+    kv = engine.core.scheduler.kv_cache_manager
+    total = engine.get_stats().num_total_blocks
     engine.add_request("one", {"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=1))
     engine.add_request("many", {"prompt_token_ids": list(range(200, 220))}, SamplingParams(max_tokens=50, ignore_eos=True))
     outs = {o.request_id: o for o in engine.step()}  # both prefill; "one" samples its only token
     assert outs["one"].finished and outs["one"].outputs[0].finish_reason == "length"
     assert not outs["many"].finished
-    assert "one" not in kv.req_to_blocks and "one" not in engine.scheduler.requests
-    assert engine.get_stats()["num_free_blocks"] == total - len(kv.get_block_ids("many"))
+    assert "one" not in kv.req_to_blocks and "one" not in engine.core.scheduler.requests
+    assert engine.get_stats().num_free_blocks == total - len(kv.get_block_ids("many"))
     engine.abort_request("many")
     assert_engine_idle(tiny_llm)
 
@@ -388,13 +394,13 @@ def test_finished_request_frees_blocks_in_same_step(tiny_llm):
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0]
-                assert out.request_id not in kv.req_to_blocks and out.request_id not in engine.scheduler.requests
+                assert out.request_id not in kv.req_to_blocks and out.request_id not in engine.core.scheduler.requests
         if len(finished) == 3:
             break
     assert finished["eos"].token_ids == [EOS] and finished["eos"].finish_reason == "stop"
     assert finished["stop-id"].stop_reason == ref.token_ids[2]
     assert finished["stop-str"].stop_reason == stop_str
-    assert engine.get_stats()["num_free_blocks"] == total - len(kv.get_block_ids("keeps-going"))
+    assert engine.get_stats().num_free_blocks == total - len(kv.get_block_ids("keeps-going"))
     engine.abort_request("keeps-going")
     assert_engine_idle(tiny_llm)
 
@@ -430,10 +436,10 @@ def test_generate_prompt_forms(tiny_llm):
 def test_dtype_auto(tiny_dir):
     llm = LLM(tiny_dir, num_kv_blocks=16, max_model_len=256)  # dtype="auto"
     engine = llm.llm_engine
-    expected = torch.bfloat16 if (engine.device.type == "cuda" or loader.cpu_has_bf16()) else torch.float32
-    assert engine.dtype == expected
-    assert engine.runner.kv_cache.dtype == expected
-    assert next(engine.runner.model.parameters()).dtype == expected
+    expected = torch.bfloat16 if (engine.core.worker.device.type == "cuda" or loader.cpu_has_bf16()) else torch.float32
+    assert engine.core.worker.dtype == expected
+    assert engine.core.worker.model_runner.kv_cache.dtype == expected
+    assert next(engine.core.worker.model_runner.model.parameters()).dtype == expected
     out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
     assert_engine_idle(llm)

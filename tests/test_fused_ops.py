@@ -91,8 +91,8 @@ def test_fused_forward_checks_positions_and_slots(tiny_model_factory):
     if not cpu_kernels.prefill_kernel_preferred(torch.bfloat16, 4, 2, 64):
         pytest.skip("the fused RoPE path needs the bf16 kernel fast path (AVX512-BF16)")
     llm = LLM(tiny_model_factory("llama", head_dim=64), dtype="bfloat16", num_kv_blocks=8, max_model_len=64)
-    model = llm.llm_engine.runner.model
-    kv = llm.llm_engine.runner.kv_caches
+    model = llm.llm_engine.core.worker.model_runner.model
+    kv = llm.llm_engine.core.worker.model_runner.kv_caches
     group = build_attention_group(0, [2], [0], [[1]], 16, torch.device("cpu"))
     with torch.inference_mode():
         with pytest.raises(IndexError, match="positions"):

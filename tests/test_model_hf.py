@@ -75,12 +75,12 @@ def our_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Our model's float32 logits ``[len(ids), V]`` for one sequence run as a single prefill,
     with a private KV cache (the engine's own cache and block pool are not touched)."""
     engine = llm.llm_engine
-    model = engine.runner.model
+    model = engine.core.worker.model_runner.model
     B = engine.config.block_size
     n = len(ids)
     nb = -(-n // B)
     attn = model.layers[0].self_attn
-    kv = [torch.zeros(2, nb, attn.num_kv_heads, B, attn.head_dim, dtype=engine.dtype) for _ in model.layers]
+    kv = [torch.zeros(2, nb, attn.num_kv_heads, B, attn.head_dim, dtype=engine.core.worker.dtype) for _ in model.layers]
     group = build_attention_group(0, [n], [0], [list(range(nb))], B, torch.device("cpu"))
     meta = AttentionMetadata(torch.arange(n), [group], B)
     with torch.inference_mode():
@@ -114,7 +114,7 @@ class capture_logits:
     """Record the logits rows our model computes (the rows the sampler sees) while active."""
 
     def __init__(self, llm: LLM) -> None:
-        self.model = llm.llm_engine.runner.model
+        self.model = llm.llm_engine.core.worker.model_runner.model
         self.rows: list[torch.Tensor] = []
 
     def __enter__(self) -> "capture_logits":

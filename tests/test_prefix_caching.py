@@ -90,14 +90,13 @@ def rand_tokens(rnd: random.Random, n: int) -> list[int]:
 
 
 def test_prefix_caching_is_on_by_default_and_can_be_turned_off(tiny_off):
-    from pagedserve.entrypoints.cli import add_engine_args, engine_config_from_args
     import argparse
 
     assert EngineConfig().enable_prefix_caching is True
     p = argparse.ArgumentParser()
-    add_engine_args(p)
-    assert engine_config_from_args(p.parse_args([])).enable_prefix_caching is True
-    assert engine_config_from_args(p.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching is False
+    EngineConfig.add_cli_args(p)
+    assert EngineConfig.from_cli_args(p.parse_args([])).enable_prefix_caching is True
+    assert EngineConfig.from_cli_args(p.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching is False
     # Off: nothing is hashed or hit, the statistics still count the queries.
     rnd = random.Random(0)
     prompt = rand_tokens(rnd, 20)
@@ -105,9 +104,9 @@ def test_prefix_caching_is_on_by_default_and_can_be_turned_off(tiny_off):
     outs = gen(tiny_off, [prompt, prompt])
     after = tiny_off.stats()
     assert [o.num_cached_tokens for o in outs] == [0, 0]
-    assert after["prefix_cache_hits"] == before["prefix_cache_hits"] == 0
-    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 40
-    assert not tiny_off.llm_engine.kv_manager.block_pool.cached_blocks
+    assert after.prefix_cache_hits == before.prefix_cache_hits == 0
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 40
+    assert not tiny_off.llm_engine.core.scheduler.kv_cache_manager.block_pool.cached_blocks
 
 
 def test_shared_system_prompts_equal_outputs_and_exact_hits(tiny_dir, tiny_on, tiny_off):
@@ -122,8 +121,8 @@ def test_shared_system_prompts_equal_outputs_and_exact_hits(tiny_dir, tiny_on, t
     # registers them when scheduled; the 3 others, admitted later in the same step, hit them.
     assert [o.num_cached_tokens for o in outs] == [0, 20, 20, 20] * 3
     stats = tiny_on.stats()
-    assert stats["prefix_cache_queries"] == sum(map(len, prompts))
-    assert stats["prefix_cache_hits"] == 9 * 20
+    assert stats.prefix_cache_queries == sum(map(len, prompts))
+    assert stats.prefix_cache_hits == 9 * 20
 
     # Again: every full block of every prompt is cached now (hit capped below the last token).
     outs = gen(tiny_on, prompts)
@@ -131,9 +130,9 @@ def test_shared_system_prompts_equal_outputs_and_exact_hits(tiny_dir, tiny_on, t
     hits = [full_blocks(len(p) - 1) for p in prompts]
     assert [o.num_cached_tokens for o in outs] == hits
     stats2 = tiny_on.stats()
-    assert stats2["prefix_cache_queries"] == 2 * sum(map(len, prompts))
-    assert stats2["prefix_cache_hits"] == 9 * 20 + sum(hits)
-    assert stats2["prefix_cache_hit_rate"] == pytest.approx(stats2["prefix_cache_hits"] / stats2["prefix_cache_queries"])
+    assert stats2.prefix_cache_queries == 2 * sum(map(len, prompts))
+    assert stats2.prefix_cache_hits == 9 * 20 + sum(hits)
+    assert stats2.prefix_cache_hit_rate == pytest.approx(stats2.prefix_cache_hits / stats2.prefix_cache_queries)
 
 
 def test_conversation_turn_by_turn_reuses_the_previous_answer(tiny_on, tiny_off):
@@ -165,14 +164,14 @@ def test_outputs_equal_under_preemption_with_eviction(tiny_dir, tiny_off):
     outs = gen(small, prompts, max_tokens=24)
     assert tokens(outs) == want
     stats = small.stats()
-    assert stats["num_preemptions"] > 0
+    assert stats.num_preemptions > 0
     # Hit statistics count first admissions only: the queries are exactly the prompts.
-    assert stats["prefix_cache_queries"] == sum(map(len, prompts))
-    assert 0 < stats["prefix_cache_hits"] <= 5 * 16
+    assert stats.prefix_cache_queries == sum(map(len, prompts))
+    assert 0 < stats.prefix_cache_hits <= 5 * 16
     # The small pool also works with a chunked, tight token budget.
     tight = _tiny(tiny_dir, caching=True, num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=7)
     assert tokens(gen(tight, prompts, max_tokens=24)) == want
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().num_preemptions > 0
 
 
 def test_cache_salt_isolates_requests(tiny_on):
@@ -201,18 +200,18 @@ def test_reset_prefix_cache_and_logged_hit_rate(tiny_on, caplog):
     engine.add_request("busy", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, **GREEDY))
     engine.step()
     assert tiny_on.reset_prefix_cache() is False
-    assert engine.kv_manager.block_pool.cached_blocks
+    assert engine.core.scheduler.kv_cache_manager.block_pool.cached_blocks
     while engine.has_unfinished_requests():
         engine.step()
     assert tiny_on.reset_prefix_cache() is True
-    assert not engine.kv_manager.block_pool.cached_blocks
+    assert not engine.core.scheduler.kv_cache_manager.block_pool.cached_blocks
     again = gen(tiny_on, [prompt])[0]
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     # 4 admissions of 17 tokens; hits 16 (2nd) + 16 (busy one); reset keeps the counters.
     stats = tiny_on.stats()
-    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (68, 32)
-    assert stats["prefix_cache_hit_rate"] == pytest.approx(32 / 68)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (68, 32)
+    assert stats.prefix_cache_hit_rate == pytest.approx(32 / 68)
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         engine._maybe_log_stats(interval_s=0.0)
     assert "Prefix cache hit rate: 47.1%" in caplog.text
@@ -253,8 +252,8 @@ def test_smollm2_shared_system_prompt_and_preemption(smol_pair):
     # Requests 2 and 3 share at least the system prompt's full blocks with request 1.
     assert all(o.num_cached_tokens >= full_blocks(sys_len, SMOL_BLOCK) > 0 for o in got[1:])
     stats = on.stats()
-    assert stats["num_preemptions"] > 0, stats  # 3 shared + 3 x 2 own blocks > 8
-    assert stats["prefix_cache_hits"] > 0 and prompt_len > SMOL_BLOCK
+    assert stats.num_preemptions > 0, stats  # 3 shared + 3 x 2 own blocks > 8
+    assert stats.prefix_cache_hits > 0 and prompt_len > SMOL_BLOCK
 
 
 def test_smollm2_conversation_turn_by_turn(smol_pair):

@@ -1,6 +1,6 @@
-"""Scheduler unit tests with no model: each step is ``schedule()`` then
-``update_from_output(out, {req_id: token})`` with hand-made sampled tokens for the requests
-whose chunk reaches the end of their known tokens.
+"""Scheduler unit tests with no model: each step is ``schedule()``, a fake worker that reads
+the ``SchedulerOutput`` message as the model runner does, then ``update_from_output`` with
+hand-made sampled tokens for the requests whose chunk reaches the end of their known tokens.
 
 Ends with a property-based test (hypothesis) that drives Scheduler + KVCacheManager with a
 fake model through random interleavings of add / step / abort / finish with shared prefixes,
@@ -9,142 +9,32 @@ a small pool and cache salts, and checks the invariants of design.md after every
 from __future__ import annotations
 
 import random
-from collections import Counter, defaultdict
 from typing import Callable, Optional
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from core_utils import (
+    EOS, TOK, B, StepResult, assert_scheduler_idle, check_invariants, drain, make_request, make_scheduler, plan, step,
+)
+from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 
-B = 4
-EOS = 2
-TOK = 7  # an ordinary sampled token
-
-
-def make_sched(
-    num_blocks: int = 64,
-    budget: int = 64,
-    max_num_seqs: int = 8,
-    max_model_len: Optional[int] = None,
-    chunked: bool = True,
-    threshold: int = 0,
-    caching: bool = True,
-) -> Scheduler:
-    kv = KVCacheManager(num_blocks, B, enable_caching=caching, model_identity="unit")
-    cfg = SchedulerConfig(
-        max_num_batched_tokens=budget,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len or num_blocks * B,
-        enable_chunked_prefill=chunked,
-        long_prefill_token_threshold=threshold,
-    )
-    return Scheduler(cfg, kv)
-
-
+make_sched = make_scheduler
+assert_sched_idle = assert_scheduler_idle
 _uid = iter(range(10**9))
 
 
-def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8, tokens: Optional[list[int]] = None, **params) -> Request:
+def add(sched, rid: str, prompt_len: int, max_tokens: int = 8, tokens: Optional[list[int]] = None, **params) -> Request:
     """Queue a request whose prompt is distinct from every other one unless ``tokens`` is given."""
     if tokens is None:
         base = 1000 + 100 * next(_uid)
         tokens = [base + i for i in range(prompt_len)]
-    params.setdefault("temperature", 0.0)
-    req = Request(rid, tokens, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids={EOS})
+    req = make_request(rid, tokens, max_tokens=max_tokens, **params)
     sched.add_request(req)
     return req
-
-
-def step(sched: Scheduler, token: Callable[[Request], int] = lambda r: TOK) -> SchedulerOutput:
-    out = sched.schedule()
-    sampled = {sr.request.request_id: token(sr.request) for sr in out.scheduled if sr.samples}
-    sched.update_from_output(out, sampled)
-    return out
-
-
-def plan(out: SchedulerOutput) -> dict[str, int]:
-    return {sr.request.request_id: sr.num_new_tokens for sr in out.scheduled}
-
-
-def drain(sched: Scheduler, max_steps: int = 1000, **kw) -> list[dict[str, int]]:
-    plans = []
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            return plans
-        plans.append(plan(step(sched, **kw)))
-    raise AssertionError(f"not finished after {max_steps} steps: {sched.requests}")
-
-
-def assert_sched_idle(sched: Scheduler) -> None:
-    kv = sched.kv
-    pool = kv.block_pool
-    assert not sched.requests and not sched.running and not sched.waiting
-    assert not kv.req_to_blocks and not kv.num_cached_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert pool.num_free_blocks == pool.num_blocks == len(list(pool.free_queue))
-
-
-def check_invariants(sched: Scheduler) -> None:
-    """design.md's invariants, checkable at any point between steps."""
-    kv = sched.kv
-    pool = kv.block_pool
-    live = sched.requests
-    running_ids = [r.request_id for r in sched.running]
-    waiting_ids = [r.request_id for r in sched.waiting]
-    assert len(running_ids) + len(waiting_ids) == len(live)
-    assert set(running_ids) | set(waiting_ids) == set(live)
-    assert len(sched.running) <= sched.config.max_num_seqs
-    # Free queue vs ref counts: free + used == total, and a block is free iff ref_cnt == 0.
-    free_ids = [b.block_id for b in pool.free_queue]
-    assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
-    free_set = set(free_ids)
-    assert sum(1 for b in pool.blocks if b.ref_cnt > 0) + len(free_ids) == pool.num_blocks
-    for b in pool.blocks:
-        assert b.ref_cnt >= 0
-        assert (b.ref_cnt == 0) == (b.block_id in free_set), b
-    # Every ref_cnt equals the number of live block tables holding the block.
-    counts: Counter = Counter()
-    where = defaultdict(list)
-    for rid, blocks in kv.req_to_blocks.items():
-        assert rid in live and live[rid].status == RequestStatus.RUNNING, rid
-        ids = [b.block_id for b in blocks]
-        assert len(ids) == len(set(ids)), (rid, ids)
-        counts.update(ids)
-        for i, bid in enumerate(ids):
-            where[bid].append((rid, i))
-    for b in pool.blocks:
-        assert b.ref_cnt == counts[b.block_id], (b, counts[b.block_id])
-    # A block in two live tables is a full, hashed prefix block at the same position in both.
-    for bid, occ in where.items():
-        if len(occ) < 2:
-            continue
-        blk = pool.blocks[bid]
-        assert blk.block_hash is not None, (blk, occ)
-        assert len({i for _, i in occ}) == 1, occ
-        for rid, i in occ:
-            req = live[rid]
-            assert i < len(req.block_hashes) and req.block_hashes[i] == blk.block_hash
-            assert (i + 1) * B <= req.num_computed_tokens
-    # Block tables cover exactly the computed tokens (they only grow; no over-allocation).
-    for req in sched.running:
-        blocks = kv.req_to_blocks.get(req.request_id, [])
-        assert len(blocks) == -(-req.num_computed_tokens // B), req
-        assert 0 < req.num_computed_tokens <= req.num_tokens
-    for req in sched.waiting:
-        assert req.request_id not in kv.req_to_blocks
-        assert req.num_computed_tokens == 0 and req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-    # The prefix-cache index agrees with the blocks.
-    for h, b in pool.cached_blocks.items():
-        assert b.block_hash == h
-    for b in pool.blocks:
-        if b.block_hash is not None:
-            assert pool.cached_blocks.get(b.block_hash) is b
-    assert set(kv.num_cached_blocks) <= set(kv.req_to_blocks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +48,7 @@ def test_continuous_batching_finished_leave_and_waiting_join():
     assert plan(step(s)) == {"r1": 5, "r2": 5}  # r3 waits: max_num_seqs
     assert plan(step(s)) == {"r1": 1, "r2": 1}  # r1 reaches max_tokens and leaves ...
     assert r1.status == RequestStatus.FINISHED_LENGTH_CAPPED and "r1" not in s.requests
-    assert "r1" not in s.kv.req_to_blocks  # ... with its blocks freed in the same step
+    assert "r1" not in s.kv_cache_manager.req_to_blocks  # ... with its blocks freed in the same step
     assert plan(step(s)) == {"r2": 1, "r3": 5}  # ... and r3 joins the running batch
     assert plan(step(s)) == {"r2": 1}
     assert not s.has_unfinished_requests()
@@ -272,7 +162,7 @@ def test_worked_example_with_chunks_of_four_nobody_stalls():
     assert [plan(o) for o in outs] == [{"d1": 1, "d2": 1, "p": 4}] * 3
     assert [o.num_batched_tokens for o in outs] == [6, 6, 6]
     # The prompt finishes prefill (and samples its first token) in the third step.
-    assert [next(sr.samples for sr in o.scheduled if sr.request is p) for o in outs] == [False, False, True]
+    assert [next(sr.samples for sr in o.scheduled if sr.request_id == p.request_id) for o in outs] == [False, False, True]
     assert p.status == RequestStatus.FINISHED_LENGTH_CAPPED and p.output_token_ids == [TOK]
     drain(s)
     assert_sched_idle(s)
@@ -331,7 +221,7 @@ def test_preemption_frees_the_most_recent_and_requeues_it_at_the_front(caching):
     assert plan(out) == {"a": 1}
     assert out.preempted_ids == ["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert "b" not in s.kv.req_to_blocks
+    assert "b" not in s.kv_cache_manager.req_to_blocks
     assert [r.request_id for r in s.waiting] == ["b", "c"]  # and nothing was admitted this step
     assert s.get_stats().num_preemptions == 1
     check_invariants(s)
@@ -390,7 +280,7 @@ def test_eos_finishes_and_frees_in_the_same_step():
     s = make_sched()
     r = add(s, "r", 6, max_tokens=10)
     step(s, _tokens([TOK]))
-    assert s.kv.req_to_blocks["r"]
+    assert s.kv_cache_manager.req_to_blocks["r"]
     step(s, _tokens([EOS]))
     assert r.status == RequestStatus.FINISHED_STOPPED and r.status.finish_reason == "stop"
     assert r.stop_reason is None and r.output_token_ids == [TOK, EOS]
@@ -435,7 +325,7 @@ def test_abort_waiting_running_midprefill_and_preempted_requests():
     assert a.num_computed_tokens == 6
     done = s.finish_requests(["a", "w"], RequestStatus.FINISHED_ABORTED)
     assert done == [a, w] and a.status.finish_reason == "abort"
-    assert "a" not in s.kv.req_to_blocks and list(s.waiting) == [b]
+    assert "a" not in s.kv_cache_manager.req_to_blocks and list(s.waiting) == [b]
     step(s)
     step(s)  # b: 12 computed, sampled
     assert s.finish_requests(["b", "nope"], RequestStatus.FINISHED_ABORTED) == [b]
@@ -458,10 +348,13 @@ def test_abort_between_schedule_and_update():
     a = add(s, "a", 5)
     add(s, "b", 5, max_tokens=2)
     out = s.schedule()
+    s.fake_worker.apply(out)
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    touched = s.update_from_output(out, {"a": TOK, "b": TOK})
-    assert [r.request_id for r in touched] == ["b"]
+    s.fake_worker.token_ids["b"].append(TOK)  # the worker sampled for both
+    result = s.update_from_output(out, ModelRunnerOutput(sampled={"a": TOK, "b": TOK}))
+    assert [o.request_id for o in result.outputs] == ["b"] and result.outputs[0].new_token_ids == [TOK]
     assert a.output_token_ids == [] and a.status == RequestStatus.FINISHED_ABORTED
+    assert step(s).output.finished_req_ids == ["a"]  # the worker hears of it in the next message
     drain(s)
     assert_sched_idle(s)
 
@@ -516,47 +409,52 @@ class Harness:
         self.sched.add_request(req)
         self.all_reqs.append(req)
 
-    def _execute(self, out: SchedulerOutput) -> None:
+    def _execute(self, out: StepResult) -> None:
+        salt = {r.request_id: r.cache_salt for r in self.all_reqs}
         for sr in out.scheduled:
-            req, bt = sr.request, sr.block_ids
+            bt = sr.block_ids
             for p in range(sr.num_computed_tokens, sr.num_computed_tokens + sr.num_new_tokens):
-                self.slots[bt[p // B] * B + p % B] = (req.cache_salt, req.all_token_ids[p])
+                self.slots[bt[p // B] * B + p % B] = (salt[sr.request_id], sr.token_ids[p])
         for sr in out.scheduled:
-            req, bt = sr.request, sr.block_ids
+            bt = sr.block_ids
             assert len(bt) * B >= sr.num_computed_tokens + sr.num_new_tokens
             for p in range(sr.num_computed_tokens + sr.num_new_tokens):
-                assert self.slots.get(bt[p // B] * B + p % B) == (req.cache_salt, req.all_token_ids[p]), (req, p)
+                assert self.slots.get(bt[p // B] * B + p % B) == (salt[sr.request_id], sr.token_ids[p]), (sr, p)
 
     @staticmethod
-    def _sampled(out: SchedulerOutput, rnd: random.Random) -> dict[str, int]:
+    def _sampled(out: StepResult, rnd: random.Random) -> ModelRunnerOutput:
         def tok() -> int:
             x = rnd.random()
             return EOS if x < 0.03 else STOP if x < 0.05 else rnd.choice(ALPHABET)
 
-        return {sr.request.request_id: tok() for sr in out.scheduled if sr.samples}
+        return ModelRunnerOutput(sampled={sr.request_id: tok() for sr in out.scheduled if sr.samples})
 
     def step(self, seed: int, abort_index: Optional[int] = None) -> None:
         s = self.sched
         before = {r.request_id: r.num_computed_tokens for r in s.running}
         had_work = s.has_unfinished_requests()
-        out = s.schedule()
+        so = s.schedule()
+        out = StepResult(so, s.fake_worker.apply(so))
         assert out.num_batched_tokens <= s.config.max_num_batched_tokens
-        assert len({sr.request.request_id for sr in out.scheduled}) == len(out.scheduled)
+        assert len({sr.request_id for sr in out.scheduled}) == len(out.scheduled)
         if had_work:
             assert out.scheduled, "no progress"  # the oldest request always runs
         for sr in out.scheduled:
             assert sr.num_new_tokens > 0
-            assert sr.num_computed_tokens == before.get(sr.request.request_id, sr.num_computed_tokens)
+            assert sr.num_computed_tokens == before.get(sr.request_id, sr.num_computed_tokens)
         if out.preempted_ids:  # nothing admitted in a step that preempted
-            assert all(sr.request.request_id in before for sr in out.scheduled)
+            assert all(sr.request_id in before for sr in out.scheduled)
             event("preemption")
-        if any(sr.request.request_id not in before and sr.num_computed_tokens > 0 for sr in out.scheduled):
+        if any(sr.request_id not in before and sr.num_computed_tokens > 0 for sr in out.scheduled):
             event("prefix hit at admission")
         if abort_index is not None and out.scheduled:  # abort between schedule and update
-            victim = out.scheduled[abort_index % len(out.scheduled)].request
-            s.finish_requests([victim.request_id], RequestStatus.FINISHED_ABORTED)
+            victim = out.scheduled[abort_index % len(out.scheduled)].request_id
+            s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
         self._execute(out)  # the batch runs as scheduled (the runner does not look at status)
-        s.update_from_output(out, self._sampled(out, random.Random(seed)))
+        runner_out = self._sampled(out, random.Random(seed))
+        for rid, tok in runner_out.sampled.items():
+            s.fake_worker.token_ids[rid].append(tok)
+        s.update_from_output(so, runner_out)
         check_invariants(s)
 
     def finish(self, index: int, status: RequestStatus) -> None:

@@ -122,7 +122,7 @@ def test_async_llm_generate_abort_and_errors(smollm2_llm):
     async def wait_idle_async():
         for _ in range(200):
             s = llm.get_stats()
-            if s["num_unfinished_requests"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
+            if s.num_unfinished_requests == 0 and s.num_free_blocks == s.num_total_blocks:
                 return s
             await asyncio.sleep(0.01)
         raise AssertionError(llm.get_stats())

@@ -11,7 +11,8 @@ Examples::
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+
+from pagedserve.config import EngineConfig
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -24,7 +25,7 @@ class _HelpFormatter(argparse.HelpFormatter):
         return h + " (default: %(default)s)"
 
 
-def add_bench_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from pagedserve.bench.datasets import add_dataset_args
     from pagedserve.bench.latency import add_latency_args, cmd_latency
     from pagedserve.bench.serve import add_serve_args, cmd_serve_bench
@@ -40,12 +41,12 @@ def add_bench_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
     )
     add_throughput_args(t)
     add_dataset_args(t)
-    add_engine_args(t)
+    EngineConfig.add_cli_args(t)
     t.set_defaults(func=cmd_throughput)
 
     lat = sub.add_parser("latency", help="batch-1 prefill and decode tokens/s", formatter_class=_HelpFormatter)
     add_latency_args(lat)
-    add_engine_args(lat)
+    EngineConfig.add_cli_args(lat)
     lat.set_defaults(func=cmd_latency)
 
     s = sub.add_parser(

@@ -70,7 +70,7 @@ def latency_pagedserve(args: argparse.Namespace, prompts: list[list[int]], decod
         if i >= w and n > 1:
             decode_rates.append((n - 1) / (t2 - t1))
     res = _result("pagedserve", args, ttfts, decode_rates)
-    res["dtype"] = str(engine.dtype).replace("torch.", "")
+    res["dtype"] = engine.core.info.dtype
     del engine
     gc.collect()
     return res
@@ -168,7 +168,7 @@ def _print_bandwidth_ceiling(res: dict[str, Any], args: argparse.Namespace) -> N
     bw = cpu_kernels.memory_read_bandwidth()
     if bw is None:
         return
-    _, _, cfg = load_tokenizer_and_config(args.model_flag)
+    _, _, cfg = load_tokenizer_and_config(args.model)
     mf = model_flops(cfg)
     esize = 2 if res.get("dtype") in ("bfloat16", "float16") else 4
     weight_bytes = (mf.layer_params + mf.lm_head_params) * esize
@@ -190,10 +190,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters", type=int, default=3, help="measured iterations (the median is reported)")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured iterations first")
     p.add_argument("--output-json", default=None, help="write the results here")
-    p.add_argument(
-        "--num-threads", type=int, default=None,
-        help="torch CPU threads (default: torch's, one per core); on a busy machine 1 thread is far steadier than 2",
-    )
+    # --num-threads (torch CPU threads of the whole benchmark) is the engine flag of EngineConfig.
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
@@ -202,7 +199,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     apply_num_threads(args)
     if args.num_iters < 1 or args.input_len < 1 or args.output_len < 1:
         raise SystemExit("--num-iters, --input-len and --output-len must be at least 1")
-    model_dir, tok, _ = load_tokenizer_and_config(args.model_flag)
+    model_dir, tok, _ = load_tokenizer_and_config(args.model)
     n = args.num_iters + args.num_iters_warmup
     prompts = _prompts(tok, n, args.input_len, args.seed)
     decode_prompts = _prompts(tok, n, args.decode_input_len or args.input_len, args.seed + 1)

@@ -78,10 +78,10 @@ def _percentiles_ms(values: list[float]) -> dict[str, float]:
 
 # -- pagedserve --------------------------------------------------------------------------
 def build_engine(args: argparse.Namespace):
+    from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.entrypoints.cli import engine_config_from_args
 
-    return LLMEngine(engine_config_from_args(args))
+    return LLMEngine(EngineConfig.from_cli_args(args))
 
 
 def run_engine_requests(engine, requests: Sequence[SampleRequest], detokenize: bool = True) -> tuple[float, list]:
@@ -134,14 +134,14 @@ def run_pagedserve(args: argparse.Namespace, requests: Sequence[SampleRequest], 
     e2els = [o.metrics.finished_time - o.metrics.arrival_time for o in outs if o.metrics and o.metrics.finished_time]
     res = BackendResult("pagedserve", elapsed, len(requests), sum(r.prompt_len for r in requests), out_tokens)
     res.extra = {
-        "dtype": str(engine.dtype).replace("torch.", ""),
-        "device": str(engine.device),
-        "num_kv_blocks": engine.num_blocks,
+        "dtype": engine.core.info.dtype,
+        "device": engine.core.info.device,
+        "num_kv_blocks": engine.core.info.num_blocks,
         "max_num_seqs": engine.config.max_num_seqs,
-        "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "prefix_cached_prompt_tokens": cached,
-        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
-        "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "num_preemptions": stats.num_preemptions - before.num_preemptions,
         "ttft": _percentiles_ms(ttfts),
         "e2el": _percentiles_ms(e2els),
     }
@@ -221,10 +221,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=None, help="matmul peak for MFU (TFLOP/s); default: measured")
     p.add_argument("--peak-measure-seconds", type=float, default=1.0, help="time spent measuring the matmul peak")
     p.add_argument("--output-json", default=None, help="write the results here")
-    p.add_argument(
-        "--num-threads", type=int, default=None,
-        help="torch CPU threads (default: torch's, one per core); on a busy machine 1 thread is far steadier than 2",
-    )
+    # --num-threads (torch CPU threads of the whole benchmark) is the engine flag of EngineConfig.
 
 
 def _resolve_device_dtype(args: argparse.Namespace):
@@ -251,7 +248,7 @@ def apply_num_threads(args: argparse.Namespace) -> None:
 
 def cmd_throughput(args: argparse.Namespace) -> int:
     apply_num_threads(args)
-    model_dir, tok, hf_config = load_tokenizer_and_config(args.model_flag)
+    model_dir, tok, hf_config = load_tokenizer_and_config(args.model)
     device, dtype = _resolve_device_dtype(args)
     requests = build_requests(args, tok, args.seed)
     flops = model_flops(hf_config)

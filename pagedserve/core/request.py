@@ -5,8 +5,6 @@ import enum
 import time
 from typing import Optional
 
-import torch
-
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -41,6 +39,9 @@ class Request:
     ``num_computed_tokens < num_tokens - 1`` after its scheduled chunk is mid-prefill and
     samples nothing that step.
 
+    The seeded ``torch.Generator`` of a request lives in the worker, not here: this module is
+    torch-free.
+
     Attributes:
         block_hashes: one hash per *full* block of ``all_token_ids`` (prefix caching), extended
             as tokens are appended (filled by the KV cache manager).
@@ -69,14 +70,9 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first admission (tokens); -1 = not yet
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
-        self.generator: Optional[torch.Generator] = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed)
-        # Per-token logprobs, filled by the engine when sampling_params.logprobs is set:
-        # a list (one per output token) of {token_id: logprob} plus the sampled rank.
-        self.logprobs: list[dict[int, float]] = []
-        self.logprob_ranks: list[int] = []
+        # Tokens the worker holds for this request: those sent to it plus those it sampled.
+        # The scheduler sends the rest (``CachedRequestData.new_token_ids``).
+        self.num_tokens_on_worker = 0
         # Timestamps (seconds, time.monotonic()) for metrics.
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: Optional[float] = None

@@ -6,56 +6,13 @@ import logging
 import sys
 from typing import Optional
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=int, default=None, help="KV cache budget in bytes")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks (overrides the memory budget)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--served-model-name", default=None)
-
-
-def engine_config_from_args(args: argparse.Namespace, model: Optional[str] = None):
-    from pagedserve.config import EngineConfig
-
-    return EngineConfig(
-        model=model or args.model_flag,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        seed=args.seed,
-        device=args.device,
-        served_model_name=args.served_model_name,
-    )
+from pagedserve.config import EngineConfig
 
 
 def _make_llm(args: argparse.Namespace):
-    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
 
-    llm = LLM.__new__(LLM)
-    llm.llm_engine = LLMEngine(engine_config_from_args(args))
-    return llm
+    return LLM(**EngineConfig.from_cli_args(args).to_dict())
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -137,30 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="complete the prompt as plain text, no chat template")
     _sampling_args(g)
-    add_engine_args(g)
+    EngineConfig.add_cli_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
     c.add_argument("--system", default=None, help="system prompt")
     _sampling_args(c)
-    add_engine_args(c)
+    EngineConfig.add_cli_args(c)
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct; --model works too)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set PAGEDSERVE_API_KEY)")
     s.add_argument("--trust-request-chat-template", action="store_true", help="allow a chat_template field in requests (it runs as code in the server)")
-    add_engine_args(s)
+    EngineConfig.add_cli_args(s)
     s.set_defaults(func=cmd_serve)
 
-    try:
-        from pagedserve.bench.cli import add_bench_parser
-    except ImportError:
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub, add_engine_args)
+    from pagedserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -6,7 +6,9 @@ from typing import Any, Optional, Sequence, Union
 from tqdm import tqdm
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.core.outputs import SchedulerStats
+from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -32,7 +34,8 @@ class LLM:
     Args:
         model: None for the default SmolLM2-135M-Instruct, or a path to an HF model directory
             (config.json, *.safetensors, tokenizer files) or a .gguf file.
-        Other arguments: see :class:`pagedserve.config.EngineConfig`.
+        kwargs: any field of :class:`pagedserve.config.EngineConfig` (``dtype``,
+            ``max_model_len``, ``num_kv_blocks``, ...); an unknown name is a TypeError.
 
     Example::
 
@@ -41,44 +44,8 @@ class LLM:
         print(out[0].outputs[0].text)
     """
 
-    def __init__(
-        self,
-        model: Optional[str] = None,
-        *,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_model_len: Optional[int] = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: Optional[int] = None,
-        kv_cache_memory_bytes: Optional[int] = None,
-        num_kv_blocks: Optional[int] = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        seed: int = 0,
-        device: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        served_model_name: Optional[str] = None,
-    ) -> None:
-        self.llm_engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                dtype=dtype,
-                block_size=block_size,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_kv_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                enable_chunked_prefill=enable_chunked_prefill,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                seed=seed,
-                device=device,
-                gpu_memory_utilization=gpu_memory_utilization,
-                served_model_name=served_model_name,
-            )
-        )
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -154,9 +121,10 @@ class LLM:
             bar.close()
         return [r for r in results if r is not None]
 
-    def stats(self) -> dict[str, Any]:
-        """Engine counters: num_total_blocks, num_free_blocks, num_running, num_waiting,
-        num_preemptions, prefix_cache_queries / prefix_cache_hits (tokens), hit rate."""
+    def stats(self) -> SchedulerStats:
+        """Engine counters: num_total_blocks, num_free_blocks, kv_cache_usage, num_running,
+        num_waiting, num_preemptions, prefix_cache_queries / prefix_cache_hits (tokens),
+        prefix_cache_hit_rate, num_prompt_tokens, num_generation_tokens."""
         return self.llm_engine.get_stats()
 
     def reset_prefix_cache(self) -> bool:

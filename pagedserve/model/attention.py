@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +40,8 @@ class AttentionGroup:
 
     Attributes:
         token_start, token_end: the group's tokens are ``[token_start, token_end)`` of the flat batch.
-        block_tables: ``[num_seqs, max_blocks]`` int64, padded with block 0.
+        block_tables: ``[num_seqs, max_blocks]`` int64; entries past a sequence's last block
+            are valid but unused block ids.
         seq_lens: ``[num_seqs]`` int64 tokens each sequence attends to (context + its chunk).
         query_lens, context_lens: per sequence, new tokens and already-cached tokens (Python ints).
         is_decode: every sequence has exactly one query token.
@@ -98,35 +100,40 @@ class AttentionMetadata:
 
 def build_attention_group(
     token_start: int,
-    query_lens: list[int],
-    context_lens: list[int],
-    block_ids: list[list[int]],
+    query_lens,
+    context_lens,
+    block_table,
     block_size: int,
     device: torch.device,
 ) -> AttentionGroup:
-    """Metadata for requests whose queries are ``query_lens`` tokens following
-    ``context_lens`` already-cached tokens (both in tokens)."""
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    max_blocks = -(-max(seq_lens) // block_size)
-    rows = [ids[: -(-n // block_size)] for ids, n in zip(block_ids, seq_lens)]
-    table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.int64)
-    is_decode = max(query_lens) == 1
+    """Metadata for ``n`` requests whose queries are ``query_lens`` tokens following
+    ``context_lens`` already-cached tokens (``[n]`` ints each, tokens).
+
+    ``block_table``: ``[n, >= max blocks]`` int64 NumPy array whose row i starts with request
+    i's block ids (what follows must be valid block ids), or a list of block-id lists.
+    """
+    q = np.asarray(query_lens, dtype=np.int64)
+    c = np.asarray(context_lens, dtype=np.int64)
+    seq_lens = c + q
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    if not isinstance(block_table, np.ndarray):
+        rows = [list(r)[:max_blocks] for r in block_table]
+        block_table = np.array([r + [0] * (max_blocks - len(r)) for r in rows], dtype=np.int64)
+    table = np.ascontiguousarray(block_table[:, :max_blocks])
+    is_decode = int(q.max()) == 1
     token_seq = token_lens = None
     if not is_decode:
-        seq_idx: list[int] = []
-        lens: list[int] = []
-        for i, (c, q) in enumerate(zip(context_lens, query_lens)):
-            seq_idx.extend([i] * q)
-            lens.extend(range(c + 1, c + q + 1))
-        token_seq = torch.tensor(seq_idx, dtype=torch.int64, device=device)
-        token_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+        total = int(q.sum())
+        starts = np.cumsum(q) - q
+        token_seq = torch.from_numpy(np.repeat(np.arange(len(q), dtype=np.int64), q)).to(device)
+        token_lens = torch.from_numpy(np.repeat(c - starts + 1, q) + np.arange(total, dtype=np.int64)).to(device)
     return AttentionGroup(
         token_start=token_start,
-        token_end=token_start + sum(query_lens),
-        block_tables=table.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        query_lens=list(query_lens),
-        context_lens=list(context_lens),
+        token_end=token_start + int(q.sum()),
+        block_tables=torch.from_numpy(table).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        query_lens=q.tolist(),
+        context_lens=c.tolist(),
         is_decode=is_decode,
         token_seq=token_seq,
         token_lens=token_lens,

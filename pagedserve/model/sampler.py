@@ -1,7 +1,8 @@
 """Turn a batch of logits into next tokens, vectorised across the batch (vLLM v1 order).
 
-Per step, the engine builds one :class:`SamplingMetadata` from the requests that sample this
-step (row ``i`` of the logits belongs to ``requests[i]``), then calls :class:`Sampler`:
+Per step, the worker's input batch builds one :class:`SamplingMetadata` from the requests that
+sample this step (row ``i`` of the logits belongs to the ``i``-th of them), then calls
+:class:`Sampler`:
 
 1. raw logprobs (``log_softmax`` of the model's logits, before any processing), only if some
    request asked for them; they are gathered after sampling;
@@ -16,204 +17,12 @@ step (row ``i`` of the logits belongs to ``requests[i]``), then calls :class:`Sa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from pagedserve.sampling_params import SamplingParams
-
-# Below this temperature a request is greedy (same threshold as SamplingParams.greedy).
-_SAMPLING_EPS = 1e-5
-
-
-@dataclass
-class SamplingMetadata:
-    """Per-step sampling state of a batch of ``B`` requests, as tensors on the model's device.
-
-    Optional tensors are ``None`` when no request in the batch uses the feature, so a batch of
-    plain greedy requests costs a handful of Python scalars and one ``[B]`` tensor.
-
-    Attributes:
-        temperature: ``[B]`` float32; greedy rows hold 1.0 (they are never divided).
-        greedy_mask: ``[B]`` bool, True for greedy rows; ``None`` unless the batch is mixed.
-        all_greedy / all_random: every row greedy / every row random.
-        top_k: ``[B]`` int64, 0 = off; ``None`` if no request uses top-k.
-        top_p: ``[B]`` float32, 1.0 = off; ``None`` if no request uses top-p.
-        min_p: ``[B]`` float32, 0.0 = off; ``None`` if no request uses min-p.
-        generators: row index -> ``torch.Generator`` for the seeded random rows.
-        max_num_logprobs: largest ``logprobs`` asked for in the batch, ``None`` if nobody asked.
-        no_penalties: no row has a repetition / frequency / presence penalty.
-        prompt_token_ids: ``[B, Lp]`` int64, padded with ``vocab_size``; rows without penalties
-            are all padding. ``None`` when ``no_penalties``.
-        output_token_ids: ``[B, Lo]`` int64, padded with ``vocab_size``; ``None`` when
-            ``no_penalties``.
-        repetition_penalties / frequency_penalties / presence_penalties: ``[B]`` float32
-            (1.0 / 0.0 / 0.0 = off); ``None`` when ``no_penalties``.
-        logit_bias_rows / logit_bias_cols: ``[N]`` int64 (row, token) of each bias entry, and
-            logit_bias_values: ``[N]`` float32; all ``None`` if no request has a bias.
-        min_tokens_rows / min_tokens_cols: ``[M]`` int64 (row, token) pairs to set to ``-inf``
-            (stop / EOS ids of rows still under ``min_tokens``); ``None`` if there are none.
-        vocab_size: ``V``, the width of the logits.
-    """
-
-    temperature: torch.Tensor
-    all_greedy: bool
-    all_random: bool
-    greedy_mask: Optional[torch.Tensor]
-    top_k: Optional[torch.Tensor]
-    top_p: Optional[torch.Tensor]
-    min_p: Optional[torch.Tensor]
-    generators: dict[int, torch.Generator]
-    max_num_logprobs: Optional[int]
-    no_penalties: bool
-    prompt_token_ids: Optional[torch.Tensor]
-    output_token_ids: Optional[torch.Tensor]
-    repetition_penalties: Optional[torch.Tensor]
-    frequency_penalties: Optional[torch.Tensor]
-    presence_penalties: Optional[torch.Tensor]
-    logit_bias_rows: Optional[torch.Tensor]
-    logit_bias_cols: Optional[torch.Tensor]
-    logit_bias_values: Optional[torch.Tensor]
-    min_tokens_rows: Optional[torch.Tensor]
-    min_tokens_cols: Optional[torch.Tensor]
-    vocab_size: int = 0
-    num_reqs: int = field(default=0)
-
-    @classmethod
-    def build(cls, requests: Sequence[Any], vocab_size: int, device: torch.device) -> "SamplingMetadata":
-        """Gather the sampling state of ``requests`` (one per logits row, in order).
-
-        Each request needs ``sampling_params``, ``prompt_token_ids``, ``output_token_ids``
-        (generated so far, not counting the token sampled now), ``generator`` (or ``None``) and
-        ``eos_token_ids``. Token ids outside ``[0, vocab_size)`` in ``logit_bias`` or the stop
-        ids are ignored.
-        """
-        device = torch.device(device)
-        V = int(vocab_size)
-        B = len(requests)
-        params: list[SamplingParams] = [r.sampling_params for r in requests]
-
-        greedy = [p.temperature < _SAMPLING_EPS for p in params]
-        all_greedy = all(greedy)
-        all_random = not any(greedy)
-        temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
-        temperature = torch.tensor(temps, dtype=torch.float32, device=device)
-        greedy_mask = None
-        if not all_greedy and not all_random:
-            greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
-
-        # Sampling knobs matter only for random rows.
-        top_k = top_p = min_p = None
-        generators: dict[int, torch.Generator] = {}
-        if not all_greedy:
-            ks = [0 if g or p.top_k <= 0 or p.top_k >= V else int(p.top_k) for g, p in zip(greedy, params)]
-            ps = [1.0 if g else float(p.top_p) for g, p in zip(greedy, params)]
-            mps = [0.0 if g else float(p.min_p) for g, p in zip(greedy, params)]
-            if any(k > 0 for k in ks):
-                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
-            if any(p < 1.0 for p in ps):
-                top_p = torch.tensor(ps, dtype=torch.float32, device=device)
-            if any(m > 0.0 for m in mps):
-                min_p = torch.tensor(mps, dtype=torch.float32, device=device)
-            for i, (g, r) in enumerate(zip(greedy, requests)):
-                gen = getattr(r, "generator", None)
-                if not g and gen is not None:
-                    generators[i] = gen
-
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        max_num_logprobs = max(asked) if asked else None
-
-        # Penalties: token tensors only for rows that use them.
-        pen_rows = [
-            i
-            for i, p in enumerate(params)
-            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        ]
-        no_penalties = not pen_rows
-        prompt_ids = output_ids = rep = freq = pres = None
-        if not no_penalties:
-            rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
-            freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
-            pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
-            prompt_ids = _pad_rows([requests[i].prompt_token_ids for i in pen_rows], pen_rows, B, V, device)
-            output_ids = _pad_rows([requests[i].output_token_ids for i in pen_rows], pen_rows, B, V, device)
-
-        # logit_bias: sparse (row, token, value) triples.
-        lb_rows: list[int] = []
-        lb_cols: list[int] = []
-        lb_vals: list[float] = []
-        for i, p in enumerate(params):
-            if p.logit_bias:
-                for t, v in p.logit_bias.items():
-                    if 0 <= t < V:
-                        lb_rows.append(i)
-                        lb_cols.append(int(t))
-                        lb_vals.append(float(v))
-        lb_r = lb_c = lb_v = None
-        if lb_rows:
-            lb_r = torch.tensor(lb_rows, dtype=torch.int64, device=device)
-            lb_c = torch.tensor(lb_cols, dtype=torch.int64, device=device)
-            lb_v = torch.tensor(lb_vals, dtype=torch.float32, device=device)
-
-        # min_tokens: block EOS and stop ids while too few tokens are out.
-        mt_rows: list[int] = []
-        mt_cols: list[int] = []
-        for i, (r, p) in enumerate(zip(requests, params)):
-            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
-                stop_ids = set(getattr(r, "eos_token_ids", None) or ())
-                stop_ids.update(p.stop_token_ids or ())
-                stop_ids.update(getattr(p, "_all_stop_token_ids", None) or ())
-                for t in sorted(stop_ids):
-                    if 0 <= t < V:
-                        mt_rows.append(i)
-                        mt_cols.append(int(t))
-        mt_r = mt_c = None
-        if mt_rows:
-            mt_r = torch.tensor(mt_rows, dtype=torch.int64, device=device)
-            mt_c = torch.tensor(mt_cols, dtype=torch.int64, device=device)
-
-        return cls(
-            temperature=temperature,
-            all_greedy=all_greedy,
-            all_random=all_random,
-            greedy_mask=greedy_mask,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            generators=generators,
-            max_num_logprobs=max_num_logprobs,
-            no_penalties=no_penalties,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=output_ids,
-            repetition_penalties=rep,
-            frequency_penalties=freq,
-            presence_penalties=pres,
-            logit_bias_rows=lb_r,
-            logit_bias_cols=lb_c,
-            logit_bias_values=lb_v,
-            min_tokens_rows=mt_r,
-            min_tokens_cols=mt_c,
-            vocab_size=V,
-            num_reqs=B,
-        )
-
-
-def _pad_rows(
-    token_lists: list[list[int]], rows: list[int], num_rows: int, pad: int, device: torch.device
-) -> torch.Tensor:
-    """``[num_rows, L]`` int64 holding ``token_lists[j]`` in row ``rows[j]``, padded with ``pad``.
-
-    ``L >= 1`` so scatters over it are well formed even when every list is empty.
-    """
-    L = max(1, max((len(t) for t in token_lists), default=0))
-    out = torch.full((num_rows, L), pad, dtype=torch.int64)
-    for r, toks in zip(rows, token_lists):
-        if toks:
-            out[r, : len(toks)] = torch.as_tensor(toks, dtype=torch.int64)
-    # Ids outside the vocabulary land in the (dropped) padding column.
-    out.clamp_(0, pad)
-    return out.to(device, non_blocking=True)
+from pagedserve.model.sampling_metadata import SamplingMetadata
 
 
 @dataclass

@@ -1,21 +1,27 @@
-"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+"""ModelRunner: turns a :class:`SchedulerOutput` into one forward pass and sampled tokens.
 
-It owns the model, the KV cache tensors and the sampler; it never decides who runs.
-Per step it builds the flat batch (``input_ids``, ``positions``, ``slot_mapping``), the
-attention groups (decodes, then prefill chunks), runs the model, computes logits only for the
-last scheduled token of each request that samples, and samples.
+It owns the KV cache tensors, the persistent :class:`InputBatch` and the sampler; it never
+decides who runs. Each step it first applies the message's diffs to its own state (vLLM v1's
+``gpu_model_runner._update_states``): drop finished requests, drop the rows of preempted ones
+(keeping their seeded generators), add new ones, append new block ids and tokens. Then it
+gathers the flat batch (``input_ids``, ``positions``, ``slot_mapping``) and the attention groups
+(decodes, then prefill chunks) from the rows with NumPy, runs the model, computes logits only
+for the last scheduled token of each request whose chunk reaches the end of its known tokens,
+samples, and appends the sampled tokens to the rows.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.core.outputs import ModelRunnerOutput
+from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.model.attention import AttentionMetadata, build_attention_group
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.sampler import Sampler, SamplingMetadata
+from pagedserve.model.sampler import Sampler
+from pagedserve.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -28,20 +34,6 @@ def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int
     return 2 * config.num_hidden_layers * block_size * num_kv_heads * head_dim * elem
 
 
-@dataclass
-class ModelRunnerOutput:
-    """Sampled tokens of one step.
-
-    Attributes:
-        sampled: request id -> sampled token id (only requests whose chunk reached the end).
-        logprobs: request id -> (token ids, logprobs, rank of the sampled token); the sampled
-            token comes first, then the top-k, for requests that asked for logprobs.
-    """
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
-
-
 class ModelRunner:
     """Runs the model over a paged KV cache.
 
@@ -49,9 +41,11 @@ class ModelRunner:
         model: a loaded LlamaForCausalLM (weights on ``device``, in the KV dtype).
         num_blocks: KV cache pool size (blocks); the cache is
             ``num_layers x [2, num_blocks, num_kv_heads, block_size, head_dim]``.
+        max_num_reqs, max_model_len: size of the input batch (rows, tokens per row).
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 max_num_reqs: int, max_model_len: int) -> None:
         cfg = model.config
         self.model = model
         self.device = device
@@ -60,73 +54,95 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         attn = model.layers[0].self_attn
         shape = (cfg.num_hidden_layers, 2, num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
-        # Zero-filled: padded block-table entries read stale slots that are masked out, and
-        # masking needs them finite.
-        # (2 MiB pages for the pool were tried: W1 577 -> 551 tok/s, batch-1 attention unchanged.)
+        # Zero-filled: stale block-table entries read slots that are masked out, and masking
+        # needs them finite. (2 MiB pages for the pool: slower, see benchmarks/README.md.)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size), cfg.vocab_size, device)
 
+    # -- state ----------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove_request(rid)
+        for rid in so.preempted_req_ids:
+            batch.remove_request(rid)
+        for new in so.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)  # a resumed request keeps its generator
+            if state is None:
+                state = CachedRequestState.create(new.req_id, new.sampling_params, new.eos_token_ids)
+                self.requests[new.req_id] = state
+            batch.remove_request(new.req_id)
+            batch.add_request(state, new.prompt_token_ids, new.output_token_ids, new.block_ids, new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        row_of = batch.row_of
+        for rid, block_ids, num_computed, token_ids in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.new_token_ids):
+            row = row_of[rid]
+            batch.append_block_ids(row, block_ids)
+            batch.append_token_ids(row, token_ids)
+            batch.num_computed_tokens[row] = num_computed
+
+    # -- one step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        scheduled = scheduler_output.scheduled
-        if not scheduled:
-            return ModelRunnerOutput()
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply ``so`` to the worker's state and run its tokens.
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        Raises:
+            KeyError: a cached request the worker does not hold (a broken message).
+        """
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput()
+        batch = self.input_batch
+        decode_ids: list[str] = []
+        prefill_ids: list[str] = []
+        for rid, n in so.num_scheduled_tokens.items():
+            (decode_ids if n == 1 else prefill_ids).append(rid)
+        order = decode_ids + prefill_ids
+        rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
+        nsched = np.fromiter((so.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
+        context = batch.num_computed_tokens[rows]
+        ends = np.cumsum(nsched)
+        total = int(ends[-1])
         B = self.block_size
+        # Flat batch: token t of request i is at position context[i] + (t - start of i).
+        row_rep = np.repeat(rows, nsched)
+        positions = np.repeat(context - (ends - nsched), nsched) + np.arange(total, dtype=np.int64)
+        input_ids = batch.token_ids[row_rep, positions]
+        slots = batch.block_table[row_rep, positions // B] * B + positions % B
+
         groups = []
-        logits_indices: list[int] = []
-        sampling_reqs: list[ScheduledRequest] = []
-        for part in (decodes, prefills):
-            if not part:
-                continue
-            groups.append(
-                build_attention_group(
-                    len(input_ids),
-                    [s.num_new_tokens for s in part],
-                    [s.num_computed_tokens for s in part],
-                    [s.block_ids for s in part],
-                    B,
-                    self.device,
-                )
-            )
-            for s in part:
-                start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-                input_ids.extend(s.request.all_token_ids[start:end])
-                positions.extend(range(start, end))
-                ids = s.block_ids
-                slots.extend(ids[p // B] * B + p % B for p in range(start, end))
-                if s.samples:
-                    logits_indices.append(len(input_ids) - 1)
-                    sampling_reqs.append(s)
+        nd = len(decode_ids)
+        for lo, hi in ((0, nd), (nd, len(order))):
+            if hi > lo:
+                start = int(ends[lo - 1]) if lo else 0
+                groups.append(build_attention_group(start, nsched[lo:hi], context[lo:hi], batch.block_table[rows[lo:hi]], B, self.device))
 
         dev = self.device
-        input_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), groups, B)
-        hidden = self.model(input_t, pos_t, self.kv_caches, meta)
+        meta = AttentionMetadata(torch.from_numpy(slots).to(dev), groups, B)
+        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, meta)
 
+        # A request samples when its chunk reaches the end of the tokens the worker holds.
+        samples = context + nsched == batch.num_tokens[rows]
         out = ModelRunnerOutput()
-        if not sampling_reqs:
+        if not samples.any():
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=dev)])
-        reqs = [s.request for s in sampling_reqs]
-        smeta = SamplingMetadata.build(reqs, self.vocab_size, dev)
-        res = self.sampler(logits, smeta)
-        tokens = res.sampled_token_ids.tolist()
-        for r, t in zip(reqs, tokens):
-            out.sampled[r.request_id] = t
+        sample_rows = rows[samples]
+        logits = self.model.compute_logits(hidden[torch.from_numpy(ends[samples] - 1).to(dev)])
+        res = self.sampler(logits, batch.sampling_metadata(sample_rows))
+        tokens = res.sampled_token_ids.cpu().numpy()
+        batch.append_sampled(sample_rows, tokens)
+        sample_ids = [order[i] for i in np.flatnonzero(samples).tolist()]
+        out.sampled = dict(zip(sample_ids, tokens.tolist()))
         if res.logprobs is not None:
             lp = res.logprobs.tolist()
             ids = res.logprob_token_ids.tolist()
             ranks = res.sampled_ranks.tolist()
-            for i, r in enumerate(reqs):
-                k = r.sampling_params.logprobs
-                if k is not None:
-                    out.logprobs[r.request_id] = (ids[i][: k + 1], lp[i][: k + 1], ranks[i])
+            for i, (rid, row) in enumerate(zip(sample_ids, sample_rows.tolist())):
+                k = int(batch.num_logprobs[row])
+                if k >= 0:
+                    out.logprobs[rid] = (ids[i][: k + 1], lp[i][: k + 1], ranks[i])
         return out

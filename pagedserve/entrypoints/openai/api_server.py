@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
-from pagedserve.engine.async_engine import AsyncLLM, EngineDeadError
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.input_processor import RequestError, param_of
 from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -40,7 +40,9 @@ from pagedserve.entrypoints.openai.protocol import (
     VersionResponse,
     random_id,
 )
-from pagedserve.entrypoints.openai.serving import OpenAIServing, RequestError, error_body, param_of
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_common import error_body
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("pagedserve")
 
@@ -98,22 +100,17 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499)
 
 
-def build_app(engine: LLMEngine | AsyncLLM, api_key: Optional[str] = None, trust_request_chat_template: bool = False) -> FastAPI:
-    """The FastAPI app over ``engine`` (an AsyncLLM is created around a bare LLMEngine, with
-    this app's own metrics registry). A ``chat_template`` in a request is refused unless
-    ``trust_request_chat_template`` (templates are code that runs in the server)."""
-    if isinstance(engine, AsyncLLM):
-        llm = engine
-        metrics = llm.metrics if isinstance(llm.metrics, EngineMetrics) else EngineMetrics(llm.model_name)
-        if llm.metrics is None:
-            llm.metrics = metrics
-    else:
-        metrics = EngineMetrics(engine.model_name)
-        llm = AsyncLLM(engine, metrics=metrics)
+def build_app(llm: AsyncLLM, api_key: Optional[str] = None, trust_request_chat_template: bool = False) -> FastAPI:
+    """The FastAPI app over ``llm`` (its ``metrics`` are created here when it has none). A
+    ``chat_template`` in a request is refused unless ``trust_request_chat_template`` (templates
+    are code that runs in the server). Shutting the app down shuts ``llm`` down."""
+    if llm.metrics is None:
+        llm.metrics = EngineMetrics(llm.model_name)
+    metrics = llm.metrics
     served = [llm.model_name]
-    serving = OpenAIServing(llm, served, trust_request_chat_template)
-    model_root = getattr(getattr(llm, "engine", None), "config", None)
-    model_root = getattr(model_root, "model", None) or served[0]
+    completions = OpenAIServingCompletion(llm, served, trust_request_chat_template)
+    chats = OpenAIServingChat(llm, served, trust_request_chat_template)
+    model_root = llm.config.model or served[0]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -123,7 +120,7 @@ def build_app(engine: LLMEngine | AsyncLLM, api_key: Optional[str] = None, trust
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.llm = llm
     app.state.metrics = metrics
-    app.state.serving = serving
+    app.state.completions = completions
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -186,55 +183,80 @@ def build_app(engine: LLMEngine | AsyncLLM, api_key: Optional[str] = None, trust
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        model, prompts, params = serving.prepare_completion(req)
+        model, prompts, params = completions.prepare_completion(req)
         request_id = random_id("cmpl")
         if req.stream:
-            return StreamingResponse(serving.completion_stream(req, request_id, model, prompts, params), media_type="text/event-stream", headers=SSE_HEADERS)
-        return await run_until_disconnect(raw_request, serving.completion_full(req, request_id, model, prompts, params))
+            return StreamingResponse(completions.completion_stream(req, request_id, model, prompts, params), media_type="text/event-stream", headers=SSE_HEADERS)
+        return await run_until_disconnect(raw_request, completions.completion_full(req, request_id, model, prompts, params))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        model, conv, prompt, params = serving.prepare_chat(req)
+        model, conv, prompt, params = chats.prepare_chat(req)
         request_id = random_id("chatcmpl")
         if req.stream:
-            return StreamingResponse(serving.chat_stream(req, request_id, model, conv, prompt, params), media_type="text/event-stream", headers=SSE_HEADERS)
-        return await run_until_disconnect(raw_request, serving.chat_full(req, request_id, model, conv, prompt, params))
+            return StreamingResponse(chats.chat_stream(req, request_id, model, conv, prompt, params), media_type="text/event-stream", headers=SSE_HEADERS)
+        return await run_until_disconnect(raw_request, chats.chat_full(req, request_id, model, conv, prompt, params))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        serving.check_model(req.model)
+        chats.check_model(req.model)
         if req.messages is not None:
             # The chat template already places every special token (as for chat completions).
-            _, ids = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template)
+            _, ids = chats.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template)
         elif req.prompt is not None:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = serving._encode(req.prompt, add, "prompt")
+            ids = llm.input_processor.tokenize(req.prompt, add, "prompt")
         else:
             raise RequestError("tokenize needs prompt or messages.", param="prompt")
-        strs = serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        serving.check_model(req.model)
+        chats.check_model(req.model)
         for t in req.tokens:
             if not 0 <= t < llm.vocab_size:
                 raise RequestError(f"tokens contains token id {t} outside the vocabulary [0, {llm.vocab_size}).", param="tokens")
-        return DetokenizeResponse(prompt=serving.tokenizer.decode(req.tokens))
+        return DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
 
     return app
 
 
+ENGINE_DEAD_GRACE_S = 2.0  # /health answers 503 this long before the server exits
+
+
 def run_server(args: Any) -> int:
-    """Entry point of ``pagedserve serve``: load the engine, then serve until interrupted."""
+    """Entry point of ``pagedserve serve``: start the engine core process, then serve until
+    interrupted. Returns 1 when the engine core died (a supervisor should restart the server)."""
+    import threading
+
     import uvicorn
 
-    from pagedserve.entrypoints.cli import engine_config_from_args
+    from pagedserve.config import EngineConfig
 
     api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDSERVE_API_KEY") or None
-    engine = LLMEngine(engine_config_from_args(args, model=getattr(args, "model", None)))
-    app = build_app(engine, api_key=api_key, trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)))
+    config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
     log_level = str(getattr(args, "log_level", "info")).lower()
-    logger.info("pagedserve: serving %s on http://%s:%d%s", engine.model_name, args.host, args.port, " (API key required)" if api_key else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=log_level, timeout_graceful_shutdown=5)
+    server: Optional[uvicorn.Server] = None
+    engine_dead = threading.Event()
+
+    def on_engine_dead() -> None:
+        engine_dead.set()
+        # Let /health say 503 for a moment, then stop the server (its exit status says why).
+        timer = threading.Timer(ENGINE_DEAD_GRACE_S, lambda: setattr(server, "should_exit", True) if server else None)
+        timer.daemon = True
+        timer.start()
+
+    llm = AsyncLLM(config, metrics=None, on_engine_dead=on_engine_dead, log_level=log_level)
+    app = build_app(llm, api_key=api_key, trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)))
+    logger.info("pagedserve: serving %s on http://%s:%d%s (engine core pid %d)", llm.model_name, args.host, args.port,
+                " (API key required)" if api_key else "", llm.engine_pid)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    finally:
+        llm.shutdown()
+    if engine_dead.is_set():
+        logger.error("pagedserve: exiting because the engine core died")
+        return 1
     return 0

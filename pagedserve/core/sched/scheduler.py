@@ -14,100 +14,50 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterable
 
+from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerConfig:
-    """Limits of one step.
-
-    Attributes:
-        max_num_batched_tokens: token budget per step (tokens).
-        max_num_seqs: most requests running at once.
-        max_model_len: longest sequence, prompt plus output (tokens).
-        enable_chunked_prefill: cut prompts longer than the remaining budget into chunks; when
-            off, a prompt is admitted only once it fits the step's budget whole.
-        long_prefill_token_threshold: cap on one request's chunk in a step (0 = none).
-    """
-
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Attributes:
-        request: the live request (token ids are read from ``request.all_token_ids``).
-        num_computed_tokens: tokens whose K/V is already in the cache before this step.
-        num_new_tokens: tokens computed this step, positions
-            ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
-        block_ids: the request's block table after this step's allocation.
-        samples: this chunk reaches the end of the known tokens, so a token is sampled. Fixed
-            when the step is scheduled (the request grows once the sampled token is appended).
-    """
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-    block_ids: list[int]
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    # Prompt tokens looked up / served from the cache at a request's first admission. Resumes
-    # after preemption are not counted (as in vLLM): they would mostly hit the request's own
-    # blocks and make the hit rate track preemption churn instead of prefix reuse.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+from pagedserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
-    """Decides who runs each step; owns the request queues and the KV cache manager."""
+    """Decides who runs each step; owns the request queues and the KV cache manager.
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    Args:
+        config: a resolved :class:`EngineConfig` (``max_model_len`` and
+            ``max_num_batched_tokens`` set, see ``EngineConfig.resolved``).
+        kv_cache_manager: the block tables and prefix cache.
+    Raises:
+        ValueError: when the config is not resolved.
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            raise ValueError("Scheduler needs a resolved EngineConfig (max_model_len and max_num_batched_tokens set)")
         self.config = config
-        self.kv = kv_cache_manager
+        self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(num_total_blocks=kv_cache_manager.num_total_blocks)
+        # What the worker must hear about in the next SchedulerOutput.
+        self.finished_req_ids: list[str] = []
+        self.num_block_ids_on_worker: dict[str, int] = {}
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError when its id is already in use."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish (abort, or stop on a stop string) live requests and free their blocks now."""
+        """Finish (abort, or stop on a stop string) live requests and free their blocks now.
+        Unknown or finished ids are ignored."""
         assert status.finished
         done = []
         for rid in request_ids:
@@ -125,8 +75,10 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         req.finished_time = time.monotonic()
-        self.kv.free(req)
+        self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
+        self.num_block_ids_on_worker.pop(req.request_id, None)
+        self.finished_req_ids.append(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -142,7 +94,8 @@ class Scheduler:
         return min(num_tokens, budget)
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        self.kv_cache_manager.free(req)
+        self.num_block_ids_on_worker.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -150,22 +103,24 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and tokens, allocate their blocks, and advance their
-        ``num_computed_tokens`` as if the step succeeds (the model runs every scheduled token).
-        """
+        """Pick this step's requests and tokens, allocate their blocks, advance their
+        ``num_computed_tokens`` as if the step succeeds (the model runs every scheduled token),
+        and describe it all as a :class:`SchedulerOutput` of plain values."""
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int, int]] = []
+        new_ids: set[str] = set()
+        kv = self.kv_cache_manager
 
         # 1) running requests, in admission order; preempt from the back when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, num_new) is None:
+            while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
+                out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
                     break
             else:
@@ -176,15 +131,15 @@ class Scheduler:
             break  # req itself was preempted: nothing after it is left
 
         # 2) waiting requests, FCFS, unless this step had to preempt.
-        if not out.preempted_ids:
+        if not out.preempted_req_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
                 num_remaining = req.num_tokens - num_hit
                 if not self.config.enable_chunked_prefill and num_remaining > budget:
                     break
                 num_new = self._chunk(num_remaining, budget)
-                if self.kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
+                if kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
                     break
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
@@ -197,45 +152,66 @@ class Scheduler:
                     req.first_scheduled_time = time.monotonic()
                 self.running.append(req)
                 scheduled.append((req, num_hit, num_new))
+                new_ids.add(req.request_id)
                 budget -= num_new
 
+        cached = out.scheduled_cached_reqs
         for req, num_computed, num_new in scheduled:
-            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, self.kv.get_block_ids(req.request_id)))
+            rid = req.request_id
+            block_ids = kv.get_block_ids(rid)
+            if rid in new_ids:
+                out.scheduled_new_reqs.append(
+                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+                                   sorted(req.eos_token_ids), block_ids, num_computed)
+                )
+                req.num_tokens_on_worker = req.num_tokens
+            else:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(block_ids[self.num_block_ids_on_worker[rid]:])
+                cached.num_computed_tokens.append(num_computed)
+                cached.new_token_ids.append(req.all_token_ids[req.num_tokens_on_worker:])
+                req.num_tokens_on_worker = req.num_tokens
+            self.num_block_ids_on_worker[rid] = len(block_ids)
+            out.num_scheduled_tokens[rid] = num_new
             req.num_computed_tokens = num_computed + num_new
-            out.num_batched_tokens += num_new
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append each sampled token and finish requests that hit EOS, a stop token, max_tokens
         or max_model_len; their blocks are freed in this same call.
 
-        Args:
-            sampled: request id -> sampled token id, for requests whose chunk reached the end.
         Returns:
-            the requests that received a token or finished this step.
+            one :class:`EngineCoreOutput` per request that received a token (requests aborted
+            between ``schedule`` and now are skipped), and the stats after the step.
         """
         now = time.monotonic()
-        touched = []
-        finished = []
-        for sr in scheduler_output.scheduled:
-            req = sr.request
-            if req.is_finished():  # aborted between schedule and update
-                continue
-            tok = sampled.get(req.request_id)
-            if tok is None:
+        outputs = []
+        logprobs = runner_output.logprobs
+        for rid, tok in runner_output.sampled.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():  # aborted between schedule and update
                 continue
             req.append_output_token_ids([tok])
+            req.num_tokens_on_worker += 1  # the worker sampled it, so it holds it
             if req.first_token_time is None:
                 req.first_token_time = now
+                self.stats.num_prompt_tokens += req.num_prompt_tokens
             req.last_token_time = now
-            self.kv.update_block_hashes(req)
-            touched.append(req)
-            if self._check_stop(req, tok):
-                finished.append(req)
-        for req in finished:
-            self.running.remove(req)
-            self._free(req)
-        return touched
+            self.stats.num_generation_tokens += 1
+            self.kv_cache_manager.update_block_hashes(req)
+            stopped = self._check_stop(req, tok)
+            outputs.append(
+                EngineCoreOutput(
+                    rid, [tok], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
+                    max(0, req.num_cached_tokens), req.first_scheduled_time,
+                )
+            )
+            if stopped:
+                self.running.remove(req)
+                self._free(req)
+        return EngineCoreOutputs(outputs, now, self.get_stats())
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         params = req.sampling_params
@@ -250,6 +226,9 @@ class Scheduler:
         return False
 
     def get_stats(self) -> SchedulerStats:
-        self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
-        return self.stats
+        """A snapshot of the counters (a new object each call)."""
+        s = self.stats
+        s.num_running = len(self.running)
+        s.num_waiting = len(self.waiting)
+        s.num_free_blocks = self.kv_cache_manager.num_free_blocks
+        return SchedulerStats(**vars(s))

@@ -1,0 +1,130 @@
+"""Messages across the engine's boundaries, as plain values (torch-free):
+
+* worker -> core: :class:`ModelRunnerOutput` (sampled tokens, logprobs where asked);
+* front -> core: :class:`EngineCoreRequest` (a validated, tokenized request with ``n == 1``);
+* core -> front: :class:`EngineCoreOutputs` once per step (new tokens of each request that
+  progressed, finish reasons, and the core's :class:`SchedulerStats`).
+
+Each is a dataclass of ints, floats, strings, lists and dicts, so it can be encoded with
+msgpack (``pagedserve.engine.serial``) to cross a process boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from pagedserve.sampling_params import SamplingParams
+
+# (token ids, logprobs, rank of the sampled token): the sampled token first, then the top-k.
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step.
+
+    Attributes:
+        sampled: request id -> sampled token id (only requests whose chunk reached the end of
+            their known tokens).
+        logprobs: request id -> :data:`TokenLogprobs`, for requests that asked for logprobs.
+    """
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sequence for the core to generate (the frontend fans ``n > 1`` out).
+
+    Attributes:
+        request_id: unique among live requests.
+        prompt_token_ids: validated token ids (inside the vocabulary, shorter than
+            max_model_len).
+        sampling_params: with ``max_tokens`` filled in and ``n == 1``.
+        eos_token_ids: ids that end the request unless ``ignore_eos``.
+        arrival_time: ``time.monotonic()`` seconds when the request reached the server (the
+            monotonic clock is shared by the processes of one host).
+        cache_salt: requests with different salts never share prefix-cache blocks.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    cache_salt: Optional[str] = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """What changed for one request in one step.
+
+    Attributes:
+        new_token_ids: tokens sampled this step (one, or none when only finishing).
+        new_logprobs: logprobs of the new token, when asked.
+        finish_reason: "stop" (EOS or a stop token id), "length", or None while running.
+        stop_reason: the stop token id that ended it (None for EOS or length).
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+        first_scheduled_time: ``time.monotonic()`` of the request's first scheduling; sent
+            with every output (a float), so the frontend needs no extra event.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[TokenLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, None] = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: Optional[float] = None
+
+
+@dataclass
+class SchedulerStats:
+    """The core's counters, as of the end of a step (tokens, blocks, requests).
+
+    Attributes:
+        num_running, num_waiting: sequences in each queue.
+        num_preemptions: cumulative preemptions.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / served from the
+            prefix cache at first admission (cumulative). Resumes after preemption are not
+            counted, as in vLLM.
+        num_total_blocks, num_free_blocks: the KV block pool (free includes cached blocks no
+            request holds).
+        num_prompt_tokens, num_generation_tokens: cumulative, counted when each request's
+            prefill completes (cached tokens included) and per sampled token.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of blocks held by live requests, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step's outputs.
+
+    Attributes:
+        outputs: one entry per request that received a token or finished.
+        timestamp: ``time.monotonic()`` when the step ended (token times of every output).
+        scheduler_stats: the core's counters after the step.
+    """
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    timestamp: float = 0.0
+    scheduler_stats: Optional[SchedulerStats] = None

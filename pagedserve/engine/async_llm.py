@@ -1,0 +1,265 @@
+"""AsyncLLM: the serving frontend. Requests are validated and tokenized here, the engine core
+runs beside it (its own process by default, see :mod:`pagedserve.engine.core_client`), and
+outputs are detokenized here and handed to asyncio consumers (vLLM v1's ``AsyncLLM`` shape).
+
+* ``generate()`` runs the :class:`InputProcessor` on the caller's event loop (a bad request
+  raises at once and never reaches the core), registers the request with the
+  :class:`OutputProcessor`, sends it to the core, and yields its outputs.
+* One *output thread* receives the core's per-step outputs, runs the output processor
+  (detokenization, stop strings: a sequence that hits one is aborted in the core), and hands
+  each ``RequestOutput`` to its consumer's loop with ``loop.call_soon_threadsafe``.
+* A consumer that stops iterating (``break``, ``aclose()``, cancellation, client disconnect)
+  aborts its request at once; the core frees its blocks before its next step.
+* If the core dies (even by SIGKILL) or fails a step, every live request ends with
+  :class:`EngineDeadError`, ``errored`` turns True and ``on_engine_dead`` is called; nothing hangs.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import SchedulerStats
+from pagedserve.engine.input_processor import ProcessedRequest, PromptType
+from pagedserve.engine.llm_engine import log_stats, make_processors, served_model_name
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedserve")
+
+STATS_LOG_INTERVAL_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core has stopped (shutdown, a crash, or its process died)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLM:
+    """Serve one model to asyncio code.
+
+    Args:
+        config: the engine's configuration.
+        engine_process: run the engine core in its own process (default) or in a thread.
+        metrics: optional observer (:class:`pagedserve.metrics.EngineMetrics`) with
+            ``observe_stats``, ``observe_output`` and ``observe_abort``, called from the
+            output thread.
+        on_engine_dead: called once (from the output thread) when the core dies or fails.
+
+    Raises:
+        ValueError / FileNotFoundError: invalid config or model (from the core's start-up).
+
+    Example::
+
+        llm = AsyncLLM(EngineConfig())
+        async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
+            print(out.outputs[0].text)
+        llm.shutdown()
+    """
+
+    def __init__(self, config: EngineConfig, *, engine_process: bool = True, metrics: Any = None,
+                 on_engine_dead: Optional[Callable[[], None]] = None, log_level: str = "info") -> None:
+        from pagedserve.engine.core_client import MPClient, ThreadClient
+        from pagedserve.model.loader import resolve_model
+
+        resolve_model(config.model)  # convert a GGUF file once, here, before the core starts
+        self.client = MPClient(config, log_level) if engine_process else ThreadClient(config)
+        info = self.client.info
+        self.config = info.config
+        self.model_name = served_model_name(config)
+        self.input_processor, self.output_processor, self.tokenizer = make_processors(info, info.model_dir)
+        self.max_model_len = self.config.max_model_len
+        self.vocab_size = self.input_processor.vocab_size
+        self.metrics = metrics
+        self.on_engine_dead = on_engine_dead
+        self._lock = threading.Lock()  # output processor, streams, stats
+        self._streams: dict[str, _Stream] = {}
+        self._utility_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._stats = SchedulerStats(num_total_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
+        self._error: Optional[str] = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run_output_loop, name="pagedserve-output", daemon=True)
+        self._thread.start()
+
+    # -- public API (any event loop) ------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped and self._error is None and self._thread.is_alive()
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None
+
+    @property
+    def engine_pid(self) -> int:
+        return self.client.pid
+
+    def get_stats(self) -> SchedulerStats:
+        """The core's counters as of its last step or command."""
+        with self._lock:
+            return self._stats
+
+    def num_unfinished_requests(self) -> int:
+        with self._lock:
+            return self.output_processor.get_num_unfinished_requests()
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Validate an offline-style prompt (see ``InputProcessor.process``) and stream its outputs.
+
+        Raises:
+            ValueError: the request is invalid (the message names the field) or the id is in use.
+            EngineDeadError: the engine core is not running.
+        """
+        processed = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt)
+        async for out in self.generate_processed(processed):
+            yield out
+
+    async def generate_processed(self, req: ProcessedRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs (as ``params.output_kind`` shapes them) of a request the input
+        processor made, until it finishes. Leaving early aborts it."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._check_alive()
+            self.output_processor.add_request(req)  # ValueError on a duplicate id
+            self._streams[req.request_id] = _Stream(loop, queue)
+        for child in req.children:
+            self.client.send(["add", child])
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the output thread already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or done). Never blocks on the core."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+            child_ids = self.output_processor.abort_requests([request_id])
+        if child_ids:
+            self.client.send(["abort", child_ids])
+            if self.metrics is not None:
+                self.metrics.observe_abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call_utility("reset_prefix_cache")
+
+    async def _call_utility(self, name: str) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._check_alive()
+            self._utility_calls[call_id] = (loop, fut)
+        self.client.send(["utility", call_id, name])
+        return await fut
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core and the output thread; live requests end with EngineDeadError."""
+        self._stopped = True
+        self.client.shutdown(timeout_s)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    # -- output thread --------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error}")
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+
+    def _run_output_loop(self) -> None:
+        import time
+
+        last_log = time.monotonic()
+        reason = "engine is shut down"
+        while not self._stopped:
+            msg = self.client.recv(0.1)
+            if msg is None:
+                if not self.client.is_alive() and not self._stopped:
+                    reason = f"engine core process died (exit status {getattr(self.client.proc, 'returncode', '?')})"
+                    break
+                continue
+            kind = msg[0]
+            if kind == "outputs":
+                self._handle_outputs(msg[1])
+                if time.monotonic() - last_log >= STATS_LOG_INTERVAL_S:
+                    last_log = time.monotonic()
+                    log_stats(self.get_stats())
+            elif kind == "utility":
+                self._resolve_utility(msg[1], msg[2], msg[3])
+            elif kind == "error":
+                reason = f"engine core failed: {msg[1]}: {msg[2]}"
+                break
+        self._fail_all(reason, dead=not self._stopped)
+
+    def _handle_outputs(self, core_outputs) -> None:
+        with self._lock:
+            outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+            if core_outputs.scheduler_stats is not None:
+                self._stats = core_outputs.scheduler_stats
+            streams = [(o, self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)) for o in outputs]
+        if to_abort:
+            self.client.send(["abort", to_abort])
+        if self.metrics is not None:
+            self.metrics.observe_stats(self._stats)
+            for o in outputs:
+                self.metrics.observe_output(o)
+        for out, stream in streams:
+            if stream is not None:
+                _put(stream.loop, stream.queue.put_nowait, out)
+
+    def _resolve_utility(self, call_id: int, result: Any, error: Optional[str]) -> None:
+        with self._lock:
+            entry = self._utility_calls.pop(call_id, None)
+        if entry is not None:
+            loop, fut = entry
+            _put(loop, _set_future, fut, result, RuntimeError(error) if error else None)
+
+    def _fail_all(self, reason: str, dead: bool) -> None:
+        with self._lock:
+            if dead:
+                self._error = reason
+                logger.error("pagedserve: %s; failing every live request", reason)
+            streams, self._streams = self._streams, {}
+            calls, self._utility_calls = self._utility_calls, {}
+            self.output_processor.abort_requests(list(self.output_processor.request_states))
+        err = EngineDeadError(reason)
+        for stream in streams.values():
+            _put(stream.loop, stream.queue.put_nowait, err)
+        for loop, fut in calls.values():
+            _put(loop, _set_future, fut, None, err)
+        if dead and self.on_engine_dead is not None:
+            self.on_engine_dead()
+
+
+def _set_future(fut: asyncio.Future, result: Any, exc: Optional[BaseException]) -> None:
+    if not fut.done():
+        fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+
+def _put(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the consumer's loop is closed
+        pass

@@ -1,0 +1,179 @@
+"""Clients of an engine core that runs beside the frontend (vLLM v1's ``EngineCoreClient``).
+
+Both speak the messages of :mod:`pagedserve.engine.core_proc` and offer the same calls:
+``send(message)`` (never blocks), ``recv(timeout_s)`` (the core's next message or None),
+``is_alive()``, ``shutdown()``, and ``info`` (the core's :class:`EngineCoreInfo`).
+
+* :class:`MPClient`: the core in its own process (``python -m pagedserve.engine.core_proc``),
+  over two ZeroMQ PUSH/PULL sockets on IPC paths in a private temporary directory (loopback by
+  nature), msgpack-encoded (``serial``). The core's torch threads are set by
+  ``EngineConfig.num_threads``; the frontend runs no torch work.
+* :class:`ThreadClient`: the core in a thread of this process, over two queues (no encoding).
+  For tests and for callers that want one process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import EngineCoreInfo
+
+logger = logging.getLogger("pagedserve")
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def _raise_core_error(kind: str, message: str) -> None:
+    exc = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)
+    raise exc(message if exc is not RuntimeError else f"engine core failed: {kind}: {message}")
+
+
+class MPClient:
+    """Starts the engine-core process and talks to it.
+
+    Raises (from the constructor): ValueError / FileNotFoundError when the core refuses the
+    config or model; RuntimeError when it dies or does not get ready in time.
+    """
+
+    def __init__(self, config: EngineConfig, log_level: str = "info", startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        import zmq
+
+        from pagedserve.engine import serial
+
+        self._serial = serial
+        self._zmq = zmq
+        self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")  # mode 0700: only this user
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(f"ipc://{self._dir}/input")
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.bind(f"ipc://{self._dir}/output")
+        self._send_lock = threading.Lock()
+        cmd = [sys.executable, "-m", "pagedserve.engine.core_proc", "--input-address", f"ipc://{self._dir}/input",
+               "--output-address", f"ipc://{self._dir}/output", "--config-json", json.dumps(config.to_dict()),
+               "--log-level", log_level]
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen(cmd, env=env)
+        try:
+            self.info = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> EngineCoreInfo:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = self.recv(0.2)
+            if msg is None:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"engine core process exited with status {self.proc.returncode} during start-up")
+                continue
+            if msg[0] == "ready":
+                return msg[1]
+            if msg[0] == "error":
+                self.proc.wait(10)
+                _raise_core_error(msg[1], msg[2])
+        raise RuntimeError(f"engine core did not get ready within {timeout_s:.0f} s")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, msg: list) -> None:
+        data = self._serial.encode(msg)
+        with self._send_lock:
+            try:
+                self._input.send(data, flags=self._zmq.NOBLOCK, copy=False)
+            except (self._zmq.Again, self._zmq.ZMQError):  # core gone or closed: is_alive() says so
+                pass
+
+    def recv(self, timeout_s: Optional[float]) -> Optional[list]:
+        """Only one thread may call this."""
+        try:
+            if not self._output.poll(None if timeout_s is None else int(timeout_s * 1000)):
+                return None
+            return self._serial.decode(self._output.recv(copy=False).buffer)
+        except self._zmq.ZMQError:  # closed by shutdown
+            return None
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the core to stop, wait up to ``timeout_s``, then kill it; idempotent."""
+        if self.proc.poll() is None:
+            self.send(["shutdown"])
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        with self._send_lock:
+            if not self._ctx.closed:
+                self._input.close(linger=0)
+                self._output.close(linger=0)
+                self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ThreadClient:
+    """The same interface over an :class:`EngineCore` stepped by a thread of this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedserve.engine.core import EngineCore
+
+        self.core = EngineCore(config)
+        self.info = self.core.info
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine-core", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from pagedserve.engine.core_proc import run_busy_loop
+
+        def recv(timeout_s: Optional[float]) -> Optional[list]:
+            try:
+                return self._inbox.get_nowait() if timeout_s == 0 else self._inbox.get(timeout=timeout_s)
+            except queue.Empty:
+                return None
+
+        try:
+            run_busy_loop(self.core, recv, self._outbox.put)
+        except BaseException as e:
+            logger.exception("pagedserve engine core thread crashed")
+            self._error = e
+            self._outbox.put(["error", type(e).__name__, str(e)])
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    def send(self, msg: list) -> None:
+        self._inbox.put(msg)
+
+    def recv(self, timeout_s: Optional[float]) -> Optional[list]:
+        try:
+            return self._outbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(["shutdown"])
+            self._thread.join(timeout_s)

@@ -1,0 +1,148 @@
+"""The engine core's busy loop, and the main of the engine-core process
+(``python -m pagedserve.engine.core_proc``, started by :class:`pagedserve.engine.core_client.MPClient`).
+
+Messages in (lists): ``["add", EngineCoreRequest]``, ``["abort", [ids]]``,
+``["utility", call_id, name]`` (``reset_prefix_cache`` or ``get_stats``), ``["shutdown"]``.
+Messages out: ``["ready", EngineCoreInfo]`` once loaded, ``["outputs", EngineCoreOutputs]`` after
+every step (and after commands that changed the state of an idle core),
+``["utility", call_id, result]``, and ``["error", exception type, message]`` when start-up or
+a step fails (the process then exits with status 1).
+
+The loop: take every waiting command, run one step if any request is unfinished, send its
+outputs; when idle, block on the next command (waking every second to check that the parent
+process is still there, so a core whose frontend died exits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs
+
+logger = logging.getLogger("pagedserve")
+
+IDLE_POLL_S = 1.0
+UTILITIES = ("reset_prefix_cache", "get_stats")
+
+
+def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], send: Callable[[list], None],
+                  parent_alive: Callable[[], bool] = lambda: True) -> None:
+    """Serve ``core`` (an :class:`EngineCore`) until a shutdown message or the parent's death.
+
+    ``recv(timeout_s)`` returns the next message or None after the timeout (0 = poll);
+    ``send(message)`` must not block for long. Exceptions from a step propagate.
+    """
+    while True:
+        idle = not core.has_unfinished_requests()
+        msg = recv(IDLE_POLL_S if idle else 0.0)
+        if msg is None and idle:
+            if not parent_alive():
+                logger.warning("pagedserve engine core: the frontend process is gone; exiting")
+                return
+            continue
+        changed = False
+        while msg is not None:
+            if msg[0] == "shutdown":
+                return
+            changed |= _handle(core, msg, send)
+            msg = recv(0.0)
+        if core.has_unfinished_requests():
+            send(["outputs", core.step()])
+        elif changed:
+            send(["outputs", EngineCoreOutputs([], time.monotonic(), core.get_stats())])
+
+
+def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
+    """Apply one command; returns True when it may have changed the core's state."""
+    kind = msg[0]
+    if kind == "add":
+        req = msg[1]
+        try:
+            core.add_request(req)
+        except ValueError as e:  # the frontend checks ids first; answer instead of dying
+            logger.error("pagedserve engine core refused %s: %s", req.request_id, e)
+            send(["outputs", EngineCoreOutputs([EngineCoreOutput(req.request_id, [], finish_reason="abort")], time.monotonic())])
+        return True
+    if kind == "abort":
+        core.abort_requests(msg[1])
+        return True
+    if kind == "utility":
+        call_id, name = msg[1], msg[2]
+        if name not in UTILITIES:
+            send(["utility", call_id, None, f"unknown utility {name!r}"])
+            return False
+        send(["utility", call_id, getattr(core, name)(), None])
+        return name == "reset_prefix_cache"
+    logger.error("pagedserve engine core: unknown message %r", kind)
+    return False
+
+
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphaned engine)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description="pagedserve engine-core process (started by the server)")
+    ap.add_argument("--input-address", required=True)
+    ap.add_argument("--output-address", required=True)
+    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    _set_parent_death_signal()
+    parent = os.getppid()
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
+
+    import zmq
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine import serial
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(args.input_address)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(args.output_address)
+
+    def send(msg: list) -> None:
+        outbox.send(serial.encode(msg), copy=False)
+
+    def recv(timeout_s: Optional[float]) -> Optional[list]:
+        if timeout_s is not None and not inbox.poll(int(timeout_s * 1000)):
+            return None
+        return serial.decode(inbox.recv(copy=False).buffer)
+
+    try:
+        from pagedserve.engine.core import EngineCore
+
+        core = EngineCore(EngineConfig(**json.loads(args.config_json)))
+        send(["ready", core.info])
+        run_busy_loop(core, recv, send, parent_alive=lambda: os.getppid() == parent)
+        return 0
+    except BaseException as e:  # start-up error or a crashed step: tell the frontend, exit non-zero
+        logger.error("pagedserve engine core failed:\n%s", traceback.format_exc())
+        if not isinstance(e, KeyboardInterrupt):
+            send(["error", type(e).__name__, str(e)])
+        return 1
+    finally:
+        outbox.close()
+        inbox.close(linger=0)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

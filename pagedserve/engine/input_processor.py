@@ -1,0 +1,200 @@
+"""InputProcessor: the one place where a request is tokenized and validated before it reaches
+the engine core (``LLM.generate``, the CLI and the HTTP server all go through it).
+
+A request that passes becomes one :class:`EngineCoreRequest` per completion (``n > 1`` is
+fanned out here into children ``{id}#{i}`` with seeds ``seed + i``), so the core only ever sees
+valid token ids, a prompt that leaves room to generate, ``max_tokens`` filled in and sampling
+parameters in range. Everything refused raises :class:`RequestError` (a ``ValueError``) naming
+the field, which the server turns into an HTTP 400.
+"""
+from __future__ import annotations
+
+import operator
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from pagedserve.core.outputs import EngineCoreRequest
+from pagedserve.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the server answers with this status and an OpenAI error
+    body (``{"error": {"message", "type", "param", "code"}}``)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status_code: int = 400, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+        self.err_type = err_type
+
+
+_KNOWN_PARAMS = {
+    "prompt", "prompt_token_ids", "messages", "model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "stop_token_ids", "max_tokens", "max_completion_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "best_of",
+    "stream_options", "response_format", "request_id", "tokens", "continue_final_message",
+}
+
+
+def param_of(message: str) -> Optional[str]:
+    """The request field a ``ValueError`` message names (its first word), if any."""
+    m = re.match(r"[`'\"]?([A-Za-z_]+)", message)
+    if m and m.group(1) in _KNOWN_PARAMS:
+        return "prompt" if m.group(1) == "prompt_token_ids" else m.group(1)
+    return None
+
+
+def check_text(text: str, param: str) -> None:
+    """Reject strings that are not valid Unicode text (e.g. a lone surrogate from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{param} is not valid UTF-8 text (it contains a lone surrogate).", param=param) from None
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated request: the parent the frontend reports on, and the core's children."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[EngineCoreRequest]
+
+
+class InputProcessor:
+    """Tokenizes and validates requests for one model.
+
+    Args:
+        tokenizer: the model's transformers tokenizer.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+        max_model_len: prompt + output limit (tokens), as resolved by the engine core.
+        eos_token_ids: the model's EOS ids (generation config).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._counter = 0
+
+    # -- tokens -----------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        check_text(text, param)
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def check_token_ids(self, ids: list[int], what: str = "prompt", param: Optional[str] = "prompt") -> None:
+        """Raises RequestError for an empty list or an id outside the vocabulary."""
+        if not ids:
+            raise RequestError(f"{what} must not be empty.", param=param)
+        V = self.vocab_size
+        for t in ids:
+            if not 0 <= t < V:
+                raise RequestError(f"{what} contains token id {t} outside the vocabulary [0, {V}).", param=param)
+
+    def parse_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
+        """``(text, token ids, cache_salt)`` of an offline prompt: a string, a list of ids, or a
+        dict with ``prompt`` or ``prompt_token_ids`` (and optionally ``cache_salt``)."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt), None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._as_token_ids(prompt["prompt_token_ids"]), salt
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenize(prompt["prompt"]), salt
+            raise RequestError("prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):  # also numpy arrays, tensors
+            return None, self._as_token_ids(prompt.tolist() if hasattr(prompt, "tolist") else prompt), None
+        raise RequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}", param="prompt")
+
+    @staticmethod
+    def _as_token_ids(ids) -> list[int]:
+        try:
+            return [operator.index(t) for t in ids]
+        except TypeError:
+            raise RequestError("prompt_token_ids must be a list of integers", param="prompt") from None
+
+    # -- lengths ----------------------------------------------------------------------------
+    def resolve_max_tokens(self, requested: Optional[int], prompt_len: int, field_name: str = "max_tokens",
+                           prompt_field: str = "prompt", strict: bool = True) -> int:
+        """``max_tokens`` for a prompt of ``prompt_len`` tokens (None = up to max_model_len).
+
+        With ``strict`` (the OpenAI API), prompt + max_tokens over max_model_len is refused;
+        without it (offline, as vLLM's LLM), the request is cut at max_model_len.
+
+        Raises:
+            RequestError: the prompt leaves no room, or (strict) the total is too long.
+        """
+        if prompt_len >= self.max_model_len:
+            raise RequestError(
+                f"{prompt_field} is {prompt_len} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}. Please shorten the {prompt_field}.", param=prompt_field,
+            )
+        if requested is None:
+            return self.max_model_len - prompt_len
+        if requested < 1:
+            raise RequestError(f"{field_name} must be at least 1, got {requested}.", param=field_name)
+        if strict and prompt_len + requested > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_field}, {requested} in {field_name}). "
+                f"Please reduce the length of the {prompt_field} or {field_name}.",
+                param=field_name,
+            )
+        return requested
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises RequestError for ids outside the vocabulary or an unsupported field."""
+        try:
+            params.verify_vocab(self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), param=param_of(str(e))) from None
+        if params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs is not supported yet (logprobs of generated tokens are)", param="prompt_logprobs")
+
+    # -- requests ---------------------------------------------------------------------------
+    def process(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
+                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> ProcessedRequest:
+        """Validate an offline prompt (any :data:`PromptType`) and fan it out.
+
+        Raises:
+            RequestError: naming the field (empty prompt, prompt too long, ids outside the
+                vocabulary, invalid sampling parameters).
+        """
+        text, ids, salt = self.parse_prompt(prompt)
+        as_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+        self.check_token_ids(ids, "prompt" if as_text else "prompt_token_ids")
+        params = (params or SamplingParams()).clone()
+        params.max_tokens = self.resolve_max_tokens(params.max_tokens, len(ids), strict=False)
+        self.check_params(params)
+        return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt)
+
+    def make_request(self, request_id: Optional[str], prompt_text: Optional[str], prompt_token_ids: list[int],
+                     params: SamplingParams, arrival_time: Optional[float] = None,
+                     cache_salt: Optional[str] = None) -> ProcessedRequest:
+        """Fan out checked token ids and params (``check_params`` passed, ``max_tokens`` set)
+        into the core's requests."""
+        if request_id is None:
+            request_id = str(self._counter)
+            self._counter += 1
+        params._all_stop_token_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            child = params
+            if params.n > 1:
+                child = params.clone()
+                child.n = 1
+                if params.seed is not None:
+                    child.seed = params.seed + i
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt))
+        return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, children)

@@ -1,0 +1,130 @@
+"""/v1/chat/completions: a conversation rendered with the chat template, to one response or an
+SSE stream (the role first, then content deltas, as OpenAI sends them)."""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from pagedserve.entrypoints.openai.protocol import (
+    ChatChoiceLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProbContent,
+    ChatLogProbEntry,
+    ChatResponseMessage,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from pagedserve.entrypoints.openai.serving_common import (
+    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, sse, stream_error,
+)
+from pagedserve.outputs import Logprob
+from pagedserve.sampling_params import SamplingParams
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat completions endpoint."""
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[dict], TokenizedPrompt, SamplingParams]:
+        """Validate and render; raises RequestError (HTTP 400) naming the field."""
+        model = self.check_model(req.model)
+        self.check_num_sequences(1, req.n or 1)
+        conv, ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
+                                     req.chat_template_kwargs, req.tools)
+        self.input_processor.check_token_ids(ids)
+        field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.input_processor.resolve_max_tokens(req.requested_max_tokens, len(ids), field_name, "messages")
+        return model, conv, TokenizedPrompt(None, ids), self.sampling_params(req, max_tokens)
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> ChatChoiceLogProbs:
+        content = []
+        for tid, entry in zip(token_ids, logprobs):
+            lp = entry.get(tid)
+            tops = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top_n), key=lambda tv: tv[1].rank)
+            content.append(
+                ChatLogProbContent(
+                    token=self.tokens.text(tid), logprob=_finite(lp.logprob) if lp is not None else -9999.0, bytes=list(self.tokens.bytes(tid)),
+                    top_logprobs=[ChatLogProbEntry(token=self.tokens.text(t), logprob=_finite(v.logprob), bytes=list(self.tokens.bytes(t))) for t, v in tops[:top_n]],
+                )
+            )
+        return ChatChoiceLogProbs(content=content)
+
+    @staticmethod
+    def _echo_text(req: ChatCompletionRequest, conv: list[dict]) -> str:
+        if req.echo and conv and conv[-1].get("role") == "assistant":
+            return conv[-1].get("content") or ""
+        return ""
+
+    async def chat_full(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams) -> ChatCompletionResponse:
+        choices = [ChoiceState() for _ in range(params.n)]
+        cached = 0
+        async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt)) as stream:
+            async for _, out in stream:
+                if out.finished:
+                    cached = out.num_cached_tokens
+                for o in out.outputs:
+                    choices[o.index].add(o)
+        echo = self._echo_text(req, conv)
+        top_n = req.top_logprobs or 0
+        result = [
+            ChatCompletionResponseChoice(
+                index=i,
+                message=ChatResponseMessage(role="assistant", content=echo + "".join(ch.text)),
+                logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
+                finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
+            )
+            for i, ch in enumerate(choices)
+        ]
+        num_gen = sum(len(ch.token_ids) for ch in choices)
+        usage = UsageInfo(prompt_tokens=len(prompt.token_ids), completion_tokens=num_gen, total_tokens=len(prompt.token_ids) + num_gen,
+                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage)
+
+    async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams) -> AsyncIterator[str]:
+        choices = [ChoiceState() for _ in range(params.n)]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        num_prompt = len(prompt.token_ids)
+        top_n = req.top_logprobs or 0
+        echo = self._echo_text(req, conv)
+        created = int(time.time())
+
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            c = ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice])
+            if continuous:
+                gen = sum(x.num_tokens for x in choices)
+                c.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)
+            return sse(c)
+
+        try:
+            for i in range(params.n):  # the role comes first, as OpenAI sends it
+                yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None))
+            if echo:
+                for i in range(params.n):
+                    yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
+            async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt)) as stream:
+                async for _, out in stream:
+                    for o in out.outputs:
+                        ch = choices[o.index]
+                        if ch.finish_reason is not None:
+                            continue
+                        ch.num_tokens += len(o.token_ids)
+                        ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+                        if not o.text and o.finish_reason is None and not o.token_ids:
+                            continue
+                        lps = self._chat_logprobs(o.token_ids, o.logprobs or [], top_n) if req.logprobs else None
+                        yield chunk(ChatCompletionResponseStreamChoice(
+                            index=o.index, delta=DeltaMessage(content=o.text) if (o.text or o.finish_reason is None) else DeltaMessage(),
+                            logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                        ))
+            if include_usage:
+                gen = sum(x.num_tokens for x in choices)
+                yield sse(ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)))
+        except (ValueError, RuntimeError) as e:
+            yield stream_error(e)
+        yield SSE_DONE

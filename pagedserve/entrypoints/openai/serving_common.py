@@ -1,0 +1,244 @@
+"""What /v1/completions and /v1/chat/completions share: the model check, sampling parameters,
+chat rendering, running one engine request per prompt with ``RequestOutputKind.DELTA``, and the
+SSE / logprob helpers.
+
+Validation and tokenization are the :class:`InputProcessor`'s (the engine's one place for
+them), so a bad request is answered with HTTP 400 and never reaches the engine core.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, AsyncIterator, Optional, Union
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.input_processor import RequestError, check_text, param_of
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ErrorInfo, ErrorResponse
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+def error_body(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code)).model_dump()
+
+
+def stream_error(e: Exception) -> str:
+    """An SSE event with the error body of a request refused late or an engine that died."""
+    status = 400 if isinstance(e, ValueError) else 500
+    return sse(error_body(str(e), status, "BadRequestError" if status == 400 else "InternalServerError", param_of(str(e))))
+
+
+def _finite(x: float) -> float:
+    return max(x, -9999.0) if x == x else -9999.0  # -inf / NaN are not JSON
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable-unicode table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class TokenStrings:
+    """Per-token text and UTF-8 bytes for logprobs, cached by token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = lru_cache(maxsize=65536)(self._text)
+        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+
+    def _text(self, token_id: int) -> str:
+        raw = self._bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> bytes:
+        raw = self.tokenizer.convert_ids_to_tokens(token_id)
+        if raw is None:
+            return b""
+        m = _BYTE_FALLBACK.match(raw)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if raw and all(c in _BYTE_DECODER for c in raw) and not (raw.startswith("<") and raw.endswith(">")):
+            return bytes(_BYTE_DECODER[c] for c in raw)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    """Yield ``(i, item)`` from several async iterators as items arrive. Closing (or cancelling)
+    the merged iterator cancels every source, so each aborts its request."""
+    if len(iterators) == 1:
+        async with aclosing(iterators[0]) as it:  # type: ignore[type-var]
+            async for item in it:
+                yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending.keys(), return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for fut in pending:
+            fut.cancel()  # the source's finally runs in that task and aborts its request
+
+
+@dataclass
+class ChoiceState:
+    """Accumulated state of one choice (prompt i, completion j)."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    text_offset: int = 0
+    started: bool = False
+
+    def add(self, o: CompletionOutput) -> None:
+        """Fold in one delta output of this choice (ignored once the choice has finished)."""
+        if self.finish_reason is not None:
+            return
+        self.text.append(o.text)
+        self.token_ids.extend(o.token_ids)
+        if o.logprobs:
+            self.logprobs.extend(o.logprobs)
+        self.finish_reason, self.stop_reason = o.finish_reason, o.stop_reason
+
+
+@dataclass
+class TokenizedPrompt:
+    text: Optional[str]
+    token_ids: list[int]
+
+
+def sse(obj: Any) -> str:
+    if hasattr(obj, "model_dump_json"):
+        data = obj.model_dump_json(exclude={"usage"} if getattr(obj, "usage", 1) is None else None)
+    else:
+        data = json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    """The model check, parameters, chat rendering and engine requests of one server."""
+
+    # Most sequences (prompts x n) one HTTP request may start: a single request must not be
+    # able to queue unbounded work or memory.
+    MAX_SEQUENCES_PER_REQUEST = 256
+
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False) -> None:
+        self.llm = llm
+        self.input_processor = llm.input_processor
+        self.trust_request_chat_template = trust_request_chat_template
+        self.tokenizer = llm.tokenizer
+        self.served_model_names = served_model_names
+        self.tokens = TokenStrings(self.tokenizer)
+
+    def check_model(self, model: Optional[str]) -> str:
+        if model is None or model in self.served_model_names:
+            return self.served_model_names[0]
+        raise RequestError(f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.", param="model")
+
+    def sampling_params(self, req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> SamplingParams:
+        try:
+            params = req.to_sampling_params(max_tokens)
+        except RequestError:
+            raise
+        except ValueError as e:
+            raise RequestError(str(e), param=param_of(str(e))) from None
+        self.input_processor.check_params(params)
+        return params
+
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.MAX_SEQUENCES_PER_REQUEST:
+            raise RequestError(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); "
+                f"at most {self.MAX_SEQUENCES_PER_REQUEST} are allowed per request.", param="n",
+            )
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict] = None,
+                    tools: Optional[list] = None) -> tuple[list[dict], list[int]]:
+        if not messages:
+            raise RequestError("messages must not be empty.", param="messages")
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise RequestError(
+                "chat_template in the request is not allowed: a template is code that runs in the server. "
+                "Start the server with --trust-request-chat-template to allow it.", param="chat_template",
+            )
+        conv = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise RequestError(f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}.", param="messages")
+                    parts.append(part["text"])
+                content = "\n".join(parts)
+            if isinstance(content, str):
+                check_text(content, "messages")
+            msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+            if m.name:
+                msg["name"] = m.name
+            conv.append(msg)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template, **kwargs,
+            )
+        except Exception as e:  # jinja errors, a template that refuses the roles, ...
+            raise RequestError(f"messages could not be rendered with the chat template: {e}", param="messages") from None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise RequestError("messages rendered to an empty prompt.", param="messages")
+        return conv, ids
+
+    async def run(self, request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
+                  cache_salt: Optional[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run one engine request per prompt; yield ``(prompt index, delta output)``. However this
+        ends (finished, client gone, cancelled, error), no request is left running."""
+        rids = [f"{request_id}-{i}" if len(prompts) > 1 else request_id for i in range(len(prompts))]
+        make = self.input_processor.make_request
+        gens = [self.llm.generate_processed(make(rid, p.text, p.token_ids, sp, cache_salt=cache_salt))
+                for rid, p, sp in zip(rids, prompts, params)]
+        unfinished = set(rids)
+        try:
+            async with aclosing(merge_async_iterators(*gens)) as merged:
+                async for pi, out in merged:
+                    if out.finished:
+                        unfinished.discard(rids[pi])
+                    yield pi, out
+        finally:
+            for rid in unfinished:
+                self.llm.abort(rid)

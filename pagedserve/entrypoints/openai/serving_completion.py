@@ -1,0 +1,137 @@
+"""/v1/completions: prompts (text, token ids, or lists of them) to one response or an SSE stream."""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from pagedserve.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from pagedserve.entrypoints.openai.serving_common import (
+    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, sse, stream_error,
+)
+from pagedserve.engine.input_processor import RequestError
+from pagedserve.outputs import Logprob
+from pagedserve.sampling_params import SamplingParams
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint."""
+
+    def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[TokenizedPrompt], list[SamplingParams]]:
+        """Validate and tokenize; raises RequestError (HTTP 400) naming the field."""
+        model = self.check_model(req.model)
+        if isinstance(req.prompt, list) and req.prompt and not all(isinstance(p, int) for p in req.prompt):
+            self.check_num_sequences(len(req.prompt), req.n or 1)
+        else:
+            self.check_num_sequences(1, req.n or 1)
+        prompts = self.tokenized_prompts(req.prompt)
+        resolve = self.input_processor.resolve_max_tokens
+        params = [self.sampling_params(req, resolve(req.max_tokens, len(p.token_ids), "max_tokens")) for p in prompts]
+        return model, prompts, params
+
+    def tokenized_prompts(self, prompt) -> list[TokenizedPrompt]:
+        """A text, a list of ids, or a list of either, as checked token ids."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError("prompt must not be empty.", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise RequestError("prompt must not be empty.", param="prompt")
+                out.append(TokenizedPrompt(p, self.input_processor.tokenize(p, True, "prompt")))
+            else:
+                out.append(TokenizedPrompt(None, list(p)))
+            self.input_processor.check_token_ids(out[-1].token_ids)
+        return out
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], ch: ChoiceState) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        for tid, entry in zip(token_ids, logprobs):
+            tok = self.tokens.text(tid)
+            lp = entry.get(tid)
+            out.tokens.append(tok)
+            out.token_logprobs.append(_finite(lp.logprob) if lp is not None else None)
+            out.top_logprobs.append({self.tokens.text(t): _finite(v.logprob) for t, v in entry.items()})
+            out.text_offset.append(ch.text_offset)
+            ch.text_offset += len(tok)
+        return out
+
+    async def completion_full(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams]) -> CompletionResponse:
+        n = params[0].n
+        choices = [ChoiceState() for _ in range(len(prompts) * n)]
+        cached = 0
+        async with aclosing(self.run(request_id, prompts, params, req.cache_salt)) as stream:
+            async for pi, out in stream:
+                cached = cached + out.num_cached_tokens if out.finished else cached
+                for o in out.outputs:
+                    choices[pi * n + o.index].add(o)
+        result = []
+        for idx, ch in enumerate(choices):
+            p = prompts[idx // n]
+            prefix = ""
+            if req.echo:
+                prefix = p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+            ch.text_offset = len(prefix)
+            lps = self._completion_logprobs(ch.token_ids, ch.logprobs, ch) if req.logprobs is not None else None
+            result.append(CompletionResponseChoice(index=idx, text=prefix + "".join(ch.text), logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason))
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        num_gen = sum(len(ch.token_ids) for ch in choices)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen,
+                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return CompletionResponse(id=request_id, model=model, choices=result, usage=usage)
+
+    async def completion_stream(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams]) -> AsyncIterator[str]:
+        n = params[0].n
+        choices = [ChoiceState() for _ in range(len(prompts) * n)]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        created = int(time.time())
+        try:
+            async with aclosing(self.run(request_id, prompts, params, req.cache_salt)) as stream:
+                async for pi, out in stream:
+                    for o in out.outputs:
+                        idx = pi * n + o.index
+                        ch = choices[idx]
+                        if ch.finish_reason is not None:
+                            continue
+                        text = o.text
+                        if not ch.started:
+                            ch.started = True
+                            if req.echo:
+                                p = prompts[pi]
+                                prefix = p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+                                text = prefix + text
+                                ch.text_offset = len(prefix)
+                        ch.num_tokens += len(o.token_ids)
+                        ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+                        if not text and o.finish_reason is None and not o.token_ids:
+                            continue
+                        lps = self._completion_logprobs(o.token_ids, o.logprobs or [], ch) if req.logprobs is not None else None
+                        chunk = CompletionStreamResponse(
+                            id=request_id, model=model, created=created,
+                            choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+                        )
+                        if continuous:
+                            gen = sum(c.num_tokens for c in choices)
+                            chunk.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)
+                        yield sse(chunk)
+            if include_usage:
+                gen = sum(c.num_tokens for c in choices)
+                yield sse(CompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)))
+        except (ValueError, RuntimeError) as e:  # refused late or engine died: report in-band
+            yield stream_error(e)
+        yield SSE_DONE

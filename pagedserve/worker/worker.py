@@ -1,0 +1,181 @@
+"""Worker: resolves the device, loads the model, sizes and allocates the KV cache, and runs
+:class:`SchedulerOutput`s through its :class:`ModelRunner` (nano-vllm's ``ModelRunner.__init__``
+shape: the worker sizes the cache itself and reports the number of blocks to the core).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import ModelRunnerOutput
+from pagedserve.core.sched.output import SchedulerOutput
+from pagedserve.model import loader
+from pagedserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from pagedserve.model.packed_linear import packing_available
+from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+logger = logging.getLogger("pagedserve")
+
+DEFAULT_CPU_KV_FRACTION = 0.2
+DEFAULT_CPU_KV_MAX_BYTES = 4 << 30
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def sliding_window(hf_config) -> Optional[int]:
+    """The checkpoint's attention window (tokens) when any layer uses one, else None
+    (Mistral v0.1's ``sliding_window``; Qwen2/3 only with ``use_sliding_window``)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if hf_config.model_type in ("qwen2", "qwen3"):
+        return int(window) if getattr(hf_config, "use_sliding_window", False) else None
+    return int(window)
+
+
+def resolve_device(device: str) -> torch.device:
+    """Raises ValueError for a CUDA device this torch build cannot use."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but this torch build has no CUDA device available")
+    return dev
+
+
+@dataclass
+class KVCacheSpec:
+    """What the worker measured: the pool and the longest sequence it allows.
+
+    Attributes:
+        num_blocks: blocks in the pool.
+        block_bytes: bytes of K and V of one block, all layers.
+        max_model_len: the model's context (capped by sliding window and the pool), tokens.
+    """
+
+    num_blocks: int
+    block_bytes: int
+    max_model_len: int
+
+
+class Worker:
+    """Owns the device, the model and the KV cache.
+
+    Raises:
+        ValueError: invalid configuration (max_model_len larger than the model's context or
+            than the KV cache holds, a budget below one block, an unsupported model).
+        FileNotFoundError: the model path does not exist.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.monotonic()
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.model_dir = loader.resolve_model(config.model)
+        self.hf_config = loader.load_config(self.model_dir)
+        self.dtype = loader.resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.max_positions = self._max_positions()
+        self.model = self._load_model(config.max_model_len or self.max_positions)
+        self.kv_spec = self._size_kv_cache()
+        self.model_runner: Optional[ModelRunner] = None
+        logger.info("pagedserve worker: %s (%s) on %s loaded in %.1fs", self.hf_config.model_type,
+                    str(self.dtype).replace("torch.", ""), self.device, time.monotonic() - t0)
+
+    @property
+    def model_identity(self) -> str:
+        """Folded into the prefix-cache hash seed: a cache never serves another model's KV."""
+        return f"{os.path.abspath(self.model_dir)}|{self.dtype}"
+
+    def _max_positions(self) -> int:
+        cfg = self.config
+        max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
+        window = sliding_window(self.hf_config)
+        if window is not None and window < max_pos:
+            # Attention here is always full; it equals the checkpoint's sliding-window
+            # attention only while sequences fit in the window.
+            if cfg.max_model_len is not None and cfg.max_model_len > window:
+                raise ValueError(
+                    f"max_model_len={cfg.max_model_len} is larger than the model's sliding_window "
+                    f"({window} tokens), which pagedserve does not implement"
+                )
+            logger.warning("Model uses sliding-window attention (%d tokens): max_model_len capped at %d", window, window)
+            max_pos = window
+        if cfg.max_model_len is not None and cfg.max_model_len > max_pos:
+            raise ValueError(f"max_model_len={cfg.max_model_len} is larger than the model's context ({max_pos} tokens)")
+        return max_pos
+
+    def _load_model(self, max_positions: int) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.hf_config, max_positions)
+        model = model.to_empty(device=self.device)
+        model.load_weights(loader.iterate_safetensors_weights(self.model_dir))
+        model = model.to(self.dtype)
+        # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
+        model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
+        if packing_available(self.device, self.dtype):
+            model.pack_for_cpu()
+        return model.eval()
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            return max(0, int(total * self.config.gpu_memory_utilization) - used)
+        return min(DEFAULT_CPU_KV_MAX_BYTES, int(available_ram_bytes() * DEFAULT_CPU_KV_FRACTION))
+
+    def _size_kv_cache(self) -> KVCacheSpec:
+        cfg = self.config
+        B = cfg.block_size
+        block_bytes = kv_cache_bytes_per_block(self.hf_config, B, self.dtype)
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            budget = cfg.kv_cache_memory_bytes or self._default_kv_budget()
+            num_blocks = budget // block_bytes
+            if cfg.kv_cache_memory_bytes is None:
+                # A default budget never needs more than every sequence at full length.
+                max_len = cfg.max_model_len or self.max_positions
+                num_blocks = min(num_blocks, cfg.max_num_seqs * -(-max_len // B))
+            if num_blocks < 1:
+                raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({block_bytes} bytes)")
+        capacity = num_blocks * B
+        if cfg.max_model_len is None:
+            max_model_len = min(self.max_positions, capacity)
+        elif cfg.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len} tokens does not fit in the KV cache ({num_blocks} blocks "
+                f"x {B} = {capacity} tokens); raise kv_cache_memory_bytes/num_kv_blocks or lower max_model_len"
+            )
+        else:
+            max_model_len = cfg.max_model_len
+        return KVCacheSpec(num_blocks, block_bytes, max_model_len)
+
+    def initialize_cache(self, config: EngineConfig) -> None:
+        """Allocate the KV pool of ``kv_spec.num_blocks`` blocks and the input batch for the
+        resolved ``config`` (its max_num_seqs and max_model_len)."""
+        self.model_runner = ModelRunner(self.model, self.kv_spec.num_blocks, config.block_size, self.device, self.dtype,
+                                        config.max_num_seqs, config.max_model_len)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
