@@ -2,7 +2,7 @@
 
 Each server app owns one :class:`EngineMetrics` with its own ``CollectorRegistry``, so two
 apps in one process (tests) do not collide. The engine thread of
-:class:`pagedserve.engine.async_engine.AsyncLLM` feeds it:
+:class:`pagedserve.engine.async_llm.AsyncLLM` feeds it from its output thread:
 
 * ``observe_stats(stats)`` after every step: gauges (running / waiting requests, KV cache
   usage) and counters that follow the engine's running totals (prompt and generation tokens,
@@ -17,10 +17,11 @@ Counters are exposed with the ``_total`` suffix, as prometheus-client (and vLLM)
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedserve.core.outputs import SchedulerStats
 from pagedserve.outputs import RequestOutput
 
 PREFIX = "pagedserve:"
@@ -63,10 +64,10 @@ class EngineMetrics:
         self._last_token_time: dict[str, float] = {}
 
     # -- fed by the engine thread ----------------------------------------------------------
-    def observe_stats(self, stats: dict[str, Any]) -> None:
-        self.num_requests_running.set(stats.get("num_running", 0))
-        self.num_requests_waiting.set(stats.get("num_waiting", 0))
-        self.kv_cache_usage_perc.set(stats.get("kv_cache_usage", 0.0))
+    def observe_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         with self._lock:
             for key, counter in (
                 ("prefix_cache_queries", self.prefix_cache_queries),
@@ -75,7 +76,7 @@ class EngineMetrics:
                 ("num_prompt_tokens", self.prompt_tokens),
                 ("num_generation_tokens", self.generation_tokens),
             ):
-                value = int(stats.get(key, 0))
+                value = getattr(stats, key)
                 delta = value - self._totals.get(key, 0)
                 if delta > 0:
                     counter.inc(delta)

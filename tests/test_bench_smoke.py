@@ -243,12 +243,12 @@ def test_serve_against_pagedserve_server(tiny_model_factory, tmp_path):
     except ImportError:
         pytest.skip("pagedserve's OpenAI server is not available")
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.async_llm import AsyncLLM
 
     model = tiny_model_factory("llama")
-    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory_bytes=16_000_000, max_model_len=512))
+    llm = AsyncLLM(EngineConfig(model=model, dtype="float32", kv_cache_memory_bytes=16_000_000, max_model_len=512), engine_process=False)
     out = tmp_path / "real.json"
-    with ThreadedServer(build_app(engine)) as srv:
+    with ThreadedServer(build_app(llm)) as srv:
         rc = _bench(
             "serve", "--base-url", srv.url, "--tokenizer", model, "--num-prompts", "4", "--min-input-len", "16", "--max-input-len", "32",
             "--output-len", "5", "--request-rate", "inf", "--result-filename", str(out),

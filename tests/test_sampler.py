@@ -1,4 +1,7 @@
-"""Tests for pagedserve.model.sampler: greedy / random sampling, filters, penalties, logprobs."""
+"""Tests for pagedserve.model.sampler: greedy / random sampling, filters, penalties, logprobs.
+
+The sampling metadata is built the way the worker builds it: each request a row of a
+persistent ``InputBatch`` (``pagedserve.worker.input_batch``), gathered for the step."""
 from __future__ import annotations
 
 import math
@@ -8,6 +11,8 @@ from typing import Optional
 import pytest
 import torch
 
+import numpy as np
+
 from pagedserve.model.sampler import (
     Sampler,
     SamplerOutput,
@@ -15,6 +20,7 @@ from pagedserve.model.sampler import (
     apply_top_k_top_p,
 )
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.input_batch import CachedRequestState, InputBatch
 
 CPU = torch.device("cpu")
 DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -44,8 +50,19 @@ def req(prompt=None, output=None, eos=None, **kw) -> FakeRequest:
     )
 
 
+def build_metadata(reqs, vocab_size: int, device=CPU) -> SamplingMetadata:
+    """Each request as a row of a fresh InputBatch, then the batch's metadata for those rows."""
+    longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) for r in reqs)
+    batch = InputBatch(len(reqs), longest + 1, 1, vocab_size, torch.device(device))
+    rows = []
+    for i, r in enumerate(reqs):
+        state = CachedRequestState(f"r{i}", r.sampling_params, sorted(r.eos_token_ids), r.generator)
+        rows.append(batch.add_request(state, r.prompt_token_ids, r.output_token_ids, [0], 0))
+    return batch.sampling_metadata(np.array(rows, dtype=np.int64))
+
+
 def sample(logits: torch.Tensor, reqs, device=CPU) -> SamplerOutput:
-    md = SamplingMetadata.build(reqs, logits.shape[-1], device)
+    md = build_metadata(reqs, logits.shape[-1], device)
     return Sampler()(logits.to(device), md)
 
 
@@ -63,7 +80,7 @@ def chi_square(counts: torch.Tensor, probs) -> float:
 
 
 def test_build_plain_greedy_is_cheap():
-    md = SamplingMetadata.build([req(temperature=0.0) for _ in range(4)], 32, CPU)
+    md = build_metadata([req(temperature=0.0) for _ in range(4)], 32, CPU)
     assert md.all_greedy and not md.all_random
     assert md.no_penalties
     assert md.top_k is None and md.top_p is None and md.min_p is None
@@ -81,7 +98,7 @@ def test_build_flags_mixed():
         req(temperature=1.0, top_p=0.9, logprobs=2),
         req(temperature=1.0, min_p=0.1, presence_penalty=0.5, logprobs=5),
     ]
-    md = SamplingMetadata.build(reqs, 32, CPU)
+    md = build_metadata(reqs, 32, CPU)
     assert not md.all_greedy and not md.all_random
     assert md.greedy_mask.tolist() == [True, False, False, False]
     assert md.temperature.tolist() == pytest.approx([1.0, 0.7, 1.0, 1.0])
@@ -97,7 +114,7 @@ def test_build_flags_mixed():
 
 
 def test_top_k_at_least_vocab_means_off():
-    md = SamplingMetadata.build([req(top_k=100), req(top_k=-1)], 32, CPU)
+    md = build_metadata([req(top_k=100), req(top_k=-1)], 32, CPU)
     assert md.top_k is None
 
 
@@ -123,7 +140,7 @@ def test_greedy_bf16_logits():
 def test_mixed_greedy_and_random_keeps_greedy_rows_exact():
     torch.manual_seed(2)
     reqs = [req(temperature=0.0) if i % 2 == 0 else req(temperature=1.5) for i in range(8)]
-    md = SamplingMetadata.build(reqs, 50, CPU)
+    md = build_metadata(reqs, 50, CPU)
     sampler = Sampler()
     random_differs = False
     for _ in range(30):
@@ -237,7 +254,7 @@ def test_temperature_sharpens_distribution():
 def test_seeded_request_frequencies_match_probs():
     probs = [0.1, 0.2, 0.3, 0.4]
     r = req(seed=1234)
-    md = SamplingMetadata.build([r], 4, CPU)
+    md = build_metadata([r], 4, CPU)
     sampler = Sampler()
     logits = dist_logits(probs, 1)
     toks = torch.cat([sampler(logits, md).sampled_token_ids for _ in range(4000)])
@@ -253,7 +270,7 @@ def _run_seeded(batch_fn, steps: int, row: int, logits_fn, device=CPU) -> list[i
     toks = []
     for step in range(steps):
         logits = logits_fn(step, len(reqs))
-        md = SamplingMetadata.build(reqs, logits.shape[-1], device)
+        md = build_metadata(reqs, logits.shape[-1], device)
         toks.append(int(sampler(logits.to(device), md).sampled_token_ids[row]))
     return toks
 
@@ -317,7 +334,7 @@ def test_unseeded_rows_follow_global_seed():
 
 
 def _processed(logits, reqs):
-    md = SamplingMetadata.build(reqs, logits.shape[-1], CPU)
+    md = build_metadata(reqs, logits.shape[-1], CPU)
     return Sampler.process_logits(logits.float(), md)
 
 

@@ -108,21 +108,20 @@ def wait_idle(base: str, timeout: float = 20.0) -> dict[str, float]:
 
 
 # -- AsyncLLM alone (no HTTP) ------------------------------------------------------------------
-def test_async_llm_generate_abort_and_errors(smollm2_llm):
-    from conftest import assert_engine_idle
-
-    from pagedserve import SamplingParams
-    from pagedserve.engine.async_engine import AsyncLLM
+@pytest.mark.parametrize("engine_process", [False, True], ids=["core-thread", "core-process"])
+def test_async_llm_generate_abort_and_errors(smollm2_llm, engine_process):
+    from pagedserve import EngineConfig, SamplingParams
+    from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.sampling_params import RequestOutputKind
 
-    engine = smollm2_llm.llm_engine
     ref = smollm2_llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
-    llm = AsyncLLM(engine)
+    config = EngineConfig(dtype="float32", num_kv_blocks=160, max_model_len=2048, num_threads=1 if engine_process else None)
+    llm = AsyncLLM(config, engine_process=engine_process)
 
     async def wait_idle_async():
-        for _ in range(200):
+        for _ in range(500):
             s = llm.get_stats()
-            if s.num_unfinished_requests == 0 and s.num_free_blocks == s.num_total_blocks:
+            if llm.num_unfinished_requests() == 0 and s.num_running == s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
                 return s
             await asyncio.sleep(0.01)
         raise AssertionError(llm.get_stats())
@@ -159,12 +158,54 @@ def test_async_llm_generate_abort_and_errors(smollm2_llm):
                 pass
         outs = [o async for o in llm.generate("The capital of France is", delta, "d")]
         assert "".join(o.outputs[0].text for o in outs) == ref.outputs[0].text
+        # A stop string ends the request in the frontend and aborts it in the core.
+        text = ref.outputs[0].text
+        stop = SamplingParams(max_tokens=40, temperature=0, stop=[text[3:6]])
+        outs = [o async for o in llm.generate("The capital of France is", stop, "e")]
+        assert outs[-1].outputs[0].finish_reason == "stop" and outs[-1].outputs[0].text == text[: text.index(text[3:6])]
+        await wait_idle_async()
+        assert await llm.reset_prefix_cache() is True
 
     try:
         asyncio.run(main())
     finally:
         llm.shutdown()
-    assert_engine_idle(engine)
+    if not engine_process:
+        core = llm.client.core
+        assert not core.scheduler.requests and not core.scheduler.kv_cache_manager.req_to_blocks
+
+
+def test_async_llm_engine_process_killed_fails_requests_and_never_hangs():
+    """SIGKILL of the engine-core process: the live stream ends with EngineDeadError, new requests
+    are refused at once, the death callback fires, and nothing waits forever."""
+    from pagedserve import EngineConfig, SamplingParams
+    from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+    from pagedserve.sampling_params import RequestOutputKind
+
+    died = []
+    llm = AsyncLLM(EngineConfig(dtype="float32", num_kv_blocks=160, max_model_len=2048, num_threads=1), on_engine_dead=lambda: died.append(1))
+    pid = llm.engine_pid
+
+    async def main():
+        long = SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0, output_kind=RequestOutputKind.DELTA)
+        got = 0
+        with pytest.raises(EngineDeadError):
+            async for o in llm.generate("Tell me a story.", long, "a"):
+                got += len(o.outputs[0].token_ids)
+                if got == 3:
+                    os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in llm.generate("Hello", long, "b"):
+                pass
+
+    try:
+        t0 = time.monotonic()
+        asyncio.run(asyncio.wait_for(main(), 30))
+        assert time.monotonic() - t0 < 30
+        assert llm.errored and not llm.is_running and died == [1]
+    finally:
+        llm.shutdown()
+    assert llm.client.proc.returncode == -signal.SIGKILL
 
 
 # -- basics ----------------------------------------------------------------------------------
@@ -481,8 +522,19 @@ def test_load_64_streams_with_disconnects(server, smollm2_llm):
     assert httpx.get(server + "/health").status_code == 200
 
 
-def test_tokenize_messages_with_special_tokens(server):
-    body = {"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True}
-    r = httpx.post(server + "/tokenize", json=body)
+def test_tokenize_messages_with_special_tokens(server, smollm2_dir):
+    """The chat template places the special tokens itself: /tokenize must not add a second
+    BOS (or any other special token) on top."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    msgs = [{"role": "user", "content": "Hi"}]
+    expected = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    r = httpx.post(server + "/tokenize", headers=AUTH, json={"messages": msgs, "add_special_tokens": True})
     assert r.status_code == 200, r.text
-    assert r.json()["count"] == len(r.json()["tokens"]) > 3
+    ids = r.json()["tokens"]
+    assert ids == expected
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == im_start and ids[1] != im_start
+    r = httpx.post(server + "/tokenize", headers=AUTH, json={"prompt": "Hi there"})
+    assert r.json()["tokens"] == tok("Hi there")["input_ids"]

@@ -193,24 +193,30 @@ class AsyncLLM:
 
         last_log = time.monotonic()
         reason = "engine is shut down"
-        while not self._stopped:
-            msg = self.client.recv(0.1)
-            if msg is None:
-                if not self.client.is_alive() and not self._stopped:
-                    reason = f"engine core process died (exit status {getattr(self.client.proc, 'returncode', '?')})"
+        try:
+            while not self._stopped:
+                msg = self.client.recv(0.1)
+                if msg is None:
+                    if not self.client.is_alive() and not self._stopped:
+                        reason = f"engine core process died (exit status {getattr(self.client.proc, 'returncode', '?')})"
+                        break
+                    continue
+                kind = msg[0]
+                if kind == "outputs":
+                    self._handle_outputs(msg[1])
+                    if time.monotonic() - last_log >= STATS_LOG_INTERVAL_S:
+                        last_log = time.monotonic()
+                        log_stats(self.get_stats())
+                elif kind == "utility":
+                    self._resolve_utility(msg[1], msg[2], msg[3])
+                elif kind == "error":
+                    reason = f"engine core failed: {msg[1]}: {msg[2]}"
                     break
-                continue
-            kind = msg[0]
-            if kind == "outputs":
-                self._handle_outputs(msg[1])
-                if time.monotonic() - last_log >= STATS_LOG_INTERVAL_S:
-                    last_log = time.monotonic()
-                    log_stats(self.get_stats())
-            elif kind == "utility":
-                self._resolve_utility(msg[1], msg[2], msg[3])
-            elif kind == "error":
-                reason = f"engine core failed: {msg[1]}: {msg[2]}"
-                break
+        except BaseException as e:  # a bug in output processing: fail loudly, never hang
+            logger.exception("pagedserve output thread crashed")
+            reason = f"output processing failed: {e!r}"
+            self._fail_all(reason, dead=True)
+            return
         self._fail_all(reason, dead=not self._stopped)
 
     def _handle_outputs(self, core_outputs) -> None:
