@@ -27,12 +27,12 @@ def main() -> None:
 
     llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=1 << 30, max_num_seqs=args.num_requests, enable_prefix_caching=False)
     eng = llm.llm_engine
-    runner = eng.runner
+    runner = eng.core.worker.model_runner
     rng = random.Random(0)
     for _ in range(args.num_requests):
         ids = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
         eng.add_request(None, {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
-    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+    while any(r.num_output_tokens == 0 for r in eng.core.scheduler.requests.values()):
         eng.step()
     for _ in range(3):
         eng.step()
@@ -49,7 +49,7 @@ def main() -> None:
 
         return wrapper
 
-    sched = eng.scheduler
+    sched = eng.core.scheduler
     runner.model.forward = timed("forward", runner.model.forward)
     runner.model.compute_logits = timed("forward", runner.model.compute_logits)  # logits count as forward
     runner.sampler.forward = timed("sample", runner.sampler.forward)
@@ -76,7 +76,7 @@ def main() -> None:
         print(f"  {name:20s} {1e3 * v / n:8.2f} ms  {100 * v / total:5.1f} %")
     outside = total - timings["forward"]
     print(f"outside the forward  {1e3 * outside / n:8.2f} ms  {100 * outside / total:5.1f} % of the step")
-    eng.abort_request(list(eng._parents))
+    eng.abort_request(list(eng.output_processor.request_states))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ import random
 import pytest
 import torch
 
-from pagedserve.model import cpu_kernels
-from pagedserve.model.attention import AttentionMetadata, build_attention_group, paged_attention
+from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
+from pagedserve.model.backends import CpuBackend, TorchBackend
+from pagedserve.model.backends.torch_backend import write_kv_cache
+from pagedserve.ops import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.get_lib() is None, reason="no C compiler: CPU kernels unavailable")
 
@@ -104,8 +106,8 @@ def test_prefill_rows_match_reference(num_heads, num_kv_heads, head_dim, block_s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_and_pytorch_paths_agree(dtype):
-    """paged_attention with the kernel vs the PyTorch fallback, on one mixed step (decodes then
-    prefill chunks with and without context), the cache filled by the real write path."""
+    """The CPU-kernel backend's attention vs the PyTorch backend's, on one mixed step (decodes
+    then prefill chunks with and without context), the cache filled by the real write path."""
     torch.manual_seed(0)
     H, KVH, D, B = 6, 2, 64, 16
     decode_ctx = [5, 31, 80]
@@ -138,18 +140,18 @@ def test_kernel_and_pytorch_paths_agree(dtype):
     q = torch.randn(T, H, D).to(dtype)
     k = torch.randn(T, KVH, D).to(dtype)
     v = torch.randn(T, KVH, D).to(dtype)
-    from pagedserve.model.attention import write_kv_cache
-
     write_kv_cache(cache, k, v, meta)
-    a = paged_attention(q, k, v, cache, meta, D**-0.5, use_cpu_kernel=True)
-    b = paged_attention(q, k, v, cache, meta, D**-0.5, use_cpu_kernel=False)
+    cpu = CpuBackend(dtype, H, KVH, D)
+    a = cpu.attention(q, None if cpu.fused_rope else k, None if cpu.fused_rope else v, cache, meta, D**-0.5)
+    b = TorchBackend().attention(q, k, v, cache, meta, D**-0.5)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
 def test_kernel_refuses_wrong_dtypes_and_shapes():
-    """The wrapper returns False (PyTorch path) instead of handing the C code memory it would
-    misread: int32 tables/lengths, an output of another dtype or shape, too few table rows."""
+    """The wrapper returns False instead of handing the C code memory it would misread: int32
+    tables/lengths, an output of another dtype or shape, too few table rows (the backend then
+    raises rather than compute garbage)."""
     cache, tables = _paged_case([20, 7], 2, 64, 16, torch.bfloat16, seed=3)
     bt = torch.tensor([t + [0] * (2 - len(t)) for t in tables], dtype=torch.int64)
     q = torch.randn(2, 4, 64).to(torch.bfloat16)

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model import cpu_kernels
-from pagedserve.model.llama import RMSNorm, rotate_half
+from pagedserve.ops import cpu as cpu_kernels
+from pagedserve.model.layers import RMSNorm, rotate_half
 
 pytestmark = pytest.mark.skipif(cpu_kernels.get_fused_lib() is None, reason="no C compiler: CPU kernels unavailable")
 
@@ -86,7 +86,7 @@ def test_fused_forward_checks_positions_and_slots(tiny_model_factory):
     """The fused RoPE + cache write indexes the RoPE table and the cache in C: out-of-range
     positions or slots must raise, not read or write outside them."""
     from pagedserve import LLM
-    from pagedserve.model.attention import AttentionMetadata, build_attention_group
+    from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 
     if not cpu_kernels.prefill_kernel_preferred(torch.bfloat16, 4, 2, 64):
         pytest.skip("the fused RoPE path needs the bf16 kernel fast path (AVX512-BF16)")
@@ -100,3 +100,22 @@ def test_fused_forward_checks_positions_and_slots(tiny_model_factory):
         with pytest.raises(IndexError, match="slot_mapping"):
             model(torch.tensor([5, 6]), torch.tensor([0, 1]), kv, AttentionMetadata(torch.tensor([16, 8 * 16]), [group], 16))
         model(torch.tensor([5, 6]), torch.tensor([0, 1]), kv, AttentionMetadata(torch.tensor([16, 17]), [group], 16))
+
+
+def test_argmax_bf16_rows_equals_torch_first_max():
+    """The C greedy argmax picks torch.max's index: the first maximum on ties (many ties here,
+    from a few distinct values), the first NaN in a row that has one, any row length."""
+    g = torch.Generator().manual_seed(5)
+    for rows, cols in ((64, 49152), (3, 31), (5, 17), (2, 1), (7, 1000)):
+        x = torch.randint(0, 6, (rows, cols), generator=g).to(torch.bfloat16)
+        assert torch.equal(cpu_kernels.argmax_bf16(x), x.max(-1).indices), (rows, cols)
+        y = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+        assert torch.equal(cpu_kernels.argmax_bf16(y), y.argmax(-1))
+    z = torch.randn(4, 100, generator=g).to(torch.bfloat16)
+    z[1, 40] = float("nan")
+    z[1, 70] = float("nan")
+    z[2, 3] = float("inf")
+    got = cpu_kernels.argmax_bf16(z)
+    assert got[1] == 40 and got[2] == 3 and torch.equal(got, z.max(-1).indices)
+    wide = torch.randn(3, 300, generator=g).to(torch.bfloat16)
+    assert torch.equal(cpu_kernels.argmax_bf16(wide[:, 10:260]), wide[:, 10:260].max(-1).indices)  # strided rows

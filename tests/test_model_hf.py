@@ -29,7 +29,7 @@ import torch
 
 from conftest import assert_engine_idle
 from pagedserve import LLM, SamplingParams
-from pagedserve.model.attention import AttentionMetadata, build_attention_group
+from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 
 LOGIT_TOL = 1e-3
 TOP_K = 5

@@ -10,8 +10,9 @@ import torch
 
 from conftest import assert_engine_idle
 from pagedserve import LLM, SamplingParams
-from pagedserve.model import cpu_kernels
-from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.ops import cpu as cpu_kernels
+from pagedserve.ops.cpu import matmul
+from pagedserve.model.backends import CpuBackend
 from pagedserve.model.packed_linear import PackedLinear, pack_weight, packed_linear, packing_available
 
 
@@ -157,8 +158,8 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     _randomize_norms(path)
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=128, max_model_len=512)
     calls = []
-    real = cpu_kernels.decode_layers
-    monkeypatch.setattr(cpu_kernels, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
+    real = matmul.decode_layers
+    monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
     alone = [_run(llm, p)[0] for p in PROMPTS]
     if not calls:
         pytest.skip("the C decode step does not run on this CPU")
@@ -171,7 +172,7 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     calls.clear()
     assert _run(llm, many) == alone * 3
     assert not calls
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_step_c", lambda *a: False)
+    monkeypatch.setattr(CpuBackend, "decode_step", lambda *a: False)
     calls.clear()
     assert [_run(llm, p)[0] for p in PROMPTS] == alone and _run(llm, PROMPTS) == alone
     assert not calls

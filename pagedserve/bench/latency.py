@@ -160,7 +160,7 @@ def _print_bandwidth_ceiling(res: dict[str, Any], args: argparse.Namespace) -> N
     ceiling: print it (measured now, CPU only) and the decode rate as a share of it."""
     from pagedserve.bench.flops import model_flops
     from pagedserve.bench.throughput import _resolve_device_dtype, load_tokenizer_and_config
-    from pagedserve.model import cpu_kernels
+    from pagedserve.ops import cpu as cpu_kernels
 
     dec = res["decode_tokens_per_s"]
     if dec is None or torch.device(_resolve_device_dtype(args)[0]).type != "cpu":

@@ -5,7 +5,7 @@ it once at load time (the same thing torch.compile's CPU "freezing" pass does) m
 matmuls faster: measured here, [32 x 576] @ [576 x 3072] 0.190 -> 0.145 ms and batch-1 matmuls
 about 2x. Results are bit-identical to ``F.linear`` in bfloat16.
 
-Inputs of 1-16 rows (decode of a few sequences) skip oneDNN: ``cpu_kernels.small_gemm`` streams
+Inputs of 1-16 rows (decode of a few sequences) skip oneDNN: ``pagedserve.ops.cpu.small_gemm`` streams
 the same packed buffer with no per-call set-up, bit-identical to oneDNN's batched result (its
 partial-sum structure is calibrated per weight shape at load time; shapes that do not match keep
 oneDNN). The packed buffers are also moved to 2 MiB pages where Linux allows it.
@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedserve.model import cpu_kernels
+from pagedserve.ops.cpu import matmul as cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class PackedLinear(nn.Module):
     """Drop-in inference replacement for an ``nn.Linear`` (weights frozen).
 
     ``small_plan``: the small-M kernel's partial-sum plan for this weight shape
-    (``cpu_kernels.calibrate_small_gemm``), or None to always use oneDNN.
+    (``pagedserve.ops.cpu.calibrate_small_gemm``), or None to always use oneDNN.
     """
 
     def __init__(self, linear: nn.Linear) -> None:

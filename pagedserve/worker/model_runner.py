@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
-from pagedserve.model.attention import AttentionMetadata, build_attention_group
+from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.sampler import Sampler
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch
@@ -58,7 +58,7 @@ class ModelRunner:
         # needs them finite. (2 MiB pages for the pool: slower, see benchmarks/README.md.)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.backend.argmax)
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size), cfg.vocab_size, device)
 

@@ -16,7 +16,9 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.model import loader
-from pagedserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from pagedserve.model.backends import select_backend
+from pagedserve.model.layers import RotaryEmbedding
+from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.packed_linear import packing_available
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
@@ -99,8 +101,9 @@ class Worker:
         self.model = self._load_model(config.max_model_len or self.max_positions)
         self.kv_spec = self._size_kv_cache()
         self.model_runner: Optional[ModelRunner] = None
-        logger.info("pagedserve worker: %s (%s) on %s loaded in %.1fs", self.hf_config.model_type,
-                    str(self.dtype).replace("torch.", ""), self.device, time.monotonic() - t0)
+        logger.info("pagedserve worker: %s (%s) on %s, %s backend, %d torch threads, loaded in %.1fs", self.hf_config.model_type,
+                    str(self.dtype).replace("torch.", ""), self.device, self.model.backend.name, torch.get_num_threads(),
+                    time.monotonic() - t0)
 
     @property
     def model_identity(self) -> str:
@@ -135,6 +138,7 @@ class Worker:
         model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
         if packing_available(self.device, self.dtype):
             model.pack_for_cpu()
+        model.backend = select_backend(model, self.device, self.dtype)
         return model.eval()
 
     def _default_kv_budget(self) -> int:

@@ -221,3 +221,60 @@ void rope_write_kv(const void* qk, int64_t qk_stride, const void* v, int64_t v_s
         }
     }
 }
+
+/* Index of the largest value of each bf16 row (the first one on ties, as torch.max(dim) and
+ * argmax; the first NaN when a row has one, as torch). x: [rows, cols] with a row stride
+ * (elements); out: [rows] int64. Greedy sampling of a [64, 49152] batch: one 6 MB read. */
+static int64_t argmax_row_scalar(const uint16_t* p, int64_t cols, int64_t start, int64_t best_i) {
+    float best = bf16_to_f32(p[best_i]);
+    for (int64_t c = start; c < cols; c++) {
+        const float v = bf16_to_f32(p[c]);
+        if (v > best) {
+            best = v;
+            best_i = c;
+        }
+    }
+    return best_i;
+}
+
+static int64_t argmax_row_first_nan(const uint16_t* p, int64_t cols) {
+    for (int64_t c = 0; c < cols; c++)
+        if (isnan(bf16_to_f32(p[c]))) return c;
+    return -1;
+}
+
+void argmax_bf16_rows(const uint16_t* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out) {
+#pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* p = x + r * row_stride;
+        int64_t best_i = 0, c = 1;
+#ifdef HAVE_BF16_VEC
+        if (cols >= 32) {
+            __m512 best = ld16(p);
+            __m512i best_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            __m512i idx = best_idx;
+            const __m512i step = _mm512_set1_epi32(16);
+            __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+            for (c = 16; c + 16 <= cols; c += 16) {
+                idx = _mm512_add_epi32(idx, step);
+                const __m512 v = ld16(p + c);
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                best = _mm512_mask_mov_ps(best, gt, v);
+                best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
+            }
+            if (nan) {
+                out[r] = argmax_row_first_nan(p, cols);
+                continue;
+            }
+            /* Each lane holds its first maximum; the earliest lane index among the lanes that
+             * hold the row maximum is the row's first maximum. */
+            const float m = _mm512_reduce_max_ps(best);
+            const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+            best_i = _mm512_mask_reduce_min_epi32(at_max, best_idx);
+        }
+#endif
+        const int64_t nan_i = c == 1 ? argmax_row_first_nan(p, cols) : -1;
+        out[r] = nan_i >= 0 ? nan_i : argmax_row_scalar(p, cols, c, best_i);
+    }
+}

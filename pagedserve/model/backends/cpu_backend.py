@@ -1,0 +1,163 @@
+"""The CPU-kernel backend: the PyTorch backend's ops replaced by the C kernels of
+:mod:`pagedserve.ops.cpu` where they are faster, with the same results a row at a time.
+
+- residual add + RMSNorm and SiLU-and-mul: fused C ops (HF's rounding order);
+- decode attention: the paged C kernel, which reads K/V in place through the block tables, one
+  query token at a time, so a row's result does not depend on what else is in the batch;
+- on the kernel's vectorised bf16 path (``prefill_kernel_preferred``) also RoPE + the KV-cache
+  write in one C pass and prefill attention in the kernel (every K/V read from the cache);
+  elsewhere (float32, other shapes) PyTorch RoPE and SDPA prefill, which are faster there;
+- decode steps of 1-16 sequences in bf16, when every projection has a small-M plan: the whole
+  model in one C call (``csrc/decode_step.c``, the same ops in the same order, bit-identical to
+  the layer-by-layer path);
+- greedy sampling's argmax over bf16 logits in C.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pagedserve.model.attn_metadata import AttentionMetadata
+from pagedserve.model.backends.torch_backend import TorchBackend, sdpa_attention
+from pagedserve.model.layers import RMSNorm, RotaryEmbedding
+from pagedserve.model.sampler import torch_argmax
+from pagedserve.ops.cpu import kernels, matmul
+from pagedserve.ops.cpu.build import get_fused_lib, get_lib
+
+
+def _check_range(name: str, values: torch.Tensor, limit: int) -> None:
+    """Raise IndexError unless every value is in ``[0, limit)`` (the C ops index unchecked)."""
+    if values.numel():
+        lo, hi = torch.aminmax(values)
+        if int(lo) < 0 or int(hi) >= limit:
+            raise IndexError(f"{name} out of range [0, {limit}): min {int(lo)}, max {int(hi)}")
+
+
+def cpu_kernels_usable(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the C kernels handle this model: compiled libraries (``PAGEDSERVE_CPU_KERNELS``
+    not 0), float32 or bfloat16, hidden size and head_dim within the kernels' bounds, GQA group
+    of at most 16."""
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and hidden_size <= 16384
+        and head_dim <= 256
+        and head_dim % 2 == 0
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 16
+        and get_fused_lib() is not None
+        and get_lib() is not None
+    )
+
+
+class CpuBackend(TorchBackend):
+    """C kernels for one model on the CPU (built after ``cpu_kernels_usable`` said yes)."""
+
+    name = "cpu-kernels"
+
+    def __init__(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.fused_rope = kernels.prefill_kernel_preferred(dtype, num_heads, num_kv_heads, head_dim)
+        self._decode_table_cache: Optional[tuple] = None
+
+    def begin_forward(self, model: Any, positions: torch.Tensor, metadata: AttentionMetadata, kv_caches: list, dtype: torch.dtype) -> Any:
+        if not self.fused_rope:
+            return super().begin_forward(model, positions, metadata, kv_caches, dtype)
+        attn = model.layers[0].self_attn
+        _check_range("positions", positions, model.rotary_emb.cos_cache.shape[0])
+        _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0][0].numel() // (attn.num_kv_heads * attn.head_dim))
+        return None
+
+    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return kernels.silu_mul(gate_up)
+
+    def rope_and_write_kv(self, qk, v, positions, state, rope: RotaryEmbedding, kv_cache, metadata, num_heads, num_kv_heads, head_dim):
+        if not self.fused_rope:
+            return super().rope_and_write_kv(qk, v, positions, state, rope, kv_cache, metadata, num_heads, num_kv_heads, head_dim)
+        q = kernels.rope_write_kv(qk, v, positions, metadata.slot_mapping, rope.cos_cache, rope.sin_cache, kv_cache, num_heads)
+        return q, None, None
+
+    def attention(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        for g in metadata.groups:
+            if not (g.is_decode or self.fused_rope):
+                sdpa_attention(query, key, value, kv_cache, metadata, g, scale, out)
+                continue
+            s, e = g.token_start, g.token_end
+            lens = g.seq_lens if g.is_decode else g.token_lens
+            if not kernels.paged_attention_cpu(query[s:e], kv_cache, g.block_tables, g.token_seq, lens, scale, out[s:e]):
+                raise RuntimeError("the CPU attention kernel refused the tensors of a step it was chosen for")
+        return out
+
+    @staticmethod
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
+            return kernels.argmax_bf16(x)
+        return torch_argmax(x)
+
+    # -- the whole decode step in one C call ------------------------------------------------
+    def decode_step(self, model: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: AttentionMetadata) -> bool:
+        """Every layer of a decode step of 1-16 sequences in one C call, overwriting ``hidden
+        [M, hidden_size]`` with the final normed states. Returns False, having done nothing,
+        when the step or the model does not qualify: bf16, the attention kernel's fast path, no
+        q/k norm, every projection with a small-M plan (``pack_for_cpu``), one decode group of
+        at most 16 tokens."""
+        groups = metadata.groups
+        if hidden.dtype != torch.bfloat16 or hidden.shape[0] > matmul.SMALL_GEMM_MAX_ROWS or len(groups) != 1 or not groups[0].is_decode:
+            return False
+        table = self._decode_table(model, kv_caches)
+        if table is None:
+            return False
+        attn = model.layers[0].self_attn
+        g = groups[0]
+        _check_range("positions", positions, model.rotary_emb.cos_cache.shape[0])
+        _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0][0].numel() // (attn.num_kv_heads * attn.head_dim))
+        rc = matmul.decode_layers(
+            table, hidden, model.norm.weight, positions, metadata.slot_mapping, model.rotary_emb.cos_cache,
+            model.rotary_emb.sin_cache, g.block_tables, g.seq_lens, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=model.config.intermediate_size,
+            block_size=kv_caches[0].shape[3], eps=model.norm.eps, scale=attn.scale,
+        )
+        if rc != 0:
+            raise RuntimeError(f"decode_layers_bf16 failed with code {rc}")
+        return True
+
+    def _decode_table(self, model: Any, kv_caches: list) -> Optional[torch.Tensor]:
+        """``[num_layers, entries]`` int64 addresses and plans for ``decode_layers`` (built once
+        per KV cache), or None when the model does not qualify."""
+        # The runner passes the same list every step; a new list (or cache) rebuilds the table.
+        key = (id(kv_caches), len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        cached = self._decode_table_cache
+        if cached is not None and cached[0] == key and cached[2] is kv_caches:
+            return cached[1]
+        table = None
+        attn = model.layers[0].self_attn
+        eps = model.norm.eps
+        ok = (
+            self.fused_rope
+            and model._packed_logits_weight is not None
+            and not attn.qk_norm
+            and matmul.get_small_gemm_lib() is not None
+            and all(kv.is_contiguous() and kv.dtype == torch.bfloat16 for kv in kv_caches)
+            and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in model.layers)
+        )
+        rows = []
+        for layer, kv in zip(model.layers, kv_caches):
+            if not ok:
+                break
+            entries = []
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                plan = getattr(lin, "small_plan", None)
+                if plan is None:
+                    ok = False
+                    break
+                entries += [torch.ops.mkldnn.data_ptr(lin.packed_weight), 0 if lin.bias is None else lin.bias.data_ptr(), *plan]
+            if ok:
+                entries += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *kernels._kv_pointers(kv)]
+                rows.append(entries)
+        if ok and rows and len(rows[0]) == matmul.decode_layer_entries():
+            table = torch.tensor(rows, dtype=torch.int64)
+        self._decode_table_cache = (key, table, kv_caches)
+        return table

@@ -1,0 +1,151 @@
+"""The PyTorch backend: every op of a decoder layer that is not a projection, in plain PyTorch,
+on any device, in HF transformers' op order (float32 greedy output equals HF's).
+
+A backend is chosen once when the model is loaded (:func:`pagedserve.model.backends.select_backend`)
+and the model's single ``forward`` calls it for: residual add + RMSNorm, SiLU-and-mul, RoPE with
+the KV-cache write, and paged attention. Attention here (PagedAttention, Kwon et al., SOSP 2023)
+first writes the step's K/V through the flat ``slot_mapping``, then:
+
+- decodes: one gather through the padded block table and one masked
+  ``scaled_dot_product_attention``;
+- prefill chunks: one ``scaled_dot_product_attention`` per chunk. A chunk with no cached context
+  (a fresh prompt) attends to its own new K/V causally (in query tiles, see
+  :func:`causal_attention`); a chunk after cached context (chunked prefill, prefix-cache hit)
+  reads its context from the cache with an explicit causal mask.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model.attn_metadata import AttentionGroup, AttentionMetadata
+from pagedserve.model.layers import RMSNorm, RotaryEmbedding, rotate_half
+from pagedserve.model.sampler import torch_argmax
+
+CAUSAL_TILE = 128  # query rows per SDPA call in long causal prefills
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots in
+    ``kv_cache [2, num_blocks, num_kv_heads, block_size, head_dim]``."""
+    blk, off = metadata.slot_block_offset()
+    kv_cache[0][blk, :, off] = key.to(kv_cache.dtype)
+    kv_cache[1][blk, :, off] = value.to(kv_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``cache [num_blocks, nkv, B, hd]`` through ``block_tables [n, max_blocks]`` ->
+    ``[n, nkv, max_blocks * B, hd]`` (a copy)."""
+    n, nkv, hd = block_tables.shape[0], cache.shape[1], cache.shape[3]
+    return cache[block_tables].transpose(1, 2).reshape(n, nkv, -1, hd)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """Causal self-attention of one fresh prompt, ``q [1, H, L, hd]``, ``k, v [1, KVH, L, hd]``.
+
+    PyTorch's CPU flash kernel computes the masked upper triangle anyway, so a long prompt is
+    split into query tiles that each attend only to the keys up to their own end: about
+    (1 + 1/T) / 2 of the work for T tiles (measured 4.2 -> 3.0 ms per layer at 512 tokens).
+    """
+    L = q.shape[2]
+    if L <= 2 * CAUSAL_TILE:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    out = torch.empty_like(q)
+    out[:, :, :CAUSAL_TILE] = F.scaled_dot_product_attention(
+        q[:, :, :CAUSAL_TILE], k[:, :, :CAUSAL_TILE], v[:, :, :CAUSAL_TILE], is_causal=True, scale=scale, enable_gqa=gqa
+    )
+    for a in range(CAUSAL_TILE, L, CAUSAL_TILE):
+        b = min(a + CAUSAL_TILE, L)
+        mask = torch.arange(b, device=q.device)[None, :] <= torch.arange(a, b, device=q.device)[:, None]
+        out[:, :, a:b] = F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    return out
+
+
+def sdpa_attention(query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor], kv_cache: torch.Tensor,
+                   metadata: AttentionMetadata, g: AttentionGroup, scale: float, out: torch.Tensor) -> None:
+    """One group's attention with ``scaled_dot_product_attention``, into ``out`` (the flat
+    ``[num_tokens, num_heads, head_dim]`` output). ``key``/``value``: this step's K/V, used
+    directly by chunks with no cached context; None reads them from the cache too."""
+    s, e = g.token_start, g.token_end
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    gqa = k_cache.shape[1] != query.shape[1]
+    if g.is_decode:
+        q = query[s:e].unsqueeze(2)  # [n, H, 1, hd]
+        o = F.scaled_dot_product_attention(
+            q, _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables),
+            attn_mask=g.decode_mask(metadata.block_size), scale=scale, enable_gqa=gqa,
+        )
+        out[s:e] = o.squeeze(2)
+        return
+    t = s
+    for i, (qlen, ctx) in enumerate(zip(g.query_lens, g.context_lens)):
+        q = query[t : t + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
+        if ctx == 0 and key is not None:
+            k = key[t : t + qlen].transpose(0, 1).unsqueeze(0)
+            v = value[t : t + qlen].transpose(0, 1).unsqueeze(0)
+            o = causal_attention(q, k, v, scale, gqa)
+        else:
+            total = ctx + qlen
+            table = g.block_tables[i : i + 1, : -(-total // metadata.block_size)]
+            k = _gather(k_cache, table)[:, :, :total]
+            v = _gather(v_cache, table)[:, :, :total]
+            q_pos = torch.arange(ctx, total, device=query.device)
+            mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[t : t + qlen] = o[0].transpose(0, 1)
+        t += qlen
+
+
+class TorchBackend:
+    """PyTorch ops for one model (any device, float32 / bfloat16 / float16)."""
+
+    name = "torch"
+
+    def begin_forward(self, model: Any, positions: torch.Tensor, metadata: AttentionMetadata, kv_caches: list, dtype: torch.dtype) -> Any:
+        """Per-forward state shared by the layers: here RoPE's cos and sin of ``positions``."""
+        return model.rotary_emb(positions, dtype)
+
+    def decode_step(self, model: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: AttentionMetadata) -> bool:
+        """Run the whole model in one call when the backend has such a path (it does not)."""
+        return False
+
+    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual = x + residual`` (``x`` itself when None), then ``norm(residual)``.
+        Returns (normed, residual)."""
+        residual = x if residual is None else x + residual
+        return norm(residual), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up [rows, 2 * inter]`` (gate first)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_and_write_kv(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, state: Any, rope: RotaryEmbedding,
+                          kv_cache: torch.Tensor, metadata: AttentionMetadata, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """RoPE on ``qk [T, (num_heads + num_kv_heads) * head_dim]``, K/V written to the cache.
+        Returns (q ``[T, num_heads, head_dim]`` contiguous, k, v), k/v None when attention must
+        read this step's K/V from the cache."""
+        T = qk.shape[0]
+        cos, sin = state
+        qk = qk.view(T, num_heads + num_kv_heads, head_dim)
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        v = v.view(T, num_kv_heads, head_dim)
+        write_kv_cache(kv_cache, k, v, metadata)
+        return q.contiguous(), k, v
+
+    argmax = staticmethod(torch_argmax)
+
+    def attention(self, query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor], kv_cache: torch.Tensor,
+                  metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Every query token ``[T, num_heads, head_dim]`` attends to its own request's cached
+        K/V up to its position (causal). Returns ``[T, num_heads, head_dim]``."""
+        out = torch.empty_like(query)
+        for g in metadata.groups:
+            sdpa_attention(query, key, value, kv_cache, metadata, g, scale, out)
+        return out

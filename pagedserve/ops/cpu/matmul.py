@@ -1,0 +1,201 @@
+"""ctypes wrappers of the small-M bf16 matmul on oneDNN's packed weights and of the one-call
+decode step (``csrc/small_gemm.c``, ``csrc/decode_step.c``), with the per-shape calibration
+that makes the matmul bit-identical to oneDNN's batched output, 2 MiB pages for the weights,
+and a memory-bandwidth probe."""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+from pagedserve.ops.cpu.build import _get, get_lib
+from pagedserve.ops.cpu.kernels import _kv_pointers
+
+SMALL_GEMM_MAX_ROWS = 16  # SG_MAX_ROWS in small_gemm.c
+
+
+def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
+    """The compiled small-M matmul, or None when disabled (also by ``PAGEDSERVE_SMALL_GEMM=0``)."""
+    if os.environ.get("PAGEDSERVE_SMALL_GEMM", "1") == "0":
+        return None
+    return _get("decode")
+
+
+def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of an opaque oneDNN tensor's buffer."""
+    return torch.ops.mkldnn.data_ptr(packed_weight), torch.ops.mkldnn._nbytes(packed_weight)
+
+
+def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, plan: tuple[int, int]) -> torch.Tensor:
+    """``x [M, K]`` (bf16, contiguous, 1 <= M <= 16) times a packed weight whose ``plan`` came
+    from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
+    batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
+    lib = _get("decode")  # not get_small_gemm_lib(): plans made at load stay usable if the env changes
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    rc = lib.small_gemm_bf16(
+        x.data_ptr(), m, k, torch.ops.mkldnn.data_ptr(packed_weight), None if bias is None else bias.data_ptr(),
+        y.data_ptr(), out_features, plan[0], plan[1],
+    )
+    if rc != 0:
+        raise RuntimeError(f"small_gemm_bf16 rejected x {tuple(x.shape)} -> {out_features}")
+    return y
+
+
+_CALIBRATION_OUTPUTS = 1 << 18  # outputs compared per probe batch
+
+
+def calibrate_small_gemm(packed_weight: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
+    """Find how oneDNN splits K into partial sums for this weight shape, so that the small-M
+    kernel reproduces its batched output bit for bit (see ``small_gemm.c``).
+
+    Tries (chain, body) candidates (k pairs: partial sums of ``chain`` pairs over the first
+    ``body``, then one over the rest) on random rows and keeps the first whose every output
+    equals oneDNN's batched result, then confirms it on a second, independent batch. Returns
+    None when the layout is not [N/64][K/2][64][2], the shape is not supported, or no candidate
+    matches both batches. A wrong candidate differs from oneDNN in about 1-3 outputs in 10^4,
+    so each batch has enough rows for 2^18 outputs (at least 64 rows): a wrong candidate then
+    shows ~40 mismatches, and passes by chance with probability ~e^-40. (With a fixed 64 rows
+    a 64-output weight was given a wrong plan about half the time.)
+    """
+    lib = get_small_gemm_lib()
+    n, k = out_features, in_features
+    if lib is None or n % 64 or k % 2 or packed_weight.dtype != torch.bfloat16:
+        return None
+    try:
+        _, nbytes = _packed_address(packed_weight)
+    except (RuntimeError, AttributeError):
+        return None
+    if nbytes != n * k * 2:  # padded layout (N or K not a multiple of the block)
+        return None
+    k2 = k // 2
+    step = SMALL_GEMM_MAX_ROWS
+    rows = max(64, -(-_CALIBRATION_OUTPUTS // n))
+    rows = min(-(-rows // step) * step, 4096)
+    w_ptr = torch.ops.mkldnn.data_ptr(packed_weight)
+    b_ptr = None if bias is None else bias.data_ptr()
+
+    def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        return x, torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+    def matches(x: torch.Tensor, ref: torch.Tensor, chain: int, body: int) -> Optional[bool]:
+        y = torch.empty(step, n, dtype=torch.bfloat16)
+        for r0 in range(0, rows, step):
+            if lib.small_gemm_bf16(x[r0].data_ptr(), step, k, w_ptr, b_ptr, y.data_ptr(), n, chain, body) != 0:
+                return None
+            if not torch.equal(y, ref[r0 : r0 + step]):
+                return False
+        return True
+
+    bodies = []
+    for b in (32, 64, 128, 256, 512, k2):
+        if k2 - k2 % b not in bodies:
+            bodies.append(k2 - k2 % b)
+    x, ref = batch(1234)
+    for chain in (256, 512, 128, 1024, 64, k2):
+        for body in bodies:
+            ok = matches(x, ref, chain, body)
+            if ok is None:
+                return None
+            if ok:
+                x2, ref2 = batch(4321)
+                return (chain, body) if matches(x2, ref2, chain, body) else None
+    return None
+
+
+_MADV_COLLAPSE = 25
+_HUGE_PAGE = 2 << 20
+
+
+def collapse_to_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask Linux (>= 6.1) to back ``[address, address + nbytes)`` with 2 MiB pages now
+    (``madvise(MADV_COLLAPSE)``; contents unchanged, independent of the THP sysfs mode). Decode
+    streams every weight each step, and with 4 KiB pages TLB misses cap that stream: measured
+    here, a batch-1 step's matmuls 6.0 -> 5.3 ms. Tries the 2 MiB-aligned range around the
+    buffer, then the aligned range inside it. Returns False where unsupported (nothing changes)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    lo, hi = address // _HUGE_PAGE * _HUGE_PAGE, -(-(address + nbytes) // _HUGE_PAGE) * _HUGE_PAGE
+    if madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
+        return True
+    lo, hi = -(-address // _HUGE_PAGE) * _HUGE_PAGE, (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    return hi > lo and madvise(lo, hi - lo, _MADV_COLLAPSE) == 0
+
+
+def decode_layer_entries() -> int:
+    """Entries per layer of the table :func:`decode_layers` takes (``decode_step.c``)."""
+    return int(_get("decode").decode_layer_entries())
+
+
+def decode_layers(
+    table: torch.Tensor,
+    hidden: torch.Tensor,
+    final_norm: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    inter: int,
+    block_size: int,
+    eps: float,
+    scale: float,
+) -> int:
+    """Every decoder layer and the final RMSNorm of a decode step of ``M <= 16`` sequences, in
+    one C call (``decode_step.c``), bf16.
+
+    Args:
+        table: ``[num_layers, decode_layer_entries()]`` int64: per layer the packed weights,
+            biases (0 if none) and small-M plans of qkv, o, gate_up, down, the two RMSNorm
+            weights and the layer's K and V cache addresses.
+        hidden: ``[M, hidden_size]`` contiguous bf16 embeddings, overwritten with the final
+            normed hidden states.
+        positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables: ``[M, max_blocks]``
+            int64; cos, sin: float32 ``[max_positions, head_dim]``. Positions and slots must be
+            in range (the C code does not check).
+    Returns:
+        0 on success; -1 unsupported shape, -2 out of memory, -3 attention failed.
+    """
+    lib = _get("decode")  # the table was built with it (see small_gemm)
+    attention = ctypes.cast(get_lib().paged_attention_bf16, ctypes.c_void_p).value
+    m, hid = hidden.shape
+    assert hidden.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous() and positions.is_contiguous()
+    return lib.decode_layers_bf16(
+        table.data_ptr(), table.shape[0], m, hid, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale,
+        hidden.data_ptr(), final_norm.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), attention,
+    )
+
+
+def memory_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> Optional[float]:
+    """Memory read bandwidth in bytes/s: the best of ``repeats`` reads of an ``nbytes`` buffer
+    (2 MiB pages where Linux allows, like the packed weights) with every OpenMP thread. The
+    ceiling of batch-1 decode, which streams every weight once per token. None without the
+    compiled kernels."""
+    import time
+
+    lib = _get("decode") if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0" else None
+    if lib is None:
+        return None
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    collapse_to_huge_pages(buf.data_ptr(), nbytes)
+    lib.stream_read(buf.data_ptr(), nbytes)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        lib.stream_read(buf.data_ptr(), nbytes)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
