@@ -1,4 +1,5 @@
-"""msgpack encoding of the messages between the frontend and the engine-core process.
+"""msgpack encoding of the engine's messages: frontend <-> engine-core process today, and the
+scheduler -> worker ``SchedulerOutput`` / ``ModelRunnerOutput`` pair for workers elsewhere.
 
 Never pickle: a message is msgpack data, and the only objects decoding can build are the
 dataclasses and enums registered here, from their field values by keyword (an unknown type tag
@@ -15,7 +16,8 @@ from typing import Any
 import msgpack
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerStats
+from pagedserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.engine.core import EngineCoreInfo
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,7 +35,8 @@ def register(cls: type) -> type:
     return cls
 
 
-for _cls in (EngineConfig, EngineCoreInfo, EngineCoreRequest, SamplingParams, EngineCoreOutput, EngineCoreOutputs, SchedulerStats):
+for _cls in (EngineConfig, EngineCoreInfo, EngineCoreRequest, SamplingParams, EngineCoreOutput, EngineCoreOutputs, SchedulerStats,
+             SchedulerOutput, NewRequestData, CachedRequestData, ModelRunnerOutput):
     register(_cls)
 
 
