@@ -1,0 +1,110 @@
+"""Request validation of the OpenAI server, in process: the real FastAPI app and the real
+InputProcessor (SmolLM2's tokenizer, max_model_len 2048), but no engine at all. Every case must
+be refused with an OpenAI-shaped 400 naming the field before anything reaches the engine (the
+stub fails the test if something does). A handful of these also run end to end against a real
+server in test_server.py."""
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.entrypoints.openai.api_server import build_app
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 2048
+
+
+class ValidationOnlyLLM:
+    """What build_app needs of an AsyncLLM, without an engine: generating fails the test."""
+
+    def __init__(self, model_dir: str) -> None:
+        from pagedserve.model import loader
+
+        self.tokenizer = loader.load_tokenizer(model_dir)
+        hf = loader.load_config(model_dir)
+        self.vocab_size = hf.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, hf.vocab_size, MAX_MODEL_LEN, {2})
+        self.config = EngineConfig(max_model_len=MAX_MODEL_LEN)
+        self.max_model_len = MAX_MODEL_LEN
+        self.model_name = MODEL
+        self.metrics = None
+        self.errored = False
+        self.is_running = True
+        self.reached_engine: list = []
+
+    async def generate_processed(self, req):
+        self.reached_engine.append(req)
+        raise AssertionError(f"request {req.request_id} reached the engine")
+        yield  # pragma: no cover
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def app_client(smollm2_dir):
+    llm = ValidationOnlyLLM(smollm2_dir)
+    with TestClient(build_app(llm)) as client:
+        yield client, llm
+
+
+BAD_REQUESTS = [
+    # (path, body, expected param, words in message)
+    ("/v1/completions", b'{"prompt": "hi", ', None, "JSON"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, "model", "does not exist"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+    ("/v1/completions", {"prompt": []}, "prompt", "empty"),
+    ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN}, "prompt", "max_model_len"),
+    ("/v1/completions", {"prompt": "hello " * 3000}, "prompt", "max_model_len"),
+    ("/v1/completions", {"prompt": [5] * 2000, "max_tokens": 100}, "max_tokens", "maximum context length"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n", "n must be"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2, 49152]}, "prompt", "vocabulary"),
+    ("/v1/completions", {"prompt": [1, -3]}, "prompt", "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**6]}, "stop_token_ids", "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias", "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": "many"}, "n", "n"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 3000}]}, "messages", "max_model_len"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_completion_tokens", "maximum context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1, "stream": True}, "temperature", "temperature"),
+    # Found by a fresh-eyes review: each used to crash, hang or run away with the server.
+    ("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 2}', "prompt", "surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages", "surrogate"),
+    ("/tokenize", b'{"prompt": "\\udfff"}', "prompt", "surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 1000000000, "max_tokens": 1}, "n", "at most"),
+    ("/v1/completions", {"prompt": ["a"] * 300, "max_tokens": 1}, "n", "at most"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                              "chat_template": "{% for i in range(100000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}x"},
+     "chat_template", "not allowed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64 - 1, "n": 2, "stream": True}, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "inf"}, "temperature", "finite"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", BAD_REQUESTS, ids=range(len(BAD_REQUESTS)))
+def test_bad_request_is_an_openai_400_naming_the_field(app_client, path, body, param, words):
+    client, llm = app_client
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400
+    assert words.lower() in err["message"].lower(), (words, err)
+    assert err["param"] == param, (param, err)
+    assert not llm.reached_engine
