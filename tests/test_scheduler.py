@@ -20,6 +20,7 @@ from core_utils import (
 )
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
 
 make_sched = make_scheduler

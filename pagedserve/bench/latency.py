@@ -103,7 +103,8 @@ def _hf_one(model, ids: list[int], max_new: int, device) -> list[float]:
 
 
 def latency_hf(args: argparse.Namespace, model_dir: str, prompts: list[list[int]], decode_prompts: list[list[int]]) -> dict[str, Any]:
-    from pagedserve.bench.throughput import _resolve_device_dtype, load_hf
+    from pagedserve.bench.hf_backend import load_hf
+    from pagedserve.bench.throughput import _resolve_device_dtype
 
     device, dtype = _resolve_device_dtype(args)
     model, _ = load_hf(model_dir, dtype, device)

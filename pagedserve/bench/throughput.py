@@ -27,6 +27,7 @@ import torch
 
 from pagedserve.bench.datasets import SampleRequest, build_requests, describe
 from pagedserve.bench.flops import ModelFlops, model_flops, peak_flops_for
+from pagedserve.bench.hf_backend import hf_generate_batch, hf_pad_id, load_hf
 
 logger = logging.getLogger("pagedserve.bench")
 
@@ -148,50 +149,6 @@ def run_pagedserve(args: argparse.Namespace, requests: Sequence[SampleRequest], 
     return res.finish(flops, _forward_tokens(requests, cached), peak)
 
 
-# -- HF transformers -----------------------------------------------------------------------
-def load_hf(model_dir: str, dtype: torch.dtype, device: torch.device):
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    transformers.logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).to(device).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return model, tok
-
-
-def hf_generate_batch(model, pad_id: int, batch: Sequence[SampleRequest], device: torch.device, max_new: Optional[int] = None) -> int:
-    """One static batch, left padded; returns tokens generated per row."""
-    max_len = max(r.prompt_len for r in batch)
-    max_new = max_new if max_new is not None else max(r.expected_output_len for r in batch)
-    input_ids = torch.full((len(batch), max_len), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), max_len), dtype=torch.long)
-    for i, r in enumerate(batch):
-        input_ids[i, max_len - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
-        mask[i, max_len - r.prompt_len :] = 1
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=pad_id,
-            use_cache=True,
-        )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return int(out.shape[1] - max_len)
-
-
-def hf_pad_id(model, tok) -> int:
-    for v in (tok.pad_token_id, tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(v, (list, tuple)):
-            v = v[0] if v else None
-        if v is not None:
-            return int(v)
-    return 0
-
-
 def run_hf(args: argparse.Namespace, requests: Sequence[SampleRequest], flops: ModelFlops, peak: Optional[float], model_dir: str, dtype, device) -> BackendResult:
     model, tok = load_hf(model_dir, dtype, device)
     pad = hf_pad_id(model, tok)
@@ -213,6 +170,8 @@ def run_hf(args: argparse.Namespace, requests: Sequence[SampleRequest], flops: M
 
 
 # -- the command ---------------------------------------------------------------------------
+
+
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="pagedserve", choices=["pagedserve", "hf", "both"], help="both: one after the other, then the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")

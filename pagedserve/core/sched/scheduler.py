@@ -20,7 +20,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
 
 
 class Scheduler:

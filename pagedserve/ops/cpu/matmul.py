@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 
 from pagedserve.ops.cpu.build import _get, get_lib
-from pagedserve.ops.cpu.kernels import _kv_pointers
 
 SMALL_GEMM_MAX_ROWS = 16  # SG_MAX_ROWS in small_gemm.c
 
