@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -87,7 +88,6 @@ def _set_parent_death_signal() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphaned engine)."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -102,6 +102,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     _set_parent_death_signal()
+    # Ctrl-C in a terminal reaches the whole process group: the front stops this process (a
+    # shutdown message, then a kill after a timeout), so it does not die mid-step on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")

@@ -254,6 +254,8 @@ def run_server(args: Any) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, timeout_graceful_shutdown=5))
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     finally:
         llm.shutdown()
     if engine_dead.is_set():
