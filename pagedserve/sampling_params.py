@@ -10,6 +10,7 @@ from typing import Optional, Union
 MAX_LOGPROBS = 20
 # Most completions per request (one request must not be able to queue unbounded work).
 MAX_N = 128
+_INT64_MAX = 2**63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -102,6 +103,10 @@ class SamplingParams:
             bad("top_p", f"must be in (0, 1], got {self.top_p}.")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", f"must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        for name in ("top_k", "max_tokens", "min_tokens"):  # they travel as int64
+            value = getattr(self, name)
+            if isinstance(value, int) and value > _INT64_MAX:
+                bad(name, f"must be at most 2**63 - 1, got {value}.")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -228,3 +228,37 @@ def test_config_flags_are_the_fields():
         EngineConfig(max_num_seqs=0)
     with pytest.raises(TypeError):
         LLM(no_such_field=1)
+
+
+def test_frontend_edge_cases_found_in_review(tiny_dir):
+    """n > 1 in DELTA mode reports each finished sequence once; a request id equal to another
+    request's child id is refused without harming it; a stop string completed by the last
+    allowed token finishes with "stop" and the string, as vLLM reports it."""
+    llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    engine = llm.llm_engine
+    ref = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    text0 = ref.outputs[0].text
+    stop = text0[len(text0) // 2 : len(text0) // 2 + 3]
+    assert stop and all(stop not in o.text for o in ref.outputs[1:]), "pick another seed: the stop string hits every sequence"
+    engine.add_request("x", [5, 6, 7], SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                       output_kind=RequestOutputKind.DELTA))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x#0", [9, 9, 9], SamplingParams(max_tokens=2))
+    finish_chunks = {0: 0, 1: 0, 2: 0}
+    texts = {0: "", 1: "", 2: ""}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                texts[c.index] += c.text
+                finish_chunks[c.index] += c.finish_reason is not None
+    assert finish_chunks == {0: 1, 1: 1, 2: 1}
+    assert texts[0] == text0[: text0.index(stop)] and texts[1] == ref.outputs[1].text and texts[2] == ref.outputs[2].text
+    assert_engine_idle(llm)
+
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    last = llm.get_tokenizer().decode(greedy.token_ids[-1:])
+    stop = last.strip()[:2] or last
+    assert stop not in llm.get_tokenizer().decode(greedy.token_ids[:-1])
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop) and stop not in out.text
+    assert_engine_idle(llm)

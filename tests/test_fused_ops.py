@@ -117,5 +117,10 @@ def test_argmax_bf16_rows_equals_torch_first_max():
     z[2, 3] = float("inf")
     got = cpu_kernels.argmax_bf16(z)
     assert got[1] == 40 and got[2] == 3 and torch.equal(got, z.max(-1).indices)
+    for cols in (33, 47, 49, 100, 49153):  # a NaN in the tail after the 16-wide blocks
+        t = torch.randn(3, cols, generator=g).to(torch.bfloat16)
+        t[:, -1] = float("nan")
+        t[1, cols // 2] = float("nan")
+        assert torch.equal(cpu_kernels.argmax_bf16(t), t.max(-1).indices), cols
     wide = torch.randn(3, 300, generator=g).to(torch.bfloat16)
     assert torch.equal(cpu_kernels.argmax_bf16(wide[:, 10:260]), wide[:, 10:260].max(-1).indices)  # strided rows

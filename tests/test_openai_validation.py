@@ -92,6 +92,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64 - 1, "n": 2, "stream": True}, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "temperature": "inf"}, "temperature", "finite"),
+    # Found by the issue-10 review: a value that cannot travel to the engine-core process.
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k", "2**63"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**70, "stream": True}, "top_k", "2**63"),
 ]
 
 

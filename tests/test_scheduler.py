@@ -360,6 +360,20 @@ def test_abort_between_schedule_and_update():
     assert_sched_idle(s)
 
 
+def test_id_reused_between_schedule_and_update_does_not_inherit_the_old_token():
+    s = make_sched()
+    add(s, "a", 5)
+    out = s.schedule()
+    s.fake_worker.apply(out)
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    fresh = add(s, "a", 7)  # the id is free again
+    result = s.update_from_output(out, ModelRunnerOutput(sampled={"a": TOK}))
+    assert result.outputs == [] and fresh.output_token_ids == [] and fresh.num_computed_tokens == 0
+    drain(s)
+    assert fresh.num_output_tokens == fresh.max_tokens
+    assert_sched_idle(s)
+
+
 def test_stats_count_prefix_cache_tokens_at_admission():
     s = make_sched()
     shared = list(range(100, 112))

@@ -175,6 +175,55 @@ def test_async_llm_generate_abort_and_errors(smollm2_llm, engine_process):
         assert not core.scheduler.requests and not core.scheduler.kv_cache_manager.req_to_blocks
 
 
+def test_async_llm_busy_core_loses_no_message(tiny_model_factory):
+    """While the engine core is stopped (a long step), 1,200 requests and 100 aborts queue up:
+    more than ZeroMQ's default high-water mark of 1,000. Every request still finishes or is
+    aborted, and the core ends idle. The core also survives the thread that started it."""
+    import threading
+
+    from pagedserve import EngineConfig, SamplingParams
+    from pagedserve.engine.async_llm import AsyncLLM
+
+    box = {}
+    config = EngineConfig(model=tiny_model_factory("llama"), dtype="float32", num_kv_blocks=256, max_model_len=256, num_threads=1)
+    t = threading.Thread(target=lambda: box.setdefault("llm", AsyncLLM(config)))
+    t.start()
+    t.join(120)
+    llm = box["llm"]
+    n = 1200
+
+    async def one(i):
+        async for out in llm.generate([5, 6, 7, 10 + i % 1000], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), f"r{i}"):
+            if out.finished:
+                return out.outputs[0].finish_reason
+
+    async def main():
+        os.kill(llm.engine_pid, signal.SIGSTOP)
+        try:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+            await asyncio.sleep(0.5)
+            for task in tasks[:100]:
+                task.cancel()  # 100 aborts on top
+            await asyncio.sleep(0.5)
+        finally:
+            os.kill(llm.engine_pid, signal.SIGCONT)
+        done, pending = await asyncio.wait(tasks, timeout=120)
+        assert not pending, len(pending)
+        assert sum(1 for task in tasks[100:] if task.result() == "length") == n - 100
+        for _ in range(200):
+            s = llm.get_stats()
+            if s.num_running == s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(llm.get_stats())
+
+    try:
+        asyncio.run(main())
+        assert llm.is_running and llm.client.is_alive()
+    finally:
+        llm.shutdown()
+
+
 def test_async_llm_engine_process_killed_fails_requests_and_never_hangs():
     """SIGKILL of the engine-core process: the live stream ends with EngineDeadError, new requests
     are refused at once, the death callback fires, and nothing waits forever."""

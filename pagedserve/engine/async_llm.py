@@ -134,8 +134,13 @@ class AsyncLLM:
             self._check_alive()
             self.output_processor.add_request(req)  # ValueError on a duplicate id
             self._streams[req.request_id] = _Stream(loop, queue)
-        for child in req.children:
-            self.client.send(["add", child])
+        try:
+            self.client.send(["add", req.children])
+        except BaseException:
+            with self._lock:
+                self._streams.pop(req.request_id, None)
+                self.output_processor.abort_requests([req.request_id])
+            raise
         finished = False
         try:
             while True:

@@ -54,10 +54,14 @@ class MPClient:
         self._zmq = zmq
         self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")  # mode 0700: only this user
         self._ctx = zmq.Context()
+        # No high-water mark: a send never blocks and never drops (ZeroMQ's default of 1000
+        # queued messages would silently lose requests while the core is in a long step).
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.bind(f"ipc://{self._dir}/input")
         self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(f"ipc://{self._dir}/output")
         self._send_lock = threading.Lock()
         cmd = [sys.executable, "-m", "pagedserve.engine.core_proc", "--input-address", f"ipc://{self._dir}/input",
@@ -91,11 +95,18 @@ class MPClient:
         return self.proc.pid
 
     def send(self, msg: list) -> None:
+        """Queue a message for the core (never blocks: the sockets have no high-water mark).
+
+        Raises:
+            TypeError: a value the codec cannot encode (a bug in the caller's validation).
+        """
         data = self._serial.encode(msg)
         with self._send_lock:
+            if self._ctx.closed:
+                return
             try:
-                self._input.send(data, flags=self._zmq.NOBLOCK, copy=False)
-            except (self._zmq.Again, self._zmq.ZMQError):  # core gone or closed: is_alive() says so
+                self._input.send(data, copy=False)
+            except self._zmq.ZMQError:  # closed by shutdown: is_alive() says so
                 pass
 
     def recv(self, timeout_s: Optional[float]) -> Optional[list]:

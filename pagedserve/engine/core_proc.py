@@ -1,7 +1,8 @@
 """The engine core's busy loop, and the main of the engine-core process
 (``python -m pagedserve.engine.core_proc``, started by :class:`pagedserve.engine.core_client.MPClient`).
 
-Messages in (lists): ``["add", EngineCoreRequest]``, ``["abort", [ids]]``,
+Messages in (lists): ``["add", [EngineCoreRequest, ...]]`` (the ``n`` sequences of one request
+together), ``["abort", [ids]]``,
 ``["utility", call_id, name]`` (``reset_prefix_cache`` or ``get_stats``), ``["shutdown"]``.
 Messages out: ``["ready", EngineCoreInfo]`` once loaded, ``["outputs", EngineCoreOutputs]`` after
 every step (and after commands that changed the state of an idle core),
@@ -9,8 +10,10 @@ every step (and after commands that changed the state of an idle core),
 a step fails (the process then exits with status 1).
 
 The loop: take every waiting command, run one step if any request is unfinished, send its
-outputs; when idle, block on the next command (waking every second to check that the parent
-process is still there, so a core whose frontend died exits).
+outputs; when idle, block on the next command (waking every second). Each pass checks that the
+parent process is still there, so a core whose frontend died (even by SIGKILL) exits after at
+most one step and removes the front's socket directory. A malformed message is logged and
+dropped, never fatal.
 """
 from __future__ import annotations
 
@@ -42,10 +45,10 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], 
     while True:
         idle = not core.has_unfinished_requests()
         msg = recv(IDLE_POLL_S if idle else 0.0)
+        if not parent_alive():
+            logger.warning("pagedserve engine core: the frontend process is gone; exiting")
+            return
         if msg is None and idle:
-            if not parent_alive():
-                logger.warning("pagedserve engine core: the frontend process is gone; exiting")
-                return
             continue
         changed = False
         while msg is not None:
@@ -63,12 +66,12 @@ def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
     """Apply one command; returns True when it may have changed the core's state."""
     kind = msg[0]
     if kind == "add":
-        req = msg[1]
-        try:
-            core.add_request(req)
-        except ValueError as e:  # the frontend checks ids first; answer instead of dying
-            logger.error("pagedserve engine core refused %s: %s", req.request_id, e)
-            send(["outputs", EngineCoreOutputs([EngineCoreOutput(req.request_id, [], finish_reason="abort")], time.monotonic())])
+        for req in msg[1]:
+            try:
+                core.add_request(req)
+            except ValueError as e:  # the frontend checks ids first; answer instead of dying
+                logger.error("pagedserve engine core refused %s: %s", req.request_id, e)
+                send(["outputs", EngineCoreOutputs([EngineCoreOutput(req.request_id, [], finish_reason="abort")], time.monotonic())])
         return True
     if kind == "abort":
         core.abort_requests(msg[1])
@@ -84,14 +87,14 @@ def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
     return False
 
 
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphaned engine)."""
-    try:
-        import ctypes
+def _remove_socket_dir(address: str) -> None:
+    """Remove the private directory of an ``ipc://DIR/input`` address (what MPClient made)."""
+    import shutil
 
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if address.startswith("ipc://"):
+        d = os.path.dirname(address[len("ipc://"):])
+        if os.path.basename(d).startswith("pagedserve-core-"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -101,7 +104,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
-    _set_parent_death_signal()
     # Ctrl-C in a terminal reaches the whole process group: the front stops this process (a
     # shutdown message, then a kill after a timeout), so it does not die mid-step on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -109,6 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
 
+    import msgpack
     import zmq
 
     from pagedserve.config import EngineConfig
@@ -116,8 +119,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)  # never drop a message (see MPClient)
     inbox.connect(args.input_address)
     outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(args.output_address)
 
@@ -125,9 +130,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         outbox.send(serial.encode(msg), copy=False)
 
     def recv(timeout_s: Optional[float]) -> Optional[list]:
-        if timeout_s is not None and not inbox.poll(int(timeout_s * 1000)):
-            return None
-        return serial.decode(inbox.recv(copy=False).buffer)
+        while timeout_s is None or inbox.poll(int(timeout_s * 1000)):
+            data = inbox.recv(copy=False).buffer
+            try:
+                return serial.decode(data)
+            except (ValueError, TypeError, RecursionError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+                logger.error("pagedserve engine core: dropped a malformed message (%d bytes): %s", len(data), e)
+        return None
 
     try:
         from pagedserve.engine.core import EngineCore
@@ -135,6 +144,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         core = EngineCore(EngineConfig(**json.loads(args.config_json)))
         send(["ready", core.info])
         run_busy_loop(core, recv, send, parent_alive=lambda: os.getppid() == parent)
+        if os.getppid() != parent:  # the front died without cleaning up: remove its socket directory
+            _remove_socket_dir(args.input_address)
         return 0
     except BaseException as e:  # start-up error or a crashed step: tell the frontend, exit non-zero
         logger.error("pagedserve engine core failed:\n%s", traceback.format_exc())

@@ -37,6 +37,7 @@ class SequenceState:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    finish_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -75,6 +76,9 @@ class OutputProcessor:
         """Track a processed request. Raises ValueError when its id is in use."""
         if req.request_id in self.request_states:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        for c in req.children:  # "x#0" of a request "x" with n > 1 must not meet a request "x#0"
+            if c.request_id in self.sequence_of or (c.request_id != req.request_id and c.request_id in self.request_states):
+                raise ValueError(f"request_id {c.request_id!r} is already in use")
         wants_logprobs = req.params.logprobs is not None
         seqs = [
             SequenceState(c.request_id, i, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, c.sampling_params),
@@ -138,7 +142,8 @@ class OutputProcessor:
         return outputs, to_abort
 
     def _update_sequence(self, seq: SequenceState, out: EngineCoreOutput, ts: float) -> bool:
-        """Apply one core output; returns True when a stop string finished the sequence here."""
+        """Apply one core output; returns True when a stop string finished the sequence here
+        while the core still runs it (the caller aborts it there)."""
         seq.num_cached_tokens = out.num_cached_tokens
         seq.first_scheduled_time = out.first_scheduled_time
         if out.new_token_ids:
@@ -156,7 +161,7 @@ class OutputProcessor:
             seq.cumulative_logprob += lps[0]
         stop_str = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
         hit_stop_string = stop_str is not None and out.finish_reason is None
-        if hit_stop_string:
+        if stop_str is not None:  # also when the core stopped it for length on the same token
             seq.finish_reason, seq.stop_reason = "stop", stop_str
         elif out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
@@ -173,11 +178,14 @@ class OutputProcessor:
         outs = []
         for s in state.sequences:
             done = s.finished
+            if delta and s.finish_sent:  # a finished sequence of n > 1 is reported once
+                continue
             text = s.detokenizer.get_next_output_text(done, delta)
             start = s.num_tokens_sent if delta else 0
             token_ids = s.output_token_ids[start:]
             logprobs = s.logprobs[start:] if s.logprobs is not None else None
             s.num_tokens_sent = len(s.output_token_ids)
+            s.finish_sent = done
             if delta and not token_ids and not text and not done:
                 continue
             outs.append(

@@ -46,6 +46,9 @@ class Scheduler:
         # What the worker must hear about in the next SchedulerOutput.
         self.finished_req_ids: list[str] = []
         self.num_block_ids_on_worker: dict[str, int] = {}
+        # The requests of the last schedule(), by id: update_from_output applies tokens only to
+        # them (not to a request that took a finished one's id in between).
+        self.scheduled_requests: dict[str, Request] = {}
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -156,6 +159,7 @@ class Scheduler:
                 budget -= num_new
 
         cached = out.scheduled_cached_reqs
+        self.scheduled_requests = {req.request_id: req for req, _, _ in scheduled}
         for req, num_computed, num_new in scheduled:
             rid = req.request_id
             block_ids = kv.get_block_ids(rid)
@@ -190,7 +194,7 @@ class Scheduler:
         outputs = []
         logprobs = runner_output.logprobs
         for rid, tok in runner_output.sampled.items():
-            req = self.requests.get(rid)
+            req = self.scheduled_requests.get(rid)
             if req is None or req.is_finished():  # aborted between schedule and update
                 continue
             req.append_output_token_ids([tok])

@@ -225,10 +225,12 @@ void rope_write_kv(const void* qk, int64_t qk_stride, const void* v, int64_t v_s
 /* Index of the largest value of each bf16 row (the first one on ties, as torch.max(dim) and
  * argmax; the first NaN when a row has one, as torch). x: [rows, cols] with a row stride
  * (elements); out: [rows] int64. Greedy sampling of a [64, 49152] batch: one 6 MB read. */
+/* Continues a scan from column start (no NaN before it): the first NaN wins. */
 static int64_t argmax_row_scalar(const uint16_t* p, int64_t cols, int64_t start, int64_t best_i) {
     float best = bf16_to_f32(p[best_i]);
     for (int64_t c = start; c < cols; c++) {
         const float v = bf16_to_f32(p[c]);
+        if (isnan(v)) return c;
         if (v > best) {
             best = v;
             best_i = c;
