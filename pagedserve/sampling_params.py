@@ -21,6 +21,58 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # nothing until the request finishes
 
 
+# Most characters of one constraint (schema, regex, grammar, choices): compiling is work the
+# server does for the client, so its size is capped like every amplifying parameter.
+MAX_STRUCTURED_OUTPUT_CHARS = 64_000
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the generated text, as vLLM's ``StructuredOutputsParams``. Exactly one
+    field is set.
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text) the output must validate against.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar, Lark syntax (llguidance's) or GBNF (``::=`` rules).
+        json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+
+    Raises:
+        ValueError: naming the field, when none or several are set, or one is empty or too big.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        import json as _json
+
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)  # key order kept: it is the order of the output
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None] + (["json_object"] if self.json_object else [])
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or json_object, got {set_ or 'none'}.")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings.")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        size = len(self.json or self.regex or self.grammar or "") + sum(len(c) for c in self.choice or ())
+        if size > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(f"structured_outputs is {size} characters, more than the {MAX_STRUCTURED_OUTPUT_CHARS} allowed.")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next tokens of one request.
@@ -59,6 +111,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     # Filled by the engine: the model's EOS ids (generation config) that end a request
     # unless ignore_eos is set. Not part of the user surface.

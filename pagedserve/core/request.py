@@ -73,6 +73,8 @@ class Request:
         # Tokens the worker holds for this request: those sent to it plus those it sampled.
         # The scheduler sends the rest (``CachedRequestData.new_token_ids``).
         self.num_tokens_on_worker = 0
+        # The grammar matcher of a constrained request (structured output), set by the scheduler.
+        self.grammar: Optional[object] = None
         # Timestamps (seconds, time.monotonic()) for metrics.
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: Optional[float] = None

@@ -17,6 +17,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.scheduler import Scheduler
+from pagedserve.core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("pagedserve")
 
@@ -48,6 +49,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        from pagedserve.model.loader import load_tokenizer
         from pagedserve.worker.worker import Worker  # the only torch import of the core path
 
         t0 = time.monotonic()
@@ -57,7 +59,9 @@ class EngineCore:
         self.config.verify_token_budget()
         self.worker.initialize_cache(self.config)
         kv = KVCacheManager(spec.num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.worker.model_identity)
-        self.scheduler = Scheduler(self.config, kv)
+        model_dir = self.worker.model_dir
+        grammars = StructuredOutputManager(lambda: load_tokenizer(model_dir), self.worker.hf_config.vocab_size)
+        self.scheduler = Scheduler(self.config, kv, grammars)
         self.info = EngineCoreInfo(
             self.config, spec.num_blocks, spec.block_bytes, str(self.worker.dtype).replace("torch.", ""),
             str(self.worker.device), self.worker.model_dir,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from pagedserve.core.outputs import EngineCoreRequest
+from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -37,7 +38,8 @@ _KNOWN_PARAMS = {
     "prompt", "prompt_token_ids", "messages", "model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "stop_token_ids", "max_tokens", "max_completion_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "best_of",
-    "stream_options", "response_format", "request_id", "tokens", "continue_final_message",
+    "stream_options", "response_format", "request_id", "tokens", "continue_final_message", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 
 
@@ -83,6 +85,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = sorted(eos_token_ids)
+        self.grammars = StructuredOutputManager(lambda: tokenizer, vocab_size)
         self._counter = 0
 
     # -- tokens -----------------------------------------------------------------------------
@@ -152,9 +155,13 @@ class InputProcessor:
         return requested
 
     def check_params(self, params: SamplingParams) -> None:
-        """Raises RequestError for ids outside the vocabulary or an unsupported field."""
+        """Raises RequestError for ids outside the vocabulary, an unsupported field, or a
+        structured-output constraint that does not compile (checked here, in the frontend, so
+        a malformed schema never reaches the engine core)."""
         try:
             params.verify_vocab(self.vocab_size)
+            if params.structured_outputs is not None:
+                self.grammars.validate(params.structured_outputs)
         except ValueError as e:
             raise RequestError(str(e), param=param_of(str(e))) from None
         if params.prompt_logprobs is not None:

@@ -38,6 +38,7 @@ class SequenceState:
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     finish_sent: bool = False
+    terminators: frozenset = frozenset()  # EOS and stop token ids of this sequence
 
     @property
     def finished(self) -> bool:
@@ -82,7 +83,8 @@ class OutputProcessor:
         wants_logprobs = req.params.logprobs is not None
         seqs = [
             SequenceState(c.request_id, i, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, c.sampling_params),
-                          logprobs=[] if wants_logprobs else None)
+                          logprobs=[] if wants_logprobs else None,
+                          terminators=frozenset(c.eos_token_ids) | frozenset(c.sampling_params.stop_token_ids or ()))
             for i, c in enumerate(req.children)
         ]
         state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, req.params, req.children[0].arrival_time, seqs)
@@ -159,7 +161,10 @@ class OutputProcessor:
                     entry[t] = Logprob(lp, r, self.tokenizer.convert_ids_to_tokens(t))
             seq.logprobs.append(entry)
             seq.cumulative_logprob += lps[0]
-        stop_str = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
+        # The token that ended a request by EOS or a stop id is not part of the text (a grammar
+        # that completes ends on an ordinary token, which is).
+        stop_terminated = out.finish_reason == "stop" and bool(out.new_token_ids) and out.new_token_ids[-1] in seq.terminators
+        stop_str = seq.detokenizer.update(out.new_token_ids, stop_terminated)
         hit_stop_string = stop_str is not None and out.finish_reason is None
         if stop_str is not None:  # also when the core stopped it for length on the same token
             seq.finish_reason, seq.stop_reason = "stop", stop_str

@@ -19,7 +19,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.engine.core import EngineCoreInfo
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _EXT_DATACLASS, _EXT_ENUM, _EXT_SET = 1, 2, 3
 
@@ -36,7 +36,7 @@ def register(cls: type) -> type:
 
 
 for _cls in (EngineConfig, EngineCoreInfo, EngineCoreRequest, SamplingParams, EngineCoreOutput, EngineCoreOutputs, SchedulerStats,
-             SchedulerOutput, NewRequestData, CachedRequestData, ModelRunnerOutput):
+             SchedulerOutput, NewRequestData, CachedRequestData, ModelRunnerOutput, StructuredOutputsParams):
     register(_cls)
 
 

@@ -45,6 +45,20 @@ class SamplerOutput:
     sampled_ranks: Optional[torch.Tensor] = None
 
 
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -> None:
+    """Structured output, in place: ``logits[rows[i], t] = -inf`` wherever bit ``t`` of row ``i``
+    of ``bitmask`` is 0 (``[len(rows), ceil(V / 32)]`` little-endian int32 bytes, from
+    ``StructuredOutputManager.grammar_bitmask``). ``logits``: ``[B, V]``."""
+    import numpy as np
+
+    V = logits.shape[1]
+    words = torch.from_numpy(np.frombuffer(bitmask, dtype="<i4").reshape(len(rows), -1).copy()).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :V]
+    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+
 def torch_argmax(x: torch.Tensor) -> torch.Tensor:
     """``[B]`` int64 index of each row's largest value, the first on ties (``max(-1)``, which
     computes ``argmax(-1)``'s answer 2.5x faster on the CPU)."""

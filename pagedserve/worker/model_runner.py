@@ -20,7 +20,7 @@ from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.sampler import Sampler
+from pagedserve.model.sampler import Sampler, apply_grammar_bitmask
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -131,11 +131,14 @@ class ModelRunner:
         if not samples.any():
             return out
         sample_rows = rows[samples]
+        sample_ids = [order[i] for i in np.flatnonzero(samples).tolist()]
         logits = self.model.compute_logits(hidden[torch.from_numpy(ends[samples] - 1).to(dev)])
+        if so.grammar_bitmask is not None:  # structured output: forbid what the grammars forbid
+            position = {rid: i for i, rid in enumerate(sample_ids)}
+            apply_grammar_bitmask(logits, [position[rid] for rid in so.structured_output_request_ids], so.grammar_bitmask)
         res = self.sampler(logits, batch.sampling_metadata(sample_rows))
         tokens = res.sampled_token_ids.cpu().numpy()
         batch.append_sampled(sample_rows, tokens)
-        sample_ids = [order[i] for i in np.flatnonzero(samples).tolist()]
         out.sampled = dict(zip(sample_ids, tokens.tolist()))
         if res.logprobs is not None:
             lp = res.logprobs.tolist()

@@ -11,6 +11,7 @@ prefill/decode split. Nothing here holds a ``Request``; the module is torch-free
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -78,6 +79,11 @@ class SchedulerOutput:
             worker drops all their state.
         preempted_req_ids: requests preempted in this step: the worker drops their block table
             and batch row but keeps their seeded generator (they come back as new requests).
+        structured_output_request_ids: constrained requests that sample this step, in the
+            order of the rows of ``grammar_bitmask``.
+        grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32
+            as little-endian bytes: bit t of row i set = token t allowed; None when no
+            constrained request samples.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -86,6 +92,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Optional[bytes] = None
 
     @property
     def is_empty(self) -> bool:

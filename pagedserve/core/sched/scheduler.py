@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable
+from typing import Iterable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
+from pagedserve.core.structured_output import StructuredOutputManager
 
 
 class Scheduler:
@@ -30,15 +31,18 @@ class Scheduler:
         config: a resolved :class:`EngineConfig` (``max_model_len`` and
             ``max_num_batched_tokens`` set, see ``EngineConfig.resolved``).
         kv_cache_manager: the block tables and prefix cache.
+        structured_output_manager: grammars of constrained requests (None: none are accepted).
     Raises:
         ValueError: when the config is not resolved.
     """
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
+                 structured_output_manager: Optional[StructuredOutputManager] = None) -> None:
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             raise ValueError("Scheduler needs a resolved EngineConfig (max_model_len and max_num_batched_tokens set)")
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.structured_output_manager = structured_output_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -52,9 +56,15 @@ class Scheduler:
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises ValueError when its id is already in use."""
+        """Queue a request. Raises ValueError when its id is already in use or its structured
+        output constraint does not compile."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs is not supported by this engine")
+            request.grammar = self.structured_output_manager.new_matcher(constraint)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -180,6 +190,10 @@ class Scheduler:
             req.num_computed_tokens = num_computed + num_new
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
+        constrained = [req for req, _, _ in scheduled if req.grammar is not None and req.num_computed_tokens == req.num_tokens]
+        if constrained:  # they sample this step: the worker masks their logits
+            out.structured_output_request_ids = [req.request_id for req in constrained]
+            out.grammar_bitmask = self.structured_output_manager.grammar_bitmask([req.grammar for req in constrained])
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
@@ -219,6 +233,9 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         params = req.sampling_params
+        if req.grammar is not None and self.structured_output_manager.accept_token(req.grammar, tok):
+            req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+            return True
         if req.num_output_tokens >= params.min_tokens:
             if (not params.ignore_eos and tok in req.eos_token_ids) or tok in params.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from pagedserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -78,6 +78,54 @@ class _SamplingFields(OpenAIBaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older
+    # guided_* fields (at most one of them).
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def constraint_fields(self) -> list[str]:
+        """The structured-output fields the request sets (at most one is allowed)."""
+        given = []
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            given.append("response_format")
+        return given + [f for f in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                        if getattr(self, f) is not None]
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The request's constraint, if any.
+
+        Raises:
+            ValueError: several constraints, an unknown response_format type or
+                structured_outputs key, a malformed json_schema.
+        """
+        given = self.constraint_fields()
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} cannot both be set: give one structured output constraint.")
+        field = given[0]
+        if field == "response_format":
+            kind = self.response_format.get("type")
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if kind == "json_schema":
+                spec = self.response_format.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise ValueError("response_format.json_schema must be an object with a 'schema' object.")
+                return StructuredOutputsParams(json=spec["schema"])
+            raise ValueError(f"response_format of type {kind!r} is not supported (text, json_object or json_schema).")
+        if field == "structured_outputs":
+            so = self.structured_outputs
+            unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise ValueError(f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, grammar, json_object).")
+            kwargs = {k: v for k, v in so.items() if k != "json_object" and v is not None}
+            return StructuredOutputsParams(json_object=bool(so.get("json_object")), **kwargs)
+        return StructuredOutputsParams(**{field[len("guided_"):]: getattr(self, field)})
 
     def _base_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         bias = None
@@ -111,6 +159,7 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -195,7 +244,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -207,8 +255,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}.")
             if not self.logprobs:
                 raise ValueError("top_logprobs requires logprobs to be true.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format of type {self.response_format.get('type')!r} is not supported.")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

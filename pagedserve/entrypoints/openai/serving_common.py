@@ -167,13 +167,19 @@ class OpenAIServing:
         raise RequestError(f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.", param="model")
 
     def sampling_params(self, req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams, checked (a structured-output constraint is compiled).
+
+        Raises:
+            RequestError: naming the field (for a constraint, the field that carried it).
+        """
         try:
             params = req.to_sampling_params(max_tokens)
-        except RequestError:
-            raise
+            self.input_processor.check_params(params)
         except ValueError as e:
-            raise RequestError(str(e), param=param_of(str(e))) from None
-        self.input_processor.check_params(params)
+            param = e.param if isinstance(e, RequestError) else param_of(str(e))
+            if param == "structured_outputs" and req.constraint_fields():
+                param = req.constraint_fields()[0]
+            raise RequestError(str(e), param=param) from None
         return params
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
