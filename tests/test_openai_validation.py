@@ -92,6 +92,16 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64 - 1, "n": 2, "stream": True}, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "temperature": "inf"}, "temperature", "finite"),
+    # Structured output: compiled in the frontend, refused before the engine.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, "response_format", "invalid"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex", "regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice", "non-empty"),
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": "start: nowhere"}, "guided_grammar", "unknown name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs", "whitespace_pattern"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "response_format", "cannot both"),
     # Found by the issue-10 review: a value that cannot travel to the engine-core process.
     ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k", "2**63"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**70, "stream": True}, "top_k", "2**63"),

@@ -649,3 +649,44 @@ def test_engine_process_killed_health_503_errors_and_nonzero_exit(tiny_model_fac
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# -- structured output through the official client -------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"],
+          "additionalProperties": False}
+
+
+def test_response_format_json_schema_chat_and_completions(client):
+    import jsonschema
+
+    msgs = [{"role": "user", "content": "Give me a person as JSON with a name and an age."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    full = r.choices[0].message.content
+    jsonschema.validate(json.loads(full), PERSON)
+    chunks = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=1.0, seed=4, n=3,
+                                       response_format={"type": "json_object"})
+    for ch in r.choices:
+        if ch.finish_reason == "stop":
+            assert isinstance(json.loads(ch.message.content), dict)
+    c = client.completions.create(model=MODEL, prompt="A person in JSON: ", max_tokens=60, temperature=0, extra_body={"response_format": fmt})
+    if c.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(c.choices[0].text), PERSON)
+    else:
+        assert c.choices[0].text.startswith("{")
+
+
+def test_vllm_structured_output_fields(client):
+    msgs = [{"role": "user", "content": "Is the sky blue?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.completions.create(model=MODEL, prompt="Phone: ", max_tokens=20, temperature=0, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0, extra_body={"guided_json": PERSON})
+    assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
