@@ -45,7 +45,9 @@ class EngineConfig:
         long_prefill_token_threshold: cap on one request's prefill chunk per step (0 = none).
         seed: global seed (sampling of requests without their own seed).
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:i]".
-        served_model_name: name reported by the API; default: the model's name.
+        served_model_name: names the API answers to (a string is one name); the first is the
+            one reported; default: the model's folder or file name.
+        tokenizer: an HF tokenizer folder to use instead of the model's.
         num_threads: torch CPU threads of the engine (the process that runs the model);
             None = one per core this process may run on.
     """
@@ -66,10 +68,16 @@ class EngineConfig:
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one request's prefill chunk per step (0 = none)"))
     seed: int = field(default=0, metadata=_flag("global sampling seed"))
     device: str = field(default="auto", metadata=_flag("auto, cpu or cuda"))
-    served_model_name: Optional[str] = field(default=None, metadata=_flag("model name reported by the API"))
+    served_model_name: Optional[list[str]] = field(default=None, metadata=_flag("model name(s) the API answers to (the first is reported)", nargs="+"))
+    tokenizer: Optional[str] = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
     num_threads: Optional[int] = field(default=None, metadata=_flag("torch CPU threads of the engine (default: one per core)"))
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and (not self.served_model_name or not all(isinstance(n, str) and n for n in self.served_model_name)):
+            raise ValueError(f"served_model_name must be non-empty names, got {self.served_model_name!r}")
+
         def positive(name: str, allow_none: bool = True) -> None:
             v = getattr(self, name)
             if (v is not None or not allow_none) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -31,6 +31,10 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
+# Request sizes in tokens (vLLM's 1-2-5 series), and tokens per engine step.
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -56,6 +60,14 @@ class EngineMetrics:
         self.time_to_first_token = lab(Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.", L, registry=r, buckets=TTFT_BUCKETS))
         self.inter_token_latency = lab(Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", L, registry=r, buckets=ITL_BUCKETS))
         self.e2e_request_latency = lab(Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", L, registry=r, buckets=E2E_BUCKETS))
+        phase = lambda name, what: lab(Histogram(PREFIX + name, f"Histogram of time spent in {what} in seconds.", L, registry=r, buckets=E2E_BUCKETS))  # noqa: E731
+        self.request_queue_time = phase("request_queue_time_seconds", "WAITING phase for request")
+        self.request_prefill_time = phase("request_prefill_time_seconds", "PREFILL phase for request")
+        self.request_decode_time = phase("request_decode_time_seconds", "DECODE phase for request")
+        self.request_inference_time = phase("request_inference_time_seconds", "RUNNING phase for request")
+        self.request_prompt_tokens = lab(Histogram(PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS))
+        self.request_generation_tokens = lab(Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS))
+        self.iteration_tokens = lab(Histogram(PREFIX + "iteration_tokens_total", "Histogram of number of tokens per engine_step.", L, registry=r, buckets=ITERATION_BUCKETS))
         self._request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name=model_name, finished_reason=reason)
@@ -102,9 +114,28 @@ class EngineMetrics:
             end = m.finished_time or m.last_token_time
             if end is not None:
                 self.e2e_request_latency.observe(max(0.0, end - m.arrival_time))
+            self._observe_phases(out)
             for c in out.outputs:
                 if c.finish_reason:
                     self._request_success.labels(model_name=self.model_name, finished_reason=c.finish_reason).inc()
+
+    def _observe_phases(self, out: RequestOutput) -> None:
+        """vLLM's per-request phase times (queue, prefill, decode, running) and sizes."""
+        m = out.metrics
+        if m.first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.request_prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+            if m.last_token_time is not None:
+                self.request_inference_time.observe(max(0.0, m.last_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self.request_decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+
+    def observe_step(self, num_scheduled_tokens: int) -> None:
+        if num_scheduled_tokens > 0:
+            self.iteration_tokens.observe(num_scheduled_tokens)
 
     def observe_abort(self, request_id: str) -> None:
         with self._lock:

@@ -29,6 +29,8 @@ class ValidationOnlyLLM:
         self.config = EngineConfig(max_model_len=MAX_MODEL_LEN)
         self.max_model_len = MAX_MODEL_LEN
         self.model_name = MODEL
+        self.served_model_names = [MODEL, "alias"]
+        self.model_dir = model_dir
         self.metrics = None
         self.errored = False
         self.is_running = True
@@ -56,7 +58,6 @@ def app_client(smollm2_dir):
 BAD_REQUESTS = [
     # (path, body, expected param, words in message)
     ("/v1/completions", b'{"prompt": "hi", ', None, "JSON"),
-    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, "model", "does not exist"),
     ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
     ("/v1/completions", {"prompt": []}, "prompt", "empty"),
     ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN}, "prompt", "max_model_len"),
@@ -121,3 +122,25 @@ def test_bad_request_is_an_openai_400_naming_the_field(app_client, path, body, p
     assert words.lower() in err["message"].lower(), (words, err)
     assert err["param"] == param, (param, err)
     assert not llm.reached_engine
+
+
+def test_unknown_model_is_404_and_aliases_answer(app_client):
+    client, llm = app_client
+    for path, body in (("/v1/completions", {"model": "no-such-model", "prompt": "hi"}),
+                       ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})):
+        r = client.post(path, json=body)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError" and r.json()["error"]["param"] == "model"
+    assert client.get("/v1/models/no-such-model").status_code == 404
+    assert client.get("/v1/models/alias").json()["id"] == "alias"
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL, "alias"]
+    assert not llm.reached_engine
+
+
+def test_cors_preflight_succeeds_out_of_the_box(app_client):
+    client, _ = app_client
+    r = client.options("/v1/chat/completions", headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+                                                        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] in ("*", "http://example.com")
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()

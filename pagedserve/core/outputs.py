@@ -123,8 +123,10 @@ class EngineCoreOutputs:
         outputs: one entry per request that received a token or finished.
         timestamp: ``time.monotonic()`` when the step ended (token times of every output).
         scheduler_stats: the core's counters after the step.
+        num_scheduled_tokens: tokens the step computed (0 for a report without a step).
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     timestamp: float = 0.0
     scheduler_stats: Optional[SchedulerStats] = None
+    num_scheduled_tokens: int = 0

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import SchedulerStats
 from pagedserve.engine.input_processor import ProcessedRequest, PromptType
-from pagedserve.engine.llm_engine import log_stats, make_processors, served_model_name
+from pagedserve.engine.llm_engine import log_stats, make_processors, served_model_names
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -75,7 +75,9 @@ class AsyncLLM:
         self.client = MPClient(config, log_level) if engine_process else ThreadClient(config)
         info = self.client.info
         self.config = info.config
-        self.model_name = served_model_name(config)
+        self.served_model_names = served_model_names(config)
+        self.model_name = self.served_model_names[0]
+        self.model_dir = info.model_dir
         self.input_processor, self.output_processor, self.tokenizer = make_processors(info, info.model_dir)
         self.max_model_len = self.config.max_model_len
         self.vocab_size = self.input_processor.vocab_size
@@ -234,6 +236,7 @@ class AsyncLLM:
             self.client.send(["abort", to_abort])
         if self.metrics is not None:
             self.metrics.observe_stats(self._stats)
+            self.metrics.observe_step(core_outputs.num_scheduled_tokens)
             for o in outputs:
                 self.metrics.observe_output(o)
         for out, stream in streams:

@@ -59,8 +59,8 @@ class EngineCore:
         self.config.verify_token_budget()
         self.worker.initialize_cache(self.config)
         kv = KVCacheManager(spec.num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.worker.model_identity)
-        model_dir = self.worker.model_dir
-        grammars = StructuredOutputManager(lambda: load_tokenizer(model_dir), self.worker.hf_config.vocab_size)
+        tokenizer_dir = config.tokenizer or self.worker.model_dir
+        grammars = StructuredOutputManager(lambda: load_tokenizer(tokenizer_dir), self.worker.hf_config.vocab_size)
         self.scheduler = Scheduler(self.config, kv, grammars)
         self.info = EngineCoreInfo(
             self.config, spec.num_blocks, spec.block_bytes, str(self.worker.dtype).replace("torch.", ""),
@@ -92,7 +92,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         # Even an empty step goes to the worker: it carries the ids of finished requests.
         runner_output = self.worker.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        return outputs
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

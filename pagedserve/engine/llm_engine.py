@@ -23,22 +23,24 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger("pagedserve")
 
 
-def served_model_name(config: EngineConfig) -> str:
+def served_model_names(config: EngineConfig) -> list[str]:
+    """The names the API answers to; the first is the one it reports."""
     if config.served_model_name:
-        return config.served_model_name
+        return list(config.served_model_name)
     if config.model is None:
         from pagedserve.model.loader import DEFAULT_MODEL_NAME
 
-        return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(config.model))
+        return [DEFAULT_MODEL_NAME]
+    return [os.path.basename(os.path.normpath(config.model))]
 
 
 def make_processors(info, model_dir: str) -> tuple[InputProcessor, OutputProcessor, object]:
-    """The frontend's processors for a core described by ``info`` (tokenizer loaded from
-    ``model_dir``); returns (input processor, output processor, tokenizer)."""
+    """The frontend's processors for a core described by ``info`` (tokenizer from
+    ``info.config.tokenizer`` or else ``model_dir``); returns (input processor, output
+    processor, tokenizer)."""
     from pagedserve.model import loader
 
-    tokenizer = loader.load_tokenizer(model_dir)
+    tokenizer = loader.load_tokenizer(info.config.tokenizer or model_dir)
     hf_config = loader.load_config(model_dir)
     eos = loader.load_eos_token_ids(model_dir, hf_config, tokenizer)
     inputs = InputProcessor(tokenizer, hf_config.vocab_size, info.config.max_model_len, eos)
@@ -57,7 +59,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         self.config = self.core.config  # resolved
-        self.model_name = served_model_name(config)
+        self.model_name = served_model_names(config)[0]
         self.input_processor, self.output_processor, self.tokenizer = make_processors(self.core.info, self.core.info.model_dir)
         self._last_log = time.monotonic()
 

@@ -7,6 +7,7 @@ import sys
 from typing import Optional
 
 from pagedserve.config import EngineConfig
+from pagedserve.entrypoints.openai.server_args import ServerArgs
 
 
 def _make_llm(args: argparse.Namespace):
@@ -80,7 +81,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedserve.entrypoints.openai.api_server import run_server
+    from pagedserve.entrypoints.openai.run_server import run_server
 
     return run_server(args) or 0
 
@@ -88,27 +89,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM inference and serving")
     parser.add_argument("--log-level", default="info")
+    # --log-level after the subcommand too (pagedserve serve --log-level debug), as vLLM takes it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="answer one prompt (through the chat template unless --raw)")
+    g = sub.add_parser("generate", parents=[common], help="answer one prompt (through the chat template unless --raw)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="complete the prompt as plain text, no chat template")
     _sampling_args(g)
     EngineConfig.add_cli_args(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
+    c = sub.add_parser("chat", parents=[common], help="interactive chat that keeps the conversation")
     c.add_argument("--system", default=None, help="system prompt")
     _sampling_args(c)
     EngineConfig.add_cli_args(c)
     c.set_defaults(func=cmd_chat)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct; --model works too)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set PAGEDSERVE_API_KEY)")
-    s.add_argument("--trust-request-chat-template", action="store_true", help="allow a chat_template field in requests (it runs as code in the server)")
+    ServerArgs.add_cli_args(s)
     EngineConfig.add_cli_args(s)
     s.set_defaults(func=cmd_serve)
 

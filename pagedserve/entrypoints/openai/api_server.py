@@ -1,33 +1,34 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`AsyncLLM`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
 
-``pagedserve serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY]`` starts it; with an API
-key (or ``PAGEDSERVE_API_KEY``) every /v1 route requires ``Authorization: Bearer KEY``.
+``pagedserve serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY]`` binds its port first,
+answers ``/health`` with 503 while the engine loads, then serves. With an API key (or
+``PAGEDSERVE_API_KEY``) every /v1 route requires ``Authorization: Bearer KEY``. CORS follows
+``--allowed-origins`` etc. (default: everything, as vLLM), so a browser preflight succeeds.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: invalid input is
-HTTP 400 (``BadRequestError``), a missing/wrong key 401, an unknown route 404, a bug 500.
-A client that disconnects (streaming or not) aborts its request at once.
+HTTP 400 (``BadRequestError``), a missing/wrong key 401, an unknown model or route 404
+(``NotFoundError``), a bug 500. A client that disconnects (streaming or not) aborts its request
+at once.
 """
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
-import os
 from contextlib import asynccontextmanager
-from typing import Any, Awaitable, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response, StreamingResponse
 
 import pagedserve
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedserve.engine.input_processor import RequestError, param_of
-from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.http_common import (
+    SSE_HEADERS, APIKeyMiddleware, error_response, install_error_handlers, run_until_disconnect,
+)
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,76 +41,36 @@ from pagedserve.entrypoints.openai.protocol import (
     VersionResponse,
     random_id,
 )
+from pagedserve.entrypoints.openai.server_args import ServerArgs
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedserve.entrypoints.openai.serving_common import error_body
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger("pagedserve")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+def add_cors(app: FastAPI, server: ServerArgs) -> None:
+    app.add_middleware(CORSMiddleware, allow_origins=server.allowed_origins, allow_methods=server.allowed_methods,
+                       allow_headers=server.allowed_headers, allow_credentials=server.allow_credentials)
 
 
-def error_response(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
+def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
+    """The FastAPI app over ``llm`` (its ``metrics`` are created here when it has none);
+    ``server`` holds the front's flags. Shutting the app down shuts ``llm`` down.
 
-
-class APIKeyMiddleware:
-    """Pure ASGI middleware: /v1 routes need ``Authorization: Bearer <key>`` (401 otherwise).
-    (Not BaseHTTPMiddleware, which would get between handlers and ``receive`` and so hide
-    client disconnects.)"""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1"):
-            return await self.app(scope, receive, send)
-        auth = b""
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                auth = v
-                break
-        if hmac.compare_digest(auth, self.expected):
-            return await self.app(scope, receive, send)
-        resp = error_response("Unauthorized: a valid API key is required (Authorization: Bearer KEY).", 401, "AuthenticationError")
-        await resp(scope, receive, send)
-
-
-async def _listen_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await ``work`` unless the client goes away first; then cancel it (which aborts its
-    engine requests) and return a 499 nobody will read."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_listen_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    logger.info("client disconnected; request aborted")
-    return Response(status_code=499)
-
-
-def build_app(llm: AsyncLLM, api_key: Optional[str] = None, trust_request_chat_template: bool = False) -> FastAPI:
-    """The FastAPI app over ``llm`` (its ``metrics`` are created here when it has none). A
-    ``chat_template`` in a request is refused unless ``trust_request_chat_template`` (templates
-    are code that runs in the server). Shutting the app down shuts ``llm`` down."""
+    Raises:
+        ValueError: an unreadable ``--chat-template`` or ``--generation-config``.
+    """
+    server = server or ServerArgs()
     if llm.metrics is None:
         llm.metrics = EngineMetrics(llm.model_name)
     metrics = llm.metrics
-    served = [llm.model_name]
-    completions = OpenAIServingCompletion(llm, served, trust_request_chat_template)
-    chats = OpenAIServingChat(llm, served, trust_request_chat_template)
+    served = list(llm.served_model_names)
+    kw = dict(trust_request_chat_template=server.trust_request_chat_template, chat_template=server.chat_template_text(),
+              enable_auto_tool_choice=server.enable_auto_tool_choice, tool_call_parser=server.tool_call_parser,
+              default_sampling=generation_defaults(server.generation_config, llm.model_dir), log_requests=server.enable_log_requests)
+    completions = OpenAIServingCompletion(llm, served, **kw)
+    chats = OpenAIServingChat(llm, served, **kw)
     model_root = llm.config.model or served[0]
 
     @asynccontextmanager
@@ -120,49 +81,11 @@ def build_app(llm: AsyncLLM, api_key: Optional[str] = None, trust_request_chat_t
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.llm = llm
     app.state.metrics = metrics
-    app.state.completions = completions
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+    add_cors(app, server)
+    install_error_handlers(app)
 
-    # -- errors ------------------------------------------------------------------------------
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        parts, param = [], None
-        for e in errors:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            if e.get("type") == "json_invalid":
-                parts.append(f"Invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
-                continue
-            where = ".".join(loc)
-            if param is None and loc:
-                param = loc[0]
-            parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        return error_response("; ".join(parts) or "Invalid request.", 400, "BadRequestError", param)
-
-    @app.exception_handler(RequestError)
-    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(exc.message, exc.status_code, exc.err_type, exc.param)
-
-    @app.exception_handler(ValueError)
-    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc), 400, "BadRequestError", param_of(str(exc)))
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(str(exc), 503, "ServiceUnavailableError")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        names = {404: "NotFoundError", 405: "MethodNotAllowedError"}
-        return error_response(str(exc.detail), exc.status_code, names.get(exc.status_code, "BadRequestError"))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s", request.url.path)
-        return error_response(f"Internal server error: {exc!r}", 500, "InternalServerError")
-
-    # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
         if llm.errored or not llm.is_running:
@@ -177,25 +100,35 @@ def build_app(llm: AsyncLLM, api_key: Optional[str] = None, trust_request_chat_t
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=model_root, max_model_len=llm.max_model_len)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=model_root, max_model_len=llm.max_model_len) for name in served])
+        return ModelList(data=[card(name) for name in served])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        chats.check_model(model_id)
+        return card(model_id)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
         model, prompts, params = completions.prepare_completion(req)
         request_id = random_id("cmpl")
+        completions.log_request(request_id, req, [len(p.token_ids) for p in prompts], params)
         if req.stream:
             return StreamingResponse(completions.completion_stream(req, request_id, model, prompts, params), media_type="text/event-stream", headers=SSE_HEADERS)
         return await run_until_disconnect(raw_request, completions.completion_full(req, request_id, model, prompts, params))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        model, conv, prompt, params = chats.prepare_chat(req)
+        model, conv, prompt, params, tools = chats.prepare_chat(req)
         request_id = random_id("chatcmpl")
+        chats.log_request(request_id, req, [len(prompt.token_ids)], [params])
         if req.stream:
-            return StreamingResponse(chats.chat_stream(req, request_id, model, conv, prompt, params), media_type="text/event-stream", headers=SSE_HEADERS)
-        return await run_until_disconnect(raw_request, chats.chat_full(req, request_id, model, conv, prompt, params))
+            return StreamingResponse(chats.chat_stream(req, request_id, model, conv, prompt, params, tools), media_type="text/event-stream", headers=SSE_HEADERS)
+        return await run_until_disconnect(raw_request, chats.chat_full(req, request_id, model, conv, prompt, params, tools))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
@@ -222,43 +155,30 @@ def build_app(llm: AsyncLLM, api_key: Optional[str] = None, trust_request_chat_t
     return app
 
 
-ENGINE_DEAD_GRACE_S = 2.0  # /health answers 503 this long before the server exits
+def generation_defaults(mode: str, model_dir: str) -> dict[str, Any]:
+    """Sampling defaults from ``generation_config.json`` (``--generation-config``): the fields it
+    sets among temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
+    max_tokens). ``"vllm"`` = none; ``"auto"`` = the model folder's; else a folder.
 
+    Raises:
+        ValueError: a folder without a readable generation_config.json.
+    """
+    import json
+    import os
 
-def run_server(args: Any) -> int:
-    """Entry point of ``pagedserve serve``: start the engine core process, then serve until
-    interrupted. Returns 1 when the engine core died (a supervisor should restart the server)."""
-    import threading
-
-    import uvicorn
-
-    from pagedserve.config import EngineConfig
-
-    api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDSERVE_API_KEY") or None
-    config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
-    log_level = str(getattr(args, "log_level", "info")).lower()
-    server: Optional[uvicorn.Server] = None
-    engine_dead = threading.Event()
-
-    def on_engine_dead() -> None:
-        engine_dead.set()
-        # Let /health say 503 for a moment, then stop the server (its exit status says why).
-        timer = threading.Timer(ENGINE_DEAD_GRACE_S, lambda: setattr(server, "should_exit", True) if server else None)
-        timer.daemon = True
-        timer.start()
-
-    llm = AsyncLLM(config, metrics=None, on_engine_dead=on_engine_dead, log_level=log_level)
-    app = build_app(llm, api_key=api_key, trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)))
-    logger.info("pagedserve: serving %s on http://%s:%d%s (engine core pid %d)", llm.model_name, args.host, args.port,
-                " (API key required)" if api_key else "", llm.engine_pid)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, timeout_graceful_shutdown=5))
-    try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        pass
-    finally:
-        llm.shutdown()
-    if engine_dead.is_set():
-        logger.error("pagedserve: exiting because the engine core died")
-        return 1
-    return 0
+    if mode == "vllm":
+        return {}
+    folder = model_dir if mode == "auto" else mode
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if mode == "auto":
+            return {}
+        raise ValueError(f"--generation-config {mode!r}: no generation_config.json there")
+    with open(path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    out = {k: cfg[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if cfg.get(k) is not None}
+    if cfg.get("max_new_tokens") is not None:
+        out["max_tokens"] = cfg["max_new_tokens"]
+    if out:
+        logger.info("pagedserve: default sampling parameters from %s: %s", path, out)
+    return out

@@ -127,7 +127,10 @@ class _SamplingFields(OpenAIBaseModel):
             return StructuredOutputsParams(json_object=bool(so.get("json_object")), **kwargs)
         return StructuredOutputsParams(**{field[len("guided_"):]: getattr(self, field)})
 
-    def _base_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    def _base_params(self, max_tokens: int, logprobs: Optional[int], defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+        """``defaults``: the server's defaults for fields the request leaves unset
+        (``--generation-config``), else vLLM's."""
+        d = defaults or {}
         bias = None
         if self.logit_bias:
             bias = {}
@@ -140,10 +143,10 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError("stream_options can only be set when stream is true.")
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=d.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -151,7 +154,7 @@ class _SamplingFields(OpenAIBaseModel):
             min_tokens=self.min_tokens,
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", 1.0) if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias,
             max_tokens=max_tokens,
             logprobs=logprobs,
@@ -172,7 +175,7 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported.")
         if self.best_of is not None and self.best_of != self.n:
@@ -181,7 +184,7 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo together with logprobs is not supported (prompt logprobs are not computed).")
-        return self._base_params(max_tokens, self.logprobs)
+        return self._base_params(max_tokens, self.logprobs, defaults)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -230,6 +233,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a "tool" turn: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -244,12 +249,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}.")
@@ -258,7 +265,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._base_params(max_tokens, logprobs)
+        return self._base_params(max_tokens, logprobs, defaults)
 
 
 class ChatLogProbEntry(OpenAIBaseModel):
@@ -275,9 +282,39 @@ class ChatChoiceLogProbs(OpenAIBaseModel):
     content: Optional[list[ChatLogProbContent]] = None
 
 
+class _DropNone(OpenAIBaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # a delta carries only what changed, as OpenAI's
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_DropNone):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_DropNone):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -297,13 +334,10 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIBaseModel):
+class DeltaMessage(_DropNone):
     role: Optional[str] = None
     content: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):  # a delta carries only what changed, as OpenAI's
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -1,5 +1,6 @@
 """/v1/chat/completions: a conversation rendered with the chat template, to one response or an
-SSE stream (the role first, then content deltas, as OpenAI sends them)."""
+SSE stream (the role first, then content and tool-call deltas, as OpenAI sends them). Tools and
+tool_choice: see :mod:`pagedserve.entrypoints.openai.tools`."""
 from __future__ import annotations
 
 import time
@@ -17,12 +18,16 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatLogProbEntry,
     ChatResponseMessage,
     DeltaMessage,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCall,
     UsageInfo,
 )
+from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, sse, stream_error,
 )
+from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools, random_tool_call_id
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
 
@@ -30,16 +35,37 @@ from pagedserve.sampling_params import SamplingParams
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint."""
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[dict], TokenizedPrompt, SamplingParams]:
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[dict], TokenizedPrompt, SamplingParams, ToolPlan]:
         """Validate and render; raises RequestError (HTTP 400) naming the field."""
         model = self.check_model(req.model)
         self.check_num_sequences(1, req.n or 1)
+        plan = plan_tools(req.tools, req.tool_choice, self.enable_auto_tool_choice, self.tool_call_parser)
+        if plan.constraint is not None and req.constraint_fields():
+            raise RequestError(f"tool_choice {plan.mode!r} and {req.constraint_fields()[0]} cannot both be set.", param="tool_choice")
         conv, ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
                                      req.chat_template_kwargs, req.tools)
         self.input_processor.check_token_ids(ids)
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.input_processor.resolve_max_tokens(req.requested_max_tokens, len(ids), field_name, "messages")
-        return model, conv, TokenizedPrompt(None, ids), self.sampling_params(req, max_tokens)
+        requested = req.requested_max_tokens if req.requested_max_tokens is not None else self.default_sampling.get("max_tokens")
+        max_tokens = self.input_processor.resolve_max_tokens(requested, len(ids), field_name, "messages")
+        params = self.sampling_params(req, max_tokens)
+        if plan.constraint is not None:  # required / named tool choice: the grammar of the calls
+            params.structured_outputs = plan.constraint
+            try:
+                self.input_processor.check_params(params)
+            except RequestError as e:
+                raise RequestError(e.message.replace("structured_outputs.json", "a tool's parameters schema"), param="tools") from None
+        return model, conv, TokenizedPrompt(None, ids), params, plan
+
+    def _message(self, plan: ToolPlan, text: str, single_call: bool) -> tuple[ChatResponseMessage, bool]:
+        """The assistant message of a finished choice, and whether it called tools."""
+        if not plan.parses_calls:
+            return ChatResponseMessage(role="assistant", content=text), False
+        content, calls = plan.calls_from_text(text)
+        if single_call:
+            calls = calls[:1]
+        tool_calls = [ToolCall(id=random_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        return ChatResponseMessage(role="assistant", content=content, tool_calls=tool_calls), bool(tool_calls)
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> ChatChoiceLogProbs:
         content = []
@@ -60,7 +86,8 @@ class OpenAIServingChat(OpenAIServing):
             return conv[-1].get("content") or ""
         return ""
 
-    async def chat_full(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams) -> ChatCompletionResponse:
+    async def chat_full(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
+                        params: SamplingParams, plan: ToolPlan) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in range(params.n)]
         cached = 0
         async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt)) as stream:
@@ -71,22 +98,23 @@ class OpenAIServingChat(OpenAIServing):
                     choices[o.index].add(o)
         echo = self._echo_text(req, conv)
         top_n = req.top_logprobs or 0
-        result = [
-            ChatCompletionResponseChoice(
-                index=i,
-                message=ChatResponseMessage(role="assistant", content=echo + "".join(ch.text)),
+        result = []
+        for i, ch in enumerate(choices):
+            message, called = self._message(plan, echo + "".join(ch.text), req.parallel_tool_calls is False)
+            result.append(ChatCompletionResponseChoice(
+                index=i, message=message,
                 logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
-                finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
-            )
-            for i, ch in enumerate(choices)
-        ]
+                finish_reason="tool_calls" if called else ch.finish_reason, stop_reason=None if called else ch.stop_reason,
+            ))
         num_gen = sum(len(ch.token_ids) for ch in choices)
         usage = UsageInfo(prompt_tokens=len(prompt.token_ids), completion_tokens=num_gen, total_tokens=len(prompt.token_ids) + num_gen,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
         return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage)
 
-    async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams) -> AsyncIterator[str]:
+    async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
+                          params: SamplingParams, plan: ToolPlan) -> AsyncIterator[str]:
         choices = [ChoiceState() for _ in range(params.n)]
+        streams = [ToolCallStream(plan, single_call=req.parallel_tool_calls is False) for _ in range(params.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         num_prompt = len(prompt.token_ids)
@@ -118,10 +146,17 @@ class OpenAIServingChat(OpenAIServing):
                         if not o.text and o.finish_reason is None and not o.token_ids:
                             continue
                         lps = self._chat_logprobs(o.token_ids, o.logprobs or [], top_n) if req.logprobs else None
-                        yield chunk(ChatCompletionResponseStreamChoice(
-                            index=o.index, delta=DeltaMessage(content=o.text) if (o.text or o.finish_reason is None) else DeltaMessage(),
-                            logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-                        ))
+                        tools = streams[o.index]
+                        deltas = tools.feed(o.text) + (tools.finish() if o.finish_reason is not None else [])
+                        if not deltas and (lps is not None or o.finish_reason is not None):
+                            deltas = [DeltaMessage() if o.finish_reason is not None else DeltaMessage(content="")]
+                        for k, delta in enumerate(deltas):
+                            last = k == len(deltas) - 1
+                            finish = ("tool_calls" if tools.called else o.finish_reason) if last else None
+                            yield chunk(ChatCompletionResponseStreamChoice(
+                                index=o.index, delta=delta, logprobs=lps if k == 0 else None, finish_reason=finish,
+                                stop_reason=(None if tools.called else o.stop_reason) if last else None,
+                            ))
             if include_usage:
                 gen = sum(x.num_tokens for x in choices)
                 yield sse(ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)))

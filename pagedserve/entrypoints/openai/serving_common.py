@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ from pagedserve.engine.input_processor import RequestError, check_text, param_of
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ErrorInfo, ErrorResponse
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+
+
+logger = logging.getLogger("pagedserve")
 
 
 def error_body(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> dict:
@@ -146,6 +150,29 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def _tool_call_for_template(call: Any, i: int) -> dict:
+    """An assistant message's tool call as chat templates expect it: arguments as a dict."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(f"messages[{i}].tool_calls: each call needs function.name.", param="messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise RequestError(f"messages[{i}].tool_calls: function.arguments is not JSON.", param="messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+@lru_cache(maxsize=1)
+def tools_template() -> str:
+    """ChatML with Hermes tool calls (``templates/chatml_hermes_tools.jinja``), used when tools are
+    given and the chat template does not render them."""
+    import importlib.resources
+
+    return importlib.resources.files("pagedserve.entrypoints.openai").joinpath("templates/chatml_hermes_tools.jinja").read_text()
+
+
 class OpenAIServing:
     """The model check, parameters, chat rendering and engine requests of one server."""
 
@@ -153,18 +180,33 @@ class OpenAIServing:
     # able to queue unbounded work or memory.
     MAX_SEQUENCES_PER_REQUEST = 256
 
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False,
+                 chat_template: Optional[str] = None, enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
+                 default_sampling: Optional[dict[str, Any]] = None, log_requests: bool = False) -> None:
         self.llm = llm
         self.input_processor = llm.input_processor
         self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = llm.tokenizer
         self.served_model_names = served_model_names
         self.tokens = TokenStrings(self.tokenizer)
+        self.chat_template = chat_template  # the server's --chat-template (text), else the model's
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+        self.default_sampling = dict(default_sampling or {})
+        self.log_requests = log_requests
 
     def check_model(self, model: Optional[str]) -> str:
+        """The name to report. Raises RequestError 404 (``NotFoundError``, as OpenAI and vLLM
+        answer) for a model this server does not serve."""
         if model is None or model in self.served_model_names:
-            return self.served_model_names[0]
-        raise RequestError(f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.", param="model")
+            return self.served_model_names[0] if model is None else model
+        raise RequestError(f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.", param="model",
+                           status_code=404, err_type="NotFoundError")
+
+    def log_request(self, request_id: str, req: Any, prompt_lens: list[int], params: list[SamplingParams]) -> None:
+        """``--enable-log-requests``: one line per request (never the prompt text)."""
+        if self.log_requests:
+            logger.info("request %s: %s prompt tokens, stream=%s, params=%s", request_id, prompt_lens, bool(req.stream), params[0])
 
     def sampling_params(self, req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> SamplingParams:
         """The request's SamplingParams, checked (a structured-output constraint is compiled).
@@ -173,7 +215,7 @@ class OpenAIServing:
             RequestError: naming the field (for a constraint, the field that carried it).
         """
         try:
-            params = req.to_sampling_params(max_tokens)
+            params = req.to_sampling_params(max_tokens, self.default_sampling)
             self.input_processor.check_params(params)
         except ValueError as e:
             param = e.param if isinstance(e, RequestError) else param_of(str(e))
@@ -214,10 +256,17 @@ class OpenAIServing:
             msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
             if m.name:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [_tool_call_for_template(c, i) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
         kwargs = dict(chat_template_kwargs or {})
+        chat_template = chat_template or self.chat_template
         if tools:
             kwargs["tools"] = tools
+            if "tools" not in (chat_template or self.tokenizer.chat_template or ""):
+                chat_template = tools_template()  # the model's template would drop the tools
         try:
             text = self.tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -1,0 +1,125 @@
+"""``pagedserve serve``: bind the port, start the engine in the background, serve.
+
+The port is bound before the model loads, so a busy port fails at once; until the engine core is
+ready every request (``/health`` included) is answered 503. If the engine core dies later, the
+server keeps answering 503 for ``ENGINE_DEAD_GRACE_S`` and then exits with status 1, for a
+supervisor to restart it.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+from pagedserve.entrypoints.openai.http_common import error_response
+from pagedserve.entrypoints.openai.server_args import ServerArgs
+
+logger = logging.getLogger("pagedserve")
+
+ENGINE_DEAD_GRACE_S = 2.0
+
+
+class LoadingApp:
+    """ASGI app that answers 503 until :meth:`ready` hands it the real app, then forwards to it.
+    It owns the lifespan: at shutdown it stops the engine (the real app's own lifespan does not
+    run)."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+        self.llm: Any = None
+
+    def ready(self, app: Any, llm: Any) -> None:
+        self.app, self.llm = app, llm
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    if self.llm is not None:
+                        self.llm.shutdown()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "http":
+            await error_response("the engine is loading", 503, "ServiceUnavailableError")(scope, receive, send)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``. Raises ValueError (one line) when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(args: Any) -> int:
+    """Entry point of ``pagedserve serve``. Returns 1 when the engine core died.
+
+    Raises:
+        ValueError / FileNotFoundError: bad flags, model or port (the CLI prints one line).
+    """
+    import uvicorn
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.entrypoints.openai.api_server import build_app
+
+    config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
+    server_args = ServerArgs.from_cli_args(args)
+    server_args.chat_template_text()  # a missing template file fails now, not at the first request
+    log_level = str(getattr(args, "log_level", "info")).lower()
+    sock = bind(server_args.host, server_args.port)
+    loading = LoadingApp()
+    uv = uvicorn.Server(uvicorn.Config(loading, log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5))
+    engine_dead = threading.Event()
+    failure: list[BaseException] = []
+
+    def on_engine_dead() -> None:
+        engine_dead.set()
+        timer = threading.Timer(ENGINE_DEAD_GRACE_S, lambda: setattr(uv, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    def load() -> None:
+        try:
+            llm = AsyncLLM(config, on_engine_dead=on_engine_dead, log_level=log_level)
+            try:
+                app = build_app(llm, server_args)
+            except BaseException:
+                llm.shutdown()
+                raise
+            loading.ready(app, llm)
+            logger.info("pagedserve: serving %s on http://%s:%d%s (engine core pid %d)", ", ".join(llm.served_model_names),
+                        server_args.host, server_args.port, " (API key required)" if server_args.api_key else "", llm.engine_pid)
+        except BaseException as e:
+            failure.append(e)
+            uv.should_exit = True
+
+    logger.info("pagedserve: listening on http://%s:%d; loading the engine", server_args.host, server_args.port)
+    threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
+    try:
+        uv.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    finally:
+        sock.close()
+        if loading.llm is not None:
+            loading.llm.shutdown()
+    if failure:
+        raise failure[0]
+    if engine_dead.is_set():
+        logger.error("pagedserve: exiting because the engine core died")
+        return 1
+    return 0

@@ -1,0 +1,95 @@
+"""The flags of `pagedserve serve` that shape the HTTP front (the engine's are
+:class:`pagedserve.config.EngineConfig`'s), with vLLM's names and defaults."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+
+@dataclass
+class ServerArgs:
+    """How the OpenAI-compatible server answers (see docs/server.md).
+
+    Attributes:
+        chat_template: a Jinja chat template, or the path of a file holding one; None = the
+            model's.
+        trust_request_chat_template: allow a ``chat_template`` field in requests (it runs as
+            code in the server).
+        enable_auto_tool_choice, tool_call_parser: ``tool_choice: "auto"`` and how calls are
+            read from the model's text ("hermes" or "json").
+        allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (FastAPI's
+            middleware), vLLM's defaults: every origin, method and header.
+        generation_config: "auto" (the model's generation_config.json gives the default
+            sampling parameters of requests that do not set them), "vllm" (none), or a folder
+            holding a generation_config.json.
+        enable_log_requests: log each request's id, prompt length and sampling parameters.
+        uvicorn_log_level: uvicorn's own log level.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    chat_template: Optional[str] = None
+    trust_request_chat_template: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    generation_config: str = "auto"
+    enable_log_requests: bool = False
+    uvicorn_log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: " + ", ".join(TOOL_PARSERS) + ")")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        self.api_key = self.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
+
+    def chat_template_text(self) -> Optional[str]:
+        """The template itself: a file's contents when ``chat_template`` names a file.
+
+        Raises:
+            ValueError: a path that looks like a file but cannot be read.
+        """
+        t = self.chat_template
+        if t is None:
+            return None
+        if os.path.isfile(t):
+            with open(t, encoding="utf-8") as fh:
+                return fh.read()
+        if "{" not in t and (t.endswith((".jinja", ".j2", ".txt")) or os.sep in t):
+            raise ValueError(f"--chat-template {t!r}: no such file (and not an inline template)")
+        return t
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default="127.0.0.1")
+        g.add_argument("--port", type=int, default=8000)
+        g.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY; or set PAGEDSERVE_API_KEY)")
+        g.add_argument("--chat-template", default=None, help="a Jinja chat template or the path of a file with one (default: the model's)")
+        g.add_argument("--trust-request-chat-template", action="store_true", help="allow a chat_template field in requests (it runs as code in the server)")
+        g.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (needs --tool-call-parser)')
+        g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="how tool calls are read from the model's text")
+        g.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins")
+        g.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS methods")
+        g.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS headers")
+        g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+        g.add_argument("--generation-config", default="auto", help="auto (the model's sampling defaults), vllm (none) or a folder")
+        g.add_argument("--enable-log-requests", action="store_true", help="log every request (id, prompt length, sampling parameters)")
+        g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,169 @@
+"""Tool-call parsers for ``tool_choice: "auto"`` (``--tool-call-parser``, vLLM's flag): they turn
+a model's text into ``(content, tool calls)``, at the end of a request or as it streams.
+
+* ``hermes``: calls inside ``<tool_call>...</tool_call>`` tags, each a JSON object
+  ``{"name": ..., "arguments": {...}}`` (the NousResearch Hermes / Qwen format); the text outside
+  the tags is the content.
+* ``json``: the whole answer is one JSON object ``{"name": ..., "arguments" | "parameters": {...}}``
+  or a JSON list of them (Llama 3's JSON tool format); anything else is content.
+
+A streaming parser emits content as soon as it cannot be the start of a tool call, and each
+tool call whole once it is complete, so the concatenated stream equals the end-of-request parse.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text
+
+
+def _call_from(obj) -> Optional[ParsedToolCall]:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class HermesToolParser:
+    """``<tool_call>{json}</tool_call>`` blocks."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+        """(content or None, calls) of a whole answer. A block that is not a valid call (or not
+        closed and not valid JSON) stays in the content."""
+        stream = self.streaming()
+        content, calls = stream.feed(text)
+        more_content, more_calls = stream.finish()
+        content += more_content
+        calls += more_calls
+        return (content if content.strip() or not calls else None), calls
+
+    def streaming(self) -> "_HermesStream":
+        return _HermesStream(self.OPEN, self.CLOSE)
+
+
+class _HermesStream:
+    def __init__(self, open_tag: str, close_tag: str) -> None:
+        self.open, self.close = open_tag, close_tag
+        self.buffer = ""
+        self.in_call = False
+
+    def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        """New text in; (content to emit now, complete calls)."""
+        self.buffer += text
+        content, calls = "", []
+        while True:
+            if not self.in_call:
+                i = self.buffer.find(self.open)
+                if i < 0:
+                    keep = _partial_suffix(self.buffer, self.open)  # may still become the tag
+                    content += self.buffer[: len(self.buffer) - keep]
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    return content, calls
+                content += self.buffer[:i]
+                self.buffer = self.buffer[i + len(self.open) :]
+                self.in_call = True
+            j = self.buffer.find(self.close)
+            if j < 0:
+                return content, calls
+            body, self.buffer = self.buffer[:j], self.buffer[j + len(self.close) :]
+            self.in_call = False
+            call = _parse_json_call(body)
+            if call is None:
+                content += self.open + body + self.close
+            else:
+                calls.append(call)
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        """End of the answer: an unclosed block that parses is a call, else content."""
+        rest, self.buffer = self.buffer, ""
+        if not self.in_call:
+            return rest, []
+        self.in_call = False
+        call = _parse_json_call(rest)
+        return ("", [call]) if call is not None else (self.open + rest, [])
+
+
+def _parse_json_call(body: str) -> Optional[ParsedToolCall]:
+    try:
+        return _call_from(json.loads(body))
+    except json.JSONDecodeError:
+        return None
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class JsonToolParser:
+    """The whole answer is a JSON call or a JSON list of calls."""
+
+    name = "json"
+
+    def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+        stripped = text.strip()
+        if stripped[:1] in ("{", "["):
+            try:
+                obj = json.loads(stripped)
+            except json.JSONDecodeError:
+                return text, []
+            items = obj if isinstance(obj, list) else [obj]
+            calls = [_call_from(o) for o in items]
+            if items and all(c is not None for c in calls):
+                return None, calls  # type: ignore[return-value]
+        return text, []
+
+    def streaming(self) -> "_JsonStream":
+        return _JsonStream(self)
+
+
+class _JsonStream:
+    """Text that starts with ``{`` or ``[`` is held to the end (it may be a call); other text
+    streams as content."""
+
+    def __init__(self, parser: JsonToolParser) -> None:
+        self.parser = parser
+        self.buffer = ""
+        self.decided: Optional[bool] = None  # True: could be calls, held back
+
+    def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        if self.decided is False:
+            return text, []
+        self.buffer += text
+        head = self.buffer.lstrip()
+        if not head:
+            return "", []
+        self.decided = head[0] in "{["
+        if self.decided:
+            return "", []
+        out, self.buffer = self.buffer, ""
+        return out, []
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        rest, self.buffer = self.buffer, ""
+        if not rest:
+            return "", []
+        content, calls = self.parser.extract(rest)
+        return (content or "", calls)
+
+
+TOOL_PARSERS = {p.name: p for p in (HermesToolParser(), JsonToolParser())}

@@ -1,0 +1,172 @@
+"""``tools`` and ``tool_choice`` of /v1/chat/completions, as vLLM implements them:
+
+* ``"none"``: the tools are rendered into the prompt, the answer is plain content;
+* ``"auto"`` (the default when tools are given): the model decides; its answer is split into
+  content and calls by the server's ``--tool-call-parser``. Needs ``--enable-auto-tool-choice``;
+  without it the request is a 400 that names the flag;
+* ``"required"``: the grammar forces a JSON list of one or more ``{"name", "parameters"}``
+  objects, each valid against its function's schema;
+* ``{"type": "function", "function": {"name": ...}}``: the grammar forces that function's
+  arguments (its ``parameters`` schema).
+
+Every call gets an id ``chatcmpl-tool-<hex>``; a response with calls finishes with
+``"tool_calls"``.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
+from pagedserve.sampling_params import StructuredOutputsParams
+
+MAX_TOOLS = 128  # tools of one request (each is rendered into the prompt and compiled)
+
+
+def random_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ToolPlan:
+    """How one request uses its tools.
+
+    Attributes:
+        mode: "none", "auto", "required" or "named".
+        named: the forced function's name (mode "named").
+        constraint: the grammar of "required" / "named".
+        parser: the tool-call parser name (mode "auto").
+    """
+
+    mode: str = "none"
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    named: Optional[str] = None
+    constraint: Optional[StructuredOutputsParams] = None
+    parser: Optional[str] = None
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode in ("auto", "required", "named")
+
+    def calls_from_text(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+        """(content, calls) of a finished answer."""
+        if self.mode == "named":
+            return None, [ParsedToolCall(self.named, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                return None, [ParsedToolCall(o["name"], json.dumps(o.get("parameters", {}), ensure_ascii=False)) for o in items]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return text, []  # cut by length: not a complete list
+        if self.mode == "auto":
+            return TOOL_PARSERS[self.parser].extract(text)
+        return text, []
+
+
+def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_auto: bool, parser: Optional[str]) -> ToolPlan:
+    """Check ``tools`` / ``tool_choice`` and decide the mode.
+
+    Raises:
+        RequestError: naming ``tools`` or ``tool_choice`` (malformed, unknown function, "auto"
+            without ``--enable-auto-tool-choice``).
+    """
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise RequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        return ToolPlan()
+    if len(tools) > MAX_TOOLS:
+        raise RequestError(f"at most {MAX_TOOLS} tools are allowed per request, got {len(tools)}.", param="tools")
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}.", param="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object.", param="tools")
+        names.append(fn["name"])
+    if len(set(names)) != len(names):
+        raise RequestError("tools must have distinct function names.", param="tools")
+    choice = "auto" if tool_choice is None else tool_choice
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if choice == "auto":
+        if not enable_auto or parser is None:
+            raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
+                               param="tool_choice")
+        return ToolPlan("auto", tools, parser=parser)
+    if choice == "required":
+        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": s},
+                           "required": ["name", "parameters"], "additionalProperties": False} for n, s in schemas.items()]}
+        return ToolPlan("required", tools, constraint=StructuredOutputsParams(json={"type": "array", "items": item, "minItems": 1}))
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in schemas:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not in tools.", param="tool_choice")
+        return ToolPlan("named", tools, named=name, constraint=StructuredOutputsParams(json=schemas[name]))
+    raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.',
+                       param="tool_choice")
+
+
+class ToolCallStream:
+    """One streamed choice under a :class:`ToolPlan`: text deltas in, ``DeltaMessage``s out,
+    whose content and tool calls concatenate to what ``calls_from_text`` gives at the end."""
+
+    def __init__(self, plan: ToolPlan, single_call: bool = False) -> None:
+        self.plan = plan
+        self.single_call = single_call
+        self.num_calls = 0
+        self.text: list[str] = []
+        self.parser = TOOL_PARSERS[plan.parser].streaming() if plan.mode == "auto" else None
+        self.named_id: Optional[str] = None
+
+    @property
+    def called(self) -> bool:
+        return self.num_calls > 0
+
+    def _calls(self, calls: list[ParsedToolCall]) -> list:
+        from pagedserve.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+
+        out = []
+        for c in calls:
+            if self.single_call and self.num_calls:
+                break
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=self.num_calls, id=random_tool_call_id(), type="function",
+                                                              function=DeltaFunctionCall(name=c.name, arguments=c.arguments))]))
+            self.num_calls += 1
+        return out
+
+    def feed(self, text: str) -> list:
+        from pagedserve.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+
+        if not text:
+            return []
+        mode = self.plan.mode
+        if mode == "named":  # the arguments stream as they are generated
+            if self.named_id is None:
+                self.named_id = random_tool_call_id()
+                self.num_calls = 1
+                return [DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=self.named_id, type="function",
+                                                               function=DeltaFunctionCall(name=self.plan.named, arguments=text))])]
+            return [DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))])]
+        if mode == "required":
+            self.text.append(text)  # a JSON list: sent whole once complete
+            return []
+        if mode == "auto":
+            content, calls = self.parser.feed(text)
+            return ([DeltaMessage(content=content)] if content else []) + self._calls(calls)
+        return [DeltaMessage(content=text)]
+
+    def finish(self) -> list:
+        from pagedserve.entrypoints.openai.protocol import DeltaMessage
+
+        if self.plan.mode == "required":
+            content, calls = self.plan.calls_from_text("".join(self.text))
+            return ([DeltaMessage(content=content)] if content else []) + self._calls(calls)
+        if self.plan.mode == "auto":
+            content, calls = self.parser.finish()
+            return ([DeltaMessage(content=content)] if content else []) + self._calls(calls)
+        return []
