@@ -10,6 +10,8 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+from server_utils import client, server  # noqa: E402,F401  (the session's real server, as fixtures)
+
 # The tokenizer saved beside every random model: SmolLM2's (byte-level BPE, 49152 ids).
 TINY_VOCAB = 49152
 

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,88 +22,7 @@ except ImportError:  # some environments ship only httpx2 (what the openai clien
     import httpx2 as httpx
 import pytest
 
-API_KEY = "test-key-123"
-MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 2048
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    # One intra-op thread: the test process (clients, the offline reference) shares the cores,
-    # and oversubscribed OpenMP spin-waits make a 2-thread server many times slower.
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env.pop("PAGEDSERVE_API_KEY", None)
-    cmd = [
-        sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--kv-cache-memory", "200000000", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not come up:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def _metrics(base: str) -> dict[str, float]:
-    text = httpx.get(base + "/metrics", timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r'^(pagedserve:[a-z0-9_]+)(\{[^}]*\})?\s+(\S+)$', line)
-        if m:
-            labels = m.group(2) or ""
-            reason = re.search(r'finished_reason="(\w+)"', labels)
-            key = m.group(1) + (f"[{reason.group(1)}]" if reason else "")
-            out[key] = float(m.group(3))
-    return out
-
-
-def wait_idle(base: str, timeout: float = 20.0) -> dict[str, float]:
-    """Poll /metrics until no request runs or waits and every KV block is free."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _metrics(base)
-        if (
-            m["pagedserve:num_requests_running"] == 0
-            and m["pagedserve:num_requests_waiting"] == 0
-            and m["pagedserve:kv_cache_usage_perc"] == 0
-        ):
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not idle after {timeout}s: {m}")
-        time.sleep(0.1)
+from server_utils import AUTH, MAX_MODEL_LEN, MODEL, _free_port, _metrics, wait_idle
 
 
 # -- AsyncLLM alone (no HTTP) ------------------------------------------------------------------

@@ -145,3 +145,21 @@ def test_constraint_shape_is_checked():
                 dict(grammar="x" * 70_000)):
         with pytest.raises(ValueError, match="structured_outputs"):
             Constraint(**bad)
+
+
+def test_objects_are_closed_unless_the_schema_opens_them(smollm2_llm):
+    """As vLLM's default backend (xgrammar, strict mode): properties the schema does not name are
+    refused at every depth, unless the schema allows them itself."""
+    grammars = smollm2_llm.llm_engine.input_processor.grammars
+    tok = smollm2_llm.get_tokenizer()
+
+    def accepts(schema, text):
+        m = grammars.new_matcher(Constraint(json=schema))
+        return all(m.consume_token(t) for t in tok(text, add_special_tokens=False)["input_ids"]) and not m.is_error()
+
+    inner = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    closed = {"type": "object", "properties": {"x": inner}}
+    assert accepts(closed, '{"x": {"a": 1}}')
+    assert not accepts(closed, '{"x": {"a": 1, "b": 2}}') and not accepts(closed, '{"x": {"a": 1}, "y": 2}')
+    opened = {"type": "object", "properties": {"x": {**inner, "additionalProperties": True}}, "additionalProperties": True}
+    assert accepts(opened, '{"x": {"a": 1, "b": 2}, "y": 3}')

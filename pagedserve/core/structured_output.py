@@ -13,7 +13,9 @@ keyed by the constraint), the scheduler asks for the bitmask of every constraine
 samples in a step and sends it with the ``SchedulerOutput``, the worker masks those logits rows,
 and each sampled token advances the matcher; a matcher that reaches the end of its grammar
 finishes the request ("stop"). JSON grammars use fixed separators (``", "`` and ``": "``) and no
-optional whitespace between tokens, so a sampled answer cannot run away in spaces and newlines.
+optional whitespace between tokens, so a sampled answer cannot run away in spaces and newlines,
+and objects admit only the properties the schema names unless it says otherwise (as vLLM's
+default xgrammar backend in strict mode).
 Torch-free; llguidance is imported on first use.
 """
 from __future__ import annotations
@@ -30,6 +32,28 @@ GRAMMAR_CACHE_SIZE = 256
 # llguidance's JSON layout: no optional whitespace (llguidance's default allows any amount
 # between tokens, and a small model then emits runs of newlines), one space after ":" and ",".
 JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def close_objects(schema: Any) -> None:
+    """In place: an object schema with ``properties`` and no ``additionalProperties`` gets
+    ``additionalProperties: false``, at every depth (xgrammar's strict mode, vLLM's default):
+    without it a small model pads a JSON answer with invented keys until max_tokens."""
+    if isinstance(schema, list):
+        for s in schema:
+            close_objects(s)
+        return
+    if not isinstance(schema, dict):
+        return
+    if "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                close_objects(sub)
+    for key in ("items", "additionalProperties", "not", "if", "then", "else", "contains"):
+        close_objects(schema.get(key))
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        close_objects(schema.get(key))
 
 
 def grammar_spec(so: StructuredOutputsParams) -> str:
@@ -52,6 +76,7 @@ def grammar_spec(so: StructuredOutputsParams) -> str:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+            close_objects(schema)
         if isinstance(schema, dict) and "x-guidance" not in schema:
             schema = {**schema, "x-guidance": JSON_LAYOUT}
         return llguidance.grammar_from("json_schema", json.dumps(schema))

@@ -39,7 +39,7 @@ class OpenAIServingChat(OpenAIServing):
         """Validate and render; raises RequestError (HTTP 400) naming the field."""
         model = self.check_model(req.model)
         self.check_num_sequences(1, req.n or 1)
-        plan = plan_tools(req.tools, req.tool_choice, self.enable_auto_tool_choice, self.tool_call_parser)
+        plan = plan_tools(req.tools, req.tool_choice, self.enable_auto_tool_choice, self.tool_call_parser, req.parallel_tool_calls)
         if plan.constraint is not None and req.constraint_fields():
             raise RequestError(f"tool_choice {plan.mode!r} and {req.constraint_fields()[0]} cannot both be set.", param="tool_choice")
         conv, ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
@@ -101,6 +101,7 @@ class OpenAIServingChat(OpenAIServing):
         result = []
         for i, ch in enumerate(choices):
             message, called = self._message(plan, echo + "".join(ch.text), req.parallel_tool_calls is False)
+            called = called and ch.finish_reason == "stop"  # cut by length: the calls may be incomplete
             result.append(ChatCompletionResponseChoice(
                 index=i, message=message,
                 logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
@@ -152,10 +153,11 @@ class OpenAIServingChat(OpenAIServing):
                             deltas = [DeltaMessage() if o.finish_reason is not None else DeltaMessage(content="")]
                         for k, delta in enumerate(deltas):
                             last = k == len(deltas) - 1
-                            finish = ("tool_calls" if tools.called else o.finish_reason) if last else None
+                            called = tools.called and o.finish_reason == "stop"
+                            finish = ("tool_calls" if called else o.finish_reason) if last else None
                             yield chunk(ChatCompletionResponseStreamChoice(
                                 index=o.index, delta=delta, logprobs=lps if k == 0 else None, finish_reason=finish,
-                                stop_reason=(None if tools.called else o.stop_reason) if last else None,
+                                stop_reason=(None if called else o.stop_reason) if last else None,
                             ))
             if include_usage:
                 gen = sum(x.num_tokens for x in choices)

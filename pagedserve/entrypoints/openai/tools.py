@@ -66,8 +66,10 @@ class ToolPlan:
         return text, []
 
 
-def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_auto: bool, parser: Optional[str]) -> ToolPlan:
-    """Check ``tools`` / ``tool_choice`` and decide the mode.
+def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_auto: bool, parser: Optional[str],
+               parallel_tool_calls: Optional[bool] = None) -> ToolPlan:
+    """Check ``tools`` / ``tool_choice`` and decide the mode (``parallel_tool_calls=False``: a
+    "required" answer holds exactly one call).
 
     Raises:
         RequestError: naming ``tools`` or ``tool_choice`` (malformed, unknown function, "auto"
@@ -101,7 +103,8 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
     if choice == "required":
         item = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": s},
                            "required": ["name", "parameters"], "additionalProperties": False} for n, s in schemas.items()]}
-        return ToolPlan("required", tools, constraint=StructuredOutputsParams(json={"type": "array", "items": item, "minItems": 1}))
+        array = {"type": "array", "items": item, "minItems": 1, **({"maxItems": 1} if parallel_tool_calls is False else {})}
+        return ToolPlan("required", tools, constraint=StructuredOutputsParams(json=array))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in schemas:

@@ -1,0 +1,105 @@
+"""Tool calling without a model: tool_choice planning and its refusals, the hermes and json
+parsers, and the streamed deltas, whose concatenation must equal the non-streamed result
+whatever the stream boundaries (fuzzed)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser, JsonToolParser
+from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+HERMES_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def test_plan_tools_modes_and_refusals():
+    assert plan_tools(None, None, False, None).mode == "none"
+    assert plan_tools([WEATHER], "none", False, None).mode == "none"
+    assert plan_tools([WEATHER], None, True, "hermes").mode == "auto"  # auto is the default with tools
+    with pytest.raises(RequestError, match="--enable-auto-tool-choice") as e:
+        plan_tools([WEATHER], "auto", False, None)
+    assert e.value.param == "tool_choice"
+    req = plan_tools([WEATHER, TIME], "required", False, None)
+    assert req.mode == "required" and req.constraint is not None
+    named = plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, False, None)
+    assert named.mode == "named" and named.named == "get_time" and json.loads(named.constraint.json) == TIME["function"]["parameters"]
+    for tools, choice, words in [
+        (None, "required", "tools` must be set"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not in tools"),
+        ([WEATHER], "sometimes", "tool_choice must be"),
+        ([{"type": "function", "function": {}}], "none", "tools\\[0\\]"),
+        ([WEATHER, WEATHER], "none", "distinct"),
+        ([WEATHER] * 200, "none", "at most"),
+    ]:
+        with pytest.raises(RequestError, match=words):
+            plan_tools(tools, choice, True, "hermes")
+
+
+def test_hermes_parser():
+    content, calls = HermesToolParser().extract(HERMES_TEXT)
+    assert content == "Let me check.\n\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert HermesToolParser().extract("no calls here") == ("no calls here", [])
+    # a block that is not a call stays content; an unclosed valid block at the end is a call
+    content, calls = HermesToolParser().extract('a <tool_call>not json</tool_call> b')
+    assert content == 'a <tool_call>not json</tool_call> b' and calls == []
+    content, calls = HermesToolParser().extract('<tool_call>{"name": "get_time", "arguments": {}}')
+    assert content is None and [c.name for c in calls] == ["get_time"]
+
+
+def test_json_parser():
+    p = JsonToolParser()
+    content, calls = p.extract('{"name": "get_weather", "parameters": {"city": "Rome"}}')
+    assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
+    content, calls = p.extract('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "X"}}]')
+    assert [c.name for c in calls] == ["get_time", "get_weather"]
+    assert p.extract("Hello there") == ("Hello there", [])
+    assert p.extract('{"not": "a call"}') == ('{"not": "a call"}', [])
+
+
+def _streamed(plan: ToolPlan, text: str, rnd: random.Random) -> tuple[str, list[tuple[str, str]], set]:
+    """Feed ``text`` in random pieces; returns (content, [(name, arguments)], call ids)."""
+    stream = ToolCallStream(plan)
+    cuts = sorted(rnd.sample(range(1, len(text)), min(len(text) - 1, rnd.randint(1, 12))))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    deltas = [d for p in pieces for d in stream.feed(p)] + stream.finish()
+    content = "".join(d.content or "" for d in deltas)
+    calls: dict[int, list] = {}
+    ids = set()
+    for d in deltas:
+        for tc in d.tool_calls or []:
+            entry = calls.setdefault(tc.index, ["", ""])
+            if tc.id:
+                ids.add(tc.id)
+            if tc.function and tc.function.name:
+                entry[0] += tc.function.name
+            if tc.function and tc.function.arguments:
+                entry[1] += tc.function.arguments
+    return content, [tuple(calls[i]) for i in sorted(calls)], ids
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_streamed_deltas_concatenate_to_the_full_result(seed):
+    rnd = random.Random(seed)
+    cases = [
+        (ToolPlan("auto", [WEATHER, TIME], parser="hermes"), HERMES_TEXT),
+        (ToolPlan("auto", [WEATHER], parser="hermes"), "Just text, with a < sign and <tool but no call."),
+        (ToolPlan("auto", [WEATHER], parser="json"), '{"name": "get_weather", "arguments": {"city": "Lima"}}'),
+        (ToolPlan("auto", [WEATHER], parser="json"), "Plain answer."),
+        (ToolPlan("required", [WEATHER, TIME]), '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'),
+        (ToolPlan("named", [WEATHER], named="get_weather"), '{"city": "Kyoto"}'),
+    ]
+    for plan, text in cases:
+        content, calls = plan.calls_from_text(text)
+        got_content, got_calls, ids = _streamed(plan, text, rnd)
+        assert got_content == (content or "")
+        assert got_calls == [(c.name, c.arguments) for c in calls]
+        assert len(ids) == len(calls) and all(i.startswith("chatcmpl-tool-") for i in ids)
