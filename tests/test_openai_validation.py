@@ -103,6 +103,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "guided_grammar": "start: nowhere"}, "guided_grammar", "unknown name"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs", "whitespace_pattern"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "response_format", "cannot both"),
+    # Fields that would change the answer and are not implemented: refused, not silently ignored.
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
     # Found by the issue-10 review: a value that cannot travel to the engine-core process.
     ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k", "2**63"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**70, "stream": True}, "top_k", "2**63"),

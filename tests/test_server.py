@@ -608,3 +608,57 @@ def test_vllm_structured_output_fields(client):
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text)
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0, extra_body={"guided_json": PERSON})
     assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
+
+
+def test_front_flags_and_health_503_while_loading(tiny_model_factory, tmp_path):
+    """A server with --chat-template FILE, --generation-config DIR, --enable-log-requests and
+    --log-level after the subcommand: /health is 503 while the engine loads, then 200; the
+    template and the sampling defaults apply; requests are logged; a second server on the same
+    port fails at once with one line."""
+    model = tiny_model_factory("llama")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    port = _free_port()
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.pop("PAGEDSERVE_API_KEY", None)
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--port", str(port), "--dtype", "float32",
+           "--num-kv-blocks", "64", "--max-model-len", "256", "--chat-template", str(template), "--generation-config", str(gen),
+           "--enable-log-requests", "--log-level", "info", "--uvicorn-log-level", "warning"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        statuses = []
+        deadline = time.monotonic() + 120
+        while not statuses or statuses[-1] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                statuses.append(httpx.get(base + "/health", timeout=5).status_code)
+            except httpx.HTTPError:
+                statuses.append("refused")
+            time.sleep(0.02)
+        first = next(s for s in statuses if s != "refused")
+        assert first == 503 and set(statuses) <= {503, 200, "refused"}, statuses[:10]
+        r = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert httpx.post(base + "/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"] == "[user] hi\n"
+        body = {"messages": [{"role": "user", "content": "hello"}]}
+        a = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
+        b = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
+        assert a["usage"]["completion_tokens"] == 3 and a["choices"][0]["message"] == b["choices"][0]["message"]
+        # The port is taken: a second server says so in one line, before loading anything.
+        t0 = time.monotonic()
+        second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+        assert second.returncode == 2 and "cannot listen" in second.stderr and time.monotonic() - t0 < 20, second.stderr[-2000:]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    text = log_path.read_text()
+    assert "request chatcmpl-" in text and "default sampling parameters" in text

@@ -37,7 +37,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[dict], TokenizedPrompt, SamplingParams, ToolPlan]:
         """Validate and render; raises RequestError (HTTP 400) naming the field."""
-        model = self.check_model(req.model)
+        model = self.check_request(req)
         self.check_num_sequences(1, req.n or 1)
         plan = plan_tools(req.tools, req.tool_choice, self.enable_auto_tool_choice, self.tool_call_parser, req.parallel_tool_calls)
         if plan.constraint is not None and req.constraint_fields():

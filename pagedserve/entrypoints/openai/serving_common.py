@@ -173,6 +173,33 @@ def tools_template() -> str:
     return importlib.resources.files("pagedserve.entrypoints.openai").joinpath("templates/chatml_hermes_tools.jinja").read_text()
 
 
+# Fields of OpenAI's or vLLM's API that would change what a request means and that this server
+# does not implement: refused with a 400 naming them (unless set to their "off" value).
+UNSUPPORTED_FIELDS = {
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "functions": (None,), "function_call": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "guided_whitespace_pattern": (None,), "logits_processors": (None,),
+    "vllm_xargs": (None,), "kv_transfer_params": (None,), "prompt_embeds": (None,), "mm_processor_kwargs": (None,),
+}
+_ignored_logged: set[str] = set()
+
+
+def check_extra_fields(req: Any) -> None:
+    """Refuse a field from ``UNSUPPORTED_FIELDS``; any other unknown field is ignored, as vLLM
+    does, and logged once per field name so the operator sees it.
+
+    Raises:
+        RequestError: naming the unsupported field.
+    """
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED_FIELDS:
+            if value not in UNSUPPORTED_FIELDS[name]:
+                raise RequestError(f"{name} is not supported by this server.", param=name)
+        elif name not in _ignored_logged:
+            _ignored_logged.add(name)
+            logger.warning("request field %r is not used by this server and is ignored (logged once)", name)
+
+
 class OpenAIServing:
     """The model check, parameters, chat rendering and engine requests of one server."""
 
@@ -194,6 +221,11 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self.default_sampling = dict(default_sampling or {})
         self.log_requests = log_requests
+
+    def check_request(self, req: Any) -> str:
+        """The model check and the unknown-field check of a request; the name to report."""
+        check_extra_fields(req)
+        return self.check_model(req.model)
 
     def check_model(self, model: Optional[str]) -> str:
         """The name to report. Raises RequestError 404 (``NotFoundError``, as OpenAI and vLLM

@@ -28,7 +28,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[TokenizedPrompt], list[SamplingParams]]:
         """Validate and tokenize; raises RequestError (HTTP 400) naming the field."""
-        model = self.check_model(req.model)
+        model = self.check_request(req)
         if isinstance(req.prompt, list) and req.prompt and not all(isinstance(p, int) for p in req.prompt):
             self.check_num_sequences(len(req.prompt), req.n or 1)
         else:
