@@ -250,10 +250,15 @@ def test_serve_against_pagedserve_server(tiny_model_factory, tmp_path):
     out = tmp_path / "real.json"
     with ThreadedServer(build_app(llm)) as srv:
         rc = _bench(
-            "serve", "--base-url", srv.url, "--tokenizer", model, "--num-prompts", "4", "--min-input-len", "16", "--max-input-len", "32",
+            "serve", "--base-url", srv.url + "/v1", "--tokenizer", model, "--num-prompts", "4", "--min-input-len", "16", "--max-input-len", "32",
             "--output-len", "5", "--request-rate", "inf", "--result-filename", str(out),
         )
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["completed"] == 4 and r["failed"] == 0 and r["total_output_tokens"] == 20, r["errors"]
     assert r["mean_ttft_ms"] > 0 and r["mean_tpot_ms"] > 0 and r["output_throughput"] > 0
+
+
+def test_serve_says_in_one_line_when_the_server_is_down():
+    with pytest.raises(SystemExit, match="no server answers at http://127.0.0.1:9 "):
+        _bench("serve", "--base-url", "http://127.0.0.1:9/v1", "--num-prompts", "2")

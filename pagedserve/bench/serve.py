@@ -90,10 +90,20 @@ async def _check_server(args, requests, model, url, headers) -> None:
             await asyncio.sleep(1.0)
 
 
+def server_root(base_url: str) -> str:
+    """The server's root from a base URL given with or without ``/v1`` (both are common)."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
 async def _discover_model(base_url: str, headers: dict) -> str:
     async with httpx.AsyncClient(timeout=30.0) as client:
-        r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
-        r.raise_for_status()
+        try:
+            r = await client.get(base_url + "/v1/models", headers=headers)
+        except httpx.HTTPError as e:
+            raise SystemExit(f"no server answers at {base_url} ({type(e).__name__}: {e}); start one with `pagedserve serve`") from None
+        if r.status_code != 200:
+            raise SystemExit(f"{base_url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
         data = r.json().get("data") or []
         if not data:
             raise SystemExit(f"{base_url}/v1/models lists no model; pass --model")
@@ -199,7 +209,7 @@ def plot_sweep(runs: Sequence[dict[str, Any]], path: str, percentiles: Sequence[
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (with or without /v1)")
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the first of /v1/models)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir for the dataset (default: --model if it is a path, else the default model's)")
@@ -243,6 +253,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     if args.burstiness <= 0:
         raise SystemExit("--burstiness must be > 0")
     args.rates = parse_rates(args)
+    args.base_url = server_root(args.base_url)
     out = asyncio.run(_serve_main(args))
     runs = out["runs"]
     if args.save_result or args.result_filename:

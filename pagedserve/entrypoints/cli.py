@@ -44,40 +44,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.chat_cli import LocalChat, ServerChat, run_chat
     from pagedserve.sampling_params import RequestOutputKind
 
-    llm = _make_llm(args)
-    params = _params(args)
-    params.output_kind = RequestOutputKind.DELTA
-    engine = llm.llm_engine
-    history: list[dict[str, str]] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    print("pagedserve chat: empty line or Ctrl-D to quit.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        history.append({"role": "user", "content": line})
-        ids = llm.apply_chat_template(history)
-        try:
-            rid = engine.add_request(None, {"prompt_token_ids": ids}, params)
-        except ValueError as e:
-            history.pop()
-            print(f"error: {e} (start a new chat, or raise --max-model-len)", file=sys.stderr)
-            continue
-        reply = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == rid and out.outputs:
-                    reply.append(out.outputs[0].text)
-                    print(out.outputs[0].text, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
-    return 0
+    if args.url:
+        backend = ServerChat(args.url, args.api_key, args.model, args)
+    else:
+        params = _params(args)
+        params.output_kind = RequestOutputKind.DELTA
+        backend = LocalChat(_make_llm(args), params)
+    return run_chat(backend, args.system)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -103,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", parents=[common], help="interactive chat that keeps the conversation")
     c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--url", default=None, help="talk to a running server instead (e.g. http://127.0.0.1:8000/v1)")
+    c.add_argument("--api-key", default=None, help="the server's API key (with --url)")
     _sampling_args(c)
     EngineConfig.add_cli_args(c)
     c.set_defaults(func=cmd_chat)
@@ -122,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    explicit = any(a == "--log-level" or a.startswith("--log-level=") for a in (argv if argv is not None else sys.argv[1:]))
+    level = "warning" if args.command == "chat" and not explicit else args.log_level  # keep the conversation clean
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:  # bad flags, model path, prompt: one line, no traceback
