@@ -74,6 +74,7 @@ class EngineMetrics:
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
+        self._generated: dict[str, int] = {}
 
     # -- fed by the engine thread ----------------------------------------------------------
     def observe_stats(self, stats: SchedulerStats) -> None:
@@ -100,6 +101,9 @@ class EngineMetrics:
             return
         rid = out.request_id
         with self._lock:
+            # Outputs may be deltas: count a request's tokens over all of them.
+            self._generated[rid] = self._generated.get(rid, 0) + sum(len(c.token_ids) for c in out.outputs)
+            generated = self._generated.pop(rid) if out.finished else 0
             prev = self._last_token_time.get(rid)
             if m.last_token_time is not None:
                 if prev is None:
@@ -114,12 +118,12 @@ class EngineMetrics:
             end = m.finished_time or m.last_token_time
             if end is not None:
                 self.e2e_request_latency.observe(max(0.0, end - m.arrival_time))
-            self._observe_phases(out)
+            self._observe_phases(out, generated)
             for c in out.outputs:
                 if c.finish_reason:
                     self._request_success.labels(model_name=self.model_name, finished_reason=c.finish_reason).inc()
 
-    def _observe_phases(self, out: RequestOutput) -> None:
+    def _observe_phases(self, out: RequestOutput, generated: int) -> None:
         """vLLM's per-request phase times (queue, prefill, decode, running) and sizes."""
         m = out.metrics
         if m.first_scheduled_time is not None:
@@ -131,7 +135,7 @@ class EngineMetrics:
         if m.first_token_time is not None and m.last_token_time is not None:
             self.request_decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+        self.request_generation_tokens.observe(generated)
 
     def observe_step(self, num_scheduled_tokens: int) -> None:
         if num_scheduled_tokens > 0:
@@ -140,6 +144,7 @@ class EngineMetrics:
     def observe_abort(self, request_id: str) -> None:
         with self._lock:
             self._last_token_time.pop(request_id, None)
+            self._generated.pop(request_id, None)
         self._request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
 
     # -- exposition --------------------------------------------------------------------------

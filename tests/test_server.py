@@ -509,6 +509,12 @@ def test_metric_histograms_count_what_happened(server, client):
     assert delta("pagedserve:request_success_total[length]") == n
     assert delta("pagedserve:time_to_first_token_seconds_sum") > 0 and delta("pagedserve:e2e_request_latency_seconds_sum") > 0
     assert delta("pagedserve:e2e_request_latency_seconds_sum") >= delta("pagedserve:time_to_first_token_seconds_sum")
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"pagedserve:request_{phase}_time_seconds_count") == n
+    assert delta("pagedserve:request_prompt_tokens_sum") == prompt_tokens and delta("pagedserve:request_prompt_tokens_count") == n
+    assert delta("pagedserve:request_generation_tokens_sum") == n * max_tokens
+    assert delta("pagedserve:iteration_tokens_total_count") >= max_tokens  # at least one step per token
+    assert delta("pagedserve:iteration_tokens_total_sum") == prompt_tokens + n * (max_tokens - 1)
 
 
 def _children(pid: int) -> list[int]:
