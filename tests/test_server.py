@@ -178,7 +178,13 @@ def test_async_llm_engine_process_killed_fails_requests_and_never_hangs():
 # -- basics ----------------------------------------------------------------------------------
 def test_models_health_version_metrics(server, client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, "smol"]  # --served-model-name MODEL smol
+    assert client.models.retrieve("smol").id == "smol"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    assert client.completions.create(model="smol", prompt="hi", max_tokens=1).model == "smol"
     assert httpx.get(server + "/health").status_code == 200
     assert httpx.get(server + "/version").json()["version"]
     m = _metrics(server)
