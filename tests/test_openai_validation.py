@@ -103,6 +103,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "guided_grammar": "start: nowhere"}, "guided_grammar", "unknown name"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs", "whitespace_pattern"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "response_format", "cannot both"),
+    # Tools: "auto" (the default with tools) needs the server flags, as in vLLM.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "--enable-auto-tool-choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice", "tools` must be set"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not in tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+                              "tool_choice": "required"}, "tools", "schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot both"),
     # Fields that would change the answer and are not implemented: refused, not silently ignored.
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
