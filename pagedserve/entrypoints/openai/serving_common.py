@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -18,6 +17,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.input_processor import RequestError, check_text, param_of
+from pagedserve.entrypoints.openai.token_strings import TokenStrings
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ErrorInfo, ErrorResponse
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -38,50 +38,6 @@ def stream_error(e: Exception) -> str:
 
 def _finite(x: float) -> float:
     return max(x, -9999.0) if x == x else -9999.0  # -inf / NaN are not JSON
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte <-> printable-unicode table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
-_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-class TokenStrings:
-    """Per-token text and UTF-8 bytes for logprobs, cached by token id."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.text = lru_cache(maxsize=65536)(self._text)
-        self.bytes = lru_cache(maxsize=65536)(self._bytes)
-
-    def _text(self, token_id: int) -> str:
-        raw = self._bytes(token_id)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _bytes(self, token_id: int) -> bytes:
-        raw = self.tokenizer.convert_ids_to_tokens(token_id)
-        if raw is None:
-            return b""
-        m = _BYTE_FALLBACK.match(raw)
-        if m:
-            return bytes([int(m.group(1), 16)])
-        if raw and all(c in _BYTE_DECODER for c in raw) and not (raw.startswith("<") and raw.endswith(">")):
-            return bytes(_BYTE_DECODER[c] for c in raw)
-        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:

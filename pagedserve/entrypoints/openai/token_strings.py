@@ -1,0 +1,52 @@
+"""The text and UTF-8 bytes of single tokens, for logprobs (``bytes`` in chat logprobs): byte-level
+BPE vocabularies store bytes as printable stand-ins (GPT-2's table), SentencePiece ones as
+``<0xNN>``; anything else is decoded."""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable-unicode table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class TokenStrings:
+    """Per-token text and UTF-8 bytes for logprobs, cached by token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = lru_cache(maxsize=65536)(self._text)
+        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+
+    def _text(self, token_id: int) -> str:
+        raw = self._bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> bytes:
+        raw = self.tokenizer.convert_ids_to_tokens(token_id)
+        if raw is None:
+            return b""
+        m = _BYTE_FALLBACK.match(raw)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if raw and all(c in _BYTE_DECODER for c in raw) and not (raw.startswith("<") and raw.endswith(">")):
+            return bytes(_BYTE_DECODER[c] for c in raw)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
