@@ -24,8 +24,10 @@ class CompletionOutput:
         token_ids: generated token ids (likewise).
         logprobs: per generated token, {token_id: Logprob} holding the sampled token and the
             top ``logprobs`` tokens; None when not requested.
-        finish_reason: "stop", "length", "abort", or None while running.
-        stop_reason: the stop string or stop token id that ended it (None for EOS or length).
+        finish_reason: "stop", "length", "abort", "error" (its structured-output grammar
+            failed), or None while running.
+        stop_reason: the stop string or stop token id that ended it (None for EOS or length);
+            for "error", the error message.
     """
 
     index: int

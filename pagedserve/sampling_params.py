@@ -52,9 +52,16 @@ class StructuredOutputsParams:
         import json as _json
 
         if isinstance(self.json, dict):
-            self.json = _json.dumps(self.json)  # key order kept: it is the order of the output
+            try:
+                self.json = _json.dumps(self.json)  # key order kept: it is the order of the output
+            except RecursionError:
+                raise ValueError("structured_outputs.json is nested too deeply.") from None
         if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
+                raise ValueError("structured_outputs.choice must be a list of non-empty strings.")
             self.choice = list(self.choice)
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be true or false.")
         set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None] + (["json_object"] if self.json_object else [])
         if len(set_) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or json_object, got {set_ or 'none'}.")

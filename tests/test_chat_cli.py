@@ -19,6 +19,8 @@ class ScriptedBackend:
 
     def stream(self, history):
         self.seen.append([dict(m) for m in history])
+        if history[-1]["content"] == "down":
+            raise ConnectionError("the server went away")  # e.g. httpx.ConnectError with --url
         yield "Hel"
         if history[-1]["content"] == "long":
             raise KeyboardInterrupt  # Ctrl-C while the answer streams
@@ -29,13 +31,13 @@ class ScriptedBackend:
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_conversation():
-    lines = iter(["long", "again", "/reset", "fresh", "/exit", "never read"])
+    lines = iter(["long", "down", "again", "/reset", "fresh", "/exit", "never read"])
     out = io.StringIO()
     backend = ScriptedBackend()
     assert run_chat(backend, "be brief", read=lambda _: next(lines), write=out) == 0
     assert backend.stopped == 1
     assert out.getvalue() == "Hel [stopped]\nHello\nHello\n"
-    second, third = backend.seen[1], backend.seen[2]
+    second, third = backend.seen[2], backend.seen[3]  # "down" failed and left no trace
     assert [m["role"] for m in second] == ["system", "user", "assistant", "user"] and second[2]["content"] == "Hel"
     assert [m["content"] for m in third] == ["be brief", "fresh"]  # /reset keeps only the system prompt
 

@@ -103,6 +103,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "guided_grammar": "start: nowhere"}, "guided_grammar", "unknown name"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs", "whitespace_pattern"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "response_format", "cannot both"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"choice": "abc"}}, "structured_outputs", "list of non-empty strings"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": "[" * 2000 + "]" * 2000}, "guided_json", "deeply"),
     # Tools: "auto" (the default with tools) needs the server flags, as in vLLM.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "--enable-auto-tool-choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice", "tools` must be set"),

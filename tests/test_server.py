@@ -661,6 +661,15 @@ def test_front_flags_and_health_503_while_loading(tiny_model_factory, tmp_path):
         a = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
         b = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
         assert a["usage"]["completion_tokens"] == 3 and a["choices"][0]["message"] == b["choices"][0]["message"]
+        for extra in ({}, {"max_tokens": None}, {"max_tokens": 50}):  # max_new_tokens caps completions too
+            c = httpx.post(base + "/v1/completions", json={"prompt": "hello", "ignore_eos": True, **extra}, timeout=60).json()
+            assert c["usage"]["completion_tokens"] == 3, (extra, c)
+        nulls = {"messages": [{"role": "user", "content": "hi"}], "n": None, "stream": None, "stop": None, "seed": None,
+                 "temperature": None, "logprobs": None, "echo": None, "ignore_eos": None}
+        r = httpx.post(base + "/v1/chat/completions", json=nulls, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "n": None, "echo": None, "best_of": None}, timeout=60)
+        assert r.status_code == 200, r.text
         # The port is taken: a second server says so in one line, before loading anything.
         t0 = time.monotonic()
         second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)

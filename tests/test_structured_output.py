@@ -6,7 +6,10 @@ preemption does not change them either."""
 from __future__ import annotations
 
 import json
+import random
 import re
+
+import numpy as np
 
 import jsonschema
 import pytest
@@ -163,3 +166,59 @@ def test_objects_are_closed_unless_the_schema_opens_them(smollm2_llm):
     assert not accepts(closed, '{"x": {"a": 1, "b": 2}}') and not accepts(closed, '{"x": {"a": 1}, "y": 2}')
     opened = {"type": "object", "properties": {"x": {**inner, "additionalProperties": True}}, "additionalProperties": True}
     assert accepts(opened, '{"x": {"a": 1, "b": 2}, "y": 3}')
+
+
+def test_a_grammar_that_fails_ends_its_request_with_an_error_never_stop(smollm2_llm):
+    """Found in review: a matcher error (llguidance's limits, or every allowed token masked) used
+    to finish as "stop" with an answer that breaks the constraint. It is an "error" now, with
+    the reason, and the engine goes on."""
+    outs = smollm2_llm.generate(["hi"] * 3, [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=Constraint(regex="(a{1000}){1000}")),
+        SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=Constraint(grammar="start: e\ne: e e | e e e | /[a-z]/")),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    ], use_tqdm=False)
+    for o in outs[:2]:
+        c = o.outputs[0]
+        assert c.finish_reason in ("error", "length"), (c.finish_reason, c.text)
+        if c.finish_reason == "error":
+            assert "structured output failed" in c.stop_reason or "too slow" in c.stop_reason
+    assert outs[2].outputs[0].finish_reason == "length" and len(outs[2].outputs[0].token_ids) == 8
+    # The ambiguous grammar's Earley sets grow with random tokens; the parser limit stops it
+    # within a few dozen tokens (llguidance's default limit let one mask take 0.7-1.4 s).
+    grammars = smollm2_llm.llm_engine.input_processor.grammars
+    m = grammars.new_matcher(Constraint(grammar="start: e\ne: e e | e e e | /[a-z]/"))
+    rnd = random.Random(0)
+    state = None
+    for _ in range(200):
+        mask, _slow = grammars.grammar_bitmask([m])
+        if m.is_error():  # the limit hit while computing the mask: nothing is allowed
+            state = m.get_error()
+            break
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[: grammars.vocab_size]
+        allowed = [int(t) for t in np.flatnonzero(bits) if t != 2]
+        state = grammars.accept_token(m, rnd.choice(allowed))
+        if state is not None:
+            break
+    assert state is not None and "Too many items" in state, state
+    # min_tokens masks the only token a finished grammar allows (EOS): an error, not a "stop"
+    c = smollm2_llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5,
+                                                  structured_outputs=Constraint(choice=["ok"])), use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason in ("stop", "error") and (c.finish_reason == "error" or c.text == "ok")
+    assert_engine_idle(smollm2_llm)
+
+
+def test_all_of_and_refs_are_not_broken_by_closing_objects(smollm2_llm):
+    both = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                      {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    smollm2_llm.llm_engine.input_processor.grammars.validate(Constraint(json=both))
+    refs = {"$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+            "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"]}
+    o = _chat(smollm2_llm, Constraint(json=refs), temperature=0.0, max_tokens=40).outputs[0]
+    if o.finish_reason == "stop":
+        jsonschema.validate(json.loads(o.text), refs)
+    for bad in (dict(choice="abc"), dict(json_object="yes")):
+        with pytest.raises(ValueError, match="structured_outputs"):
+            Constraint(**bad)
+    deep = "[" * 2000 + "]" * 2000
+    with pytest.raises(RequestError, match="deeply"):
+        smollm2_llm.generate("hi", SamplingParams(max_tokens=2, structured_outputs=Constraint(json='{"enum": ' + deep + "}")), use_tqdm=False)

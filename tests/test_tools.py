@@ -92,6 +92,8 @@ def test_streamed_deltas_concatenate_to_the_full_result(seed):
     cases = [
         (ToolPlan("auto", [WEATHER, TIME], parser="hermes"), HERMES_TEXT),
         (ToolPlan("auto", [WEATHER], parser="hermes"), "Just text, with a < sign and <tool but no call."),
+        (ToolPlan("auto", [WEATHER], parser="hermes"), '\n\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'),
+        (ToolPlan("auto", [WEATHER], parser="hermes"), "   "),
         (ToolPlan("auto", [WEATHER], parser="json"), '{"name": "get_weather", "arguments": {"city": "Lima"}}'),
         (ToolPlan("auto", [WEATHER], parser="json"), "Plain answer."),
         (ToolPlan("required", [WEATHER, TIME]), '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'),
@@ -103,3 +105,18 @@ def test_streamed_deltas_concatenate_to_the_full_result(seed):
         assert got_content == (content or "")
         assert got_calls == [(c.name, c.arguments) for c in calls]
         assert len(ids) == len(calls) and all(i.startswith("chatcmpl-tool-") for i in ids)
+
+
+def test_required_lifts_the_tools_shared_definitions():
+    """pydantic's nested models come as local $refs; wrapped in the "required" array they must
+    still resolve (found in review: a 400 "Pointer '/$defs/P' does not exist")."""
+    nested = {"type": "function", "function": {"name": "book", "parameters": {
+        "$defs": {"P": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+        "type": "object", "properties": {"guest": {"$ref": "#/$defs/P"}}, "required": ["guest"]}}}
+    plan = plan_tools([nested, TIME], "required", False, None)
+    schema = json.loads(plan.constraint.json)
+    assert "P" in schema["$defs"] and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    clash = {"type": "function", "function": {"name": "other", "parameters": {
+        "$defs": {"P": {"type": "string"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}}}}
+    with pytest.raises(RequestError, match="differently"):
+        plan_tools([nested, clash], "required", False, None)

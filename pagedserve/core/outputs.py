@@ -63,7 +63,8 @@ class EngineCoreOutput:
     Attributes:
         new_token_ids: tokens sampled this step (one, or none when only finishing).
         new_logprobs: logprobs of the new token, when asked.
-        finish_reason: "stop" (EOS or a stop token id), "length", or None while running.
+        finish_reason: "stop" (EOS, a stop token id or a completed grammar), "length",
+            "error" (the request's grammar could not be followed; ``error`` says why), or None.
         stop_reason: the stop token id that ended it (None for EOS or length).
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         first_scheduled_time: ``time.monotonic()`` of the request's first scheduling; sent
@@ -77,6 +78,7 @@ class EngineCoreOutput:
     stop_reason: Union[int, None] = None
     num_cached_tokens: int = 0
     first_scheduled_time: Optional[float] = None
+    error: Optional[str] = None
 
 
 @dataclass

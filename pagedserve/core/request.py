@@ -16,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the request could not go on (its grammar failed); ``Request.error`` says why
 
     @property
     def finished(self) -> bool:
@@ -23,11 +24,12 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """OpenAI finish_reason: "stop", "length", "abort" (None while alive)."""
+        """finish_reason: "stop", "length", "abort" or "error" (None while alive)."""
         return {
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH_CAPPED: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -75,6 +77,7 @@ class Request:
         self.num_tokens_on_worker = 0
         # The grammar matcher of a constrained request (structured output), set by the scheduler.
         self.grammar: Optional[object] = None
+        self.error: Optional[str] = None  # why it finished with FINISHED_ERROR
         # Timestamps (seconds, time.monotonic()) for metrics.
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: Optional[float] = None

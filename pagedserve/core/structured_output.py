@@ -21,14 +21,19 @@ Torch-free; llguidance is imported on first use.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from pagedserve.sampling_params import StructuredOutputsParams
 
 GRAMMAR_CACHE_SIZE = 256
+# A grammar whose mask takes longer than this for one token fails its request instead of
+# holding up every other request of the step (a normal mask takes 0.01-1.3 ms here).
+MASK_BUDGET_S = 0.1
 # llguidance's JSON layout: no optional whitespace (llguidance's default allows any amount
 # between tokens, and a small model then emits runs of newlines), one space after ":" and ",".
 JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -36,23 +41,24 @@ JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separa
 
 def close_objects(schema: Any) -> None:
     """In place: an object schema with ``properties`` and no ``additionalProperties`` gets
-    ``additionalProperties: false``, at every depth (xgrammar's strict mode, vLLM's default):
-    without it a small model pads a JSON answer with invented keys until max_tokens."""
+    ``additionalProperties: false`` (xgrammar's strict mode, vLLM's default): without it a small
+    model pads a JSON answer with invented keys until max_tokens. Only schemas that stand alone
+    are closed: not one combined with ``allOf``, ``$ref`` or conditionals (closing each part of
+    an ``allOf`` would make it unsatisfiable), and nothing under those."""
     if isinstance(schema, list):
         for s in schema:
             close_objects(s)
         return
     if not isinstance(schema, dict):
         return
-    if "properties" in schema and "additionalProperties" not in schema:
+    combined = any(k in schema for k in ("allOf", "$ref", "if", "then", "else", "dependentSchemas", "unevaluatedProperties"))
+    if "properties" in schema and "additionalProperties" not in schema and not combined:
         schema["additionalProperties"] = False
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
+    for key in ("properties", "$defs", "definitions"):
         if isinstance(schema.get(key), dict):
             for sub in schema[key].values():
                 close_objects(sub)
-    for key in ("items", "additionalProperties", "not", "if", "then", "else", "contains"):
-        close_objects(schema.get(key))
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+    for key in ("items", "additionalProperties", "anyOf", "oneOf", "prefixItems"):
         close_objects(schema.get(key))
 
 
@@ -72,11 +78,13 @@ def grammar_spec(so: StructuredOutputsParams) -> str:
         else:
             try:
                 schema = json.loads(so.json)
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+                close_objects(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            close_objects(schema)
+            except RecursionError:
+                raise ValueError("structured_outputs.json is nested too deeply") from None
         if isinstance(schema, dict) and "x-guidance" not in schema:
             schema = {**schema, "x-guidance": JSON_LAYOUT}
         return llguidance.grammar_from("json_schema", json.dumps(schema))
@@ -97,28 +105,42 @@ class StructuredOutputManager:
         tokenizer_loader: returns the model's transformers tokenizer (called on first use:
             building llguidance's tokenizer takes ~0.3 s).
         vocab_size: width of the logits (may exceed the tokenizer's vocabulary).
+        eos_loader: the model's EOS ids (its generation config's) from the tokenizer; a
+            grammar may end with any of them. None: the tokenizer's own EOS.
     """
 
-    def __init__(self, tokenizer_loader: Callable[[], Any], vocab_size: int) -> None:
+    def __init__(self, tokenizer_loader: Callable[[], Any], vocab_size: int,
+                 eos_loader: Optional[Callable[[Any], Any]] = None) -> None:
         self._tokenizer_loader = tokenizer_loader
+        self._eos_loader = eos_loader
         self.vocab_size = vocab_size
         self._lltokenizer = None
+        self._lock = threading.Lock()  # the frontend validates from worker threads
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._limits = None
 
     @property
     def lltokenizer(self):
-        if self._lltokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._lltokenizer is None:
+                import llguidance
+                import llguidance.hf
 
-            self._lltokenizer = llguidance.hf.from_tokenizer(self._tokenizer_loader(), n_vocab=self.vocab_size)
-        return self._lltokenizer
+                tok = self._tokenizer_loader()
+                eos = sorted(self._eos_loader(tok)) if self._eos_loader is not None else None
+                self._lltokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=self.vocab_size, eos_token=eos or None)
+                # Earley items per mask step: llguidance's default (50,000) lets an ambiguous
+                # 37-character grammar take 0.7-1.4 s per token; 10,000 errs within ~60 ms.
+                self._limits = llguidance.LLParserLimits(step_max_items=10_000)
+            return self._lltokenizer
 
     def validate(self, so: StructuredOutputsParams) -> None:
         """Raises ValueError with llguidance's message when the constraint cannot be compiled."""
         import llguidance
 
         spec = grammar_spec(so)
-        err = llguidance.LLMatcher.validate_grammar(spec, self.lltokenizer)
+        tok = self.lltokenizer
+        err = llguidance.LLMatcher.validate_grammar(spec, tok, limits=self._limits)
         if err:
             raise ValueError(f"structured_outputs.{so.kind} is invalid: {err}")
 
@@ -131,31 +153,42 @@ class StructuredOutputManager:
         import llguidance
 
         spec = grammar_spec(so)
-        proto = self._compiled.get(spec)
+        tok = self.lltokenizer
+        with self._lock:
+            proto = self._compiled.get(spec)
+            if proto is not None:
+                self._compiled.move_to_end(spec)
         if proto is None:
-            proto = llguidance.LLMatcher(self.lltokenizer, spec)
+            proto = llguidance.LLMatcher(tok, spec, log_level=0, limits=self._limits)
             if proto.is_error():
                 raise ValueError(f"structured_outputs.{so.kind} is invalid: {proto.get_error()}")
-            self._compiled[spec] = proto
-            if len(self._compiled) > GRAMMAR_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(spec)
+            with self._lock:
+                self._compiled[spec] = proto
+                if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
         return proto.deep_copy()
 
-    def grammar_bitmask(self, matchers: list[Any]) -> bytes:
+    def grammar_bitmask(self, matchers: list[Any]) -> tuple[bytes, list[int]]:
         """``[len(matchers), ceil(vocab_size / 32)]`` int32 (little-endian bytes): bit t of row i
-        is set when token t may come next under matcher i."""
+        is set when token t may come next under matcher i; and the rows whose mask took longer
+        than ``MASK_BUDGET_S`` (their requests must be failed)."""
         import llguidance.numpy as lln
 
         mask = lln.allocate_token_bitmask(len(matchers), self.vocab_size)
+        slow = []
         for i, m in enumerate(matchers):
+            t0 = time.perf_counter()
             lln.fill_next_token_bitmask(m, mask, i)
-        return np.ascontiguousarray(mask, dtype="<i4").tobytes()
+            if time.perf_counter() - t0 > MASK_BUDGET_S:
+                slow.append(i)
+        return np.ascontiguousarray(mask, dtype="<i4").tobytes(), slow
 
     @staticmethod
-    def accept_token(matcher: Any, token_id: int) -> bool:
-        """Advance ``matcher`` by a sampled token; True when the grammar is complete (or broken:
-        a token the mask forbade), so the request must stop."""
+    def accept_token(matcher: Any, token_id: int) -> Optional[str]:
+        """Advance ``matcher`` by a sampled token. Returns None while the grammar goes on,
+        "done" when it is complete, or llguidance's error message when it failed (a resource
+        limit, or a token the mask forbade: every token was masked)."""
         matcher.consume_token(token_id)
-        return matcher.is_stopped() or matcher.is_error()
+        if matcher.is_error():
+            return matcher.get_error() or "the grammar could not accept the sampled token"
+        return "done" if matcher.is_stopped() else None

@@ -49,7 +49,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedserve.model.loader import load_tokenizer
+        from pagedserve.model.loader import load_eos_token_ids, load_tokenizer
         from pagedserve.worker.worker import Worker  # the only torch import of the core path
 
         t0 = time.monotonic()
@@ -60,7 +60,9 @@ class EngineCore:
         self.worker.initialize_cache(self.config)
         kv = KVCacheManager(spec.num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.worker.model_identity)
         tokenizer_dir = config.tokenizer or self.worker.model_dir
-        grammars = StructuredOutputManager(lambda: load_tokenizer(tokenizer_dir), self.worker.hf_config.vocab_size)
+        hf_config = self.worker.hf_config
+        grammars = StructuredOutputManager(lambda: load_tokenizer(tokenizer_dir), hf_config.vocab_size,
+                                           lambda tok: load_eos_token_ids(self.worker.model_dir, hf_config, tok))
         self.scheduler = Scheduler(self.config, kv, grammars)
         self.info = EngineCoreInfo(
             self.config, spec.num_blocks, spec.block_bytes, str(self.worker.dtype).replace("torch.", ""),

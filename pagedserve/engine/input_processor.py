@@ -85,7 +85,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = sorted(eos_token_ids)
-        self.grammars = StructuredOutputManager(lambda: tokenizer, vocab_size)
+        self.grammars = StructuredOutputManager(lambda: tokenizer, vocab_size, lambda _: self.eos_token_ids)
         self._counter = 0
 
     # -- tokens -----------------------------------------------------------------------------
@@ -164,6 +164,8 @@ class InputProcessor:
                 self.grammars.validate(params.structured_outputs)
         except ValueError as e:
             raise RequestError(str(e), param=param_of(str(e))) from None
+        except RecursionError:
+            raise RequestError("structured_outputs is nested too deeply.", param="structured_outputs") from None
         if params.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs is not supported yet (logprobs of generated tokens are)", param="prompt_logprobs")
 

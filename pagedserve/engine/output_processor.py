@@ -169,7 +169,7 @@ class OutputProcessor:
         if stop_str is not None:  # also when the core stopped it for length on the same token
             seq.finish_reason, seq.stop_reason = "stop", stop_str
         elif out.finish_reason is not None:
-            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.error if out.finish_reason == "error" else out.stop_reason
         if seq.finished:
             seq.finished_time = ts
         return hit_stop_string

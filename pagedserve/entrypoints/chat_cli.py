@@ -107,7 +107,7 @@ def run_chat(backend, system: Optional[str], read=input, write=sys.stdout) -> in
         except KeyboardInterrupt:
             backend.stop()
             write.write(" [stopped]")
-        except ValueError as e:
+        except Exception as e:  # a refused request, or the server gone (httpx errors): keep the chat
             history.pop()
             print(f"\nerror: {e} (/reset starts a new conversation)", file=sys.stderr)
             continue

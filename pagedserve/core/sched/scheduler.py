@@ -193,7 +193,9 @@ class Scheduler:
         constrained = [req for req, _, _ in scheduled if req.grammar is not None and req.num_computed_tokens == req.num_tokens]
         if constrained:  # they sample this step: the worker masks their logits
             out.structured_output_request_ids = [req.request_id for req in constrained]
-            out.grammar_bitmask = self.structured_output_manager.grammar_bitmask([req.grammar for req in constrained])
+            out.grammar_bitmask, slow = self.structured_output_manager.grammar_bitmask([req.grammar for req in constrained])
+            for i in slow:  # fails after this step instead of holding up every step
+                constrained[i].error = "the grammar is too slow to follow: a token's mask took over 0.1 s"
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
@@ -223,7 +225,7 @@ class Scheduler:
             outputs.append(
                 EngineCoreOutput(
                     rid, [tok], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
-                    max(0, req.num_cached_tokens), req.first_scheduled_time,
+                    max(0, req.num_cached_tokens), req.first_scheduled_time, req.error,
                 )
             )
             if stopped:
@@ -233,9 +235,16 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         params = req.sampling_params
-        if req.grammar is not None and self.structured_output_manager.accept_token(req.grammar, tok):
-            req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-            return True
+        if req.grammar is not None:
+            state = self.structured_output_manager.accept_token(req.grammar, tok)
+            if state is not None and state != "done":
+                req.error = f"structured output failed: {state}"
+            if req.error is not None:
+                req.status = RequestStatus.FINISHED_ERROR
+                return True
+            if state == "done":
+                req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+                return True
         if req.num_output_tokens >= params.min_tokens:
             if (not params.ignore_eos and tok in req.eos_token_ids) or tok in params.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -15,7 +15,9 @@ at once.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, Optional
 
@@ -72,11 +74,19 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     completions = OpenAIServingCompletion(llm, served, **kw)
     chats = OpenAIServingChat(llm, served, **kw)
     model_root = llm.config.model or served[0]
+    # Tokenizing, rendering and compiling constraints run on one worker thread, not on the event
+    # loop: a big schema must not pause every stream. One thread: the tokenizer is shared.
+    prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-prepare")
+    prepare.submit(lambda: llm.input_processor.grammars.lltokenizer)  # built once, ahead of the first constraint
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(prepare, fn, *args)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         llm.shutdown()
+        prepare.shutdown(wait=False)
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.llm = llm
@@ -114,7 +124,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        model, prompts, params = completions.prepare_completion(req)
+        model, prompts, params = await off_loop(completions.prepare_completion, req)
         request_id = random_id("cmpl")
         completions.log_request(request_id, req, [len(p.token_ids) for p in prompts], params)
         if req.stream:
@@ -123,7 +133,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        model, conv, prompt, params, tools = chats.prepare_chat(req)
+        model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
         request_id = random_id("chatcmpl")
         chats.log_request(request_id, req, [len(prompt.token_ids)], [params])
         if req.stream:

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pagedserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -22,6 +22,16 @@ def random_id(prefix: str) -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's schema lets optional fields be null: null then means the field's default
+        (``"n": null`` is ``n = 1``), field by field."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if not (v is None and k in fields and fields[k].default is not None)}
+        return data
 
 
 # -- errors -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai.serving_common import (
-    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, sse, stream_error,
+    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, raise_if_failed, sse, stream_error,
 )
 from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools, random_tool_call_id
 from pagedserve.outputs import Logprob
@@ -46,8 +46,7 @@ class OpenAIServingChat(OpenAIServing):
                                      req.chat_template_kwargs, req.tools)
         self.input_processor.check_token_ids(ids)
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        requested = req.requested_max_tokens if req.requested_max_tokens is not None else self.default_sampling.get("max_tokens")
-        max_tokens = self.input_processor.resolve_max_tokens(requested, len(ids), field_name, "messages")
+        max_tokens = self.input_processor.resolve_max_tokens(self.requested_max_tokens(req.requested_max_tokens), len(ids), field_name, "messages")
         params = self.sampling_params(req, max_tokens)
         if plan.constraint is not None:  # required / named tool choice: the grammar of the calls
             params.structured_outputs = plan.constraint
@@ -96,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
                     cached = out.num_cached_tokens
                 for o in out.outputs:
                     choices[o.index].add(o)
-        echo = self._echo_text(req, conv)
+        echo = "" if plan.parses_calls else self._echo_text(req, conv)  # echoed text is not a tool's arguments
         top_n = req.top_logprobs or 0
         result = []
         for i, ch in enumerate(choices):
@@ -120,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         num_prompt = len(prompt.token_ids)
         top_n = req.top_logprobs or 0
-        echo = self._echo_text(req, conv)
+        echo = "" if plan.parses_calls else self._echo_text(req, conv)
         created = int(time.time())
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
@@ -143,6 +142,7 @@ class OpenAIServingChat(OpenAIServing):
                         if ch.finish_reason is not None:
                             continue
                         ch.num_tokens += len(o.token_ids)
+                        raise_if_failed(o)
                         ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
                         if not o.text and o.finish_reason is None and not o.token_ids:
                             continue

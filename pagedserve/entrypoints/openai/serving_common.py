@@ -79,14 +79,26 @@ class ChoiceState:
     started: bool = False
 
     def add(self, o: CompletionOutput) -> None:
-        """Fold in one delta output of this choice (ignored once the choice has finished)."""
+        """Fold in one delta output of this choice (ignored once the choice has finished).
+
+        Raises:
+            RequestError: the choice failed (its grammar could not be followed).
+        """
         if self.finish_reason is not None:
             return
+        raise_if_failed(o)
         self.text.append(o.text)
         self.token_ids.extend(o.token_ids)
         if o.logprobs:
             self.logprobs.extend(o.logprobs)
         self.finish_reason, self.stop_reason = o.finish_reason, o.stop_reason
+
+
+def raise_if_failed(o: CompletionOutput) -> None:
+    """A sequence that finished with "error" fails the whole request, as a 400: it was the
+    request's constraint that could not be followed (the engine is fine)."""
+    if o.finish_reason == "error":
+        raise RequestError(f"{o.stop_reason}. Simplify the schema, regex or grammar.", param=None)
 
 
 @dataclass
@@ -212,6 +224,14 @@ class OpenAIServing:
             raise RequestError(str(e), param=param) from None
         return params
 
+    def requested_max_tokens(self, requested: Optional[int]) -> Optional[int]:
+        """The request's max_tokens, capped by the generation config's ``max_new_tokens`` when
+        there is one (as vLLM takes the smaller of the two); None: up to max_model_len."""
+        default = self.default_sampling.get("max_tokens")
+        if requested is None or default is None:
+            return requested if requested is not None else default
+        return min(requested, default)
+
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.MAX_SEQUENCES_PER_REQUEST:
             raise RequestError(
@@ -250,11 +270,11 @@ class OpenAIServing:
                 msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
         kwargs = dict(chat_template_kwargs or {})
-        chat_template = chat_template or self.chat_template
         if tools:
             kwargs["tools"] = tools
-            if "tools" not in (chat_template or self.tokenizer.chat_template or ""):
+            if chat_template is None and self.chat_template is None and "tools" not in (self.tokenizer.chat_template or ""):
                 chat_template = tools_template()  # the model's template would drop the tools
+        chat_template = chat_template or self.chat_template
         try:
             text = self.tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -16,7 +16,7 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_common import (
-    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, sse, stream_error,
+    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, raise_if_failed, sse, stream_error,
 )
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.outputs import Logprob
@@ -35,7 +35,8 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_num_sequences(1, req.n or 1)
         prompts = self.tokenized_prompts(req.prompt)
         resolve = self.input_processor.resolve_max_tokens
-        params = [self.sampling_params(req, resolve(req.max_tokens, len(p.token_ids), "max_tokens")) for p in prompts]
+        requested = self.requested_max_tokens(req.max_tokens)
+        params = [self.sampling_params(req, resolve(requested, len(p.token_ids), "max_tokens")) for p in prompts]
         return model, prompts, params
 
     def tokenized_prompts(self, prompt) -> list[TokenizedPrompt]:
@@ -117,6 +118,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 text = prefix + text
                                 ch.text_offset = len(prefix)
                         ch.num_tokens += len(o.token_ids)
+                        raise_if_failed(o)
                         ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
                         if not text and o.finish_reason is None and not o.token_ids:
                             continue

@@ -101,9 +101,22 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
                                param="tool_choice")
         return ToolPlan("auto", tools, parser=parser)
     if choice == "required":
-        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": s},
-                           "required": ["name", "parameters"], "additionalProperties": False} for n, s in schemas.items()]}
-        array = {"type": "array", "items": item, "minItems": 1, **({"maxItems": 1} if parallel_tool_calls is False else {})}
+        defs: dict[str, Any] = {}
+        branches = []
+        for n, schema in schemas.items():
+            schema = dict(schema)
+            for key in ("$defs", "definitions"):  # "#/$defs/X" must resolve at the wrapper's root
+                for name, d in (schema.pop(key, None) or {}).items():
+                    if defs.setdefault(f"{key}/{name}", d) != d:
+                        raise RequestError(f"tools define {key}/{name} differently; give the shared definitions one meaning.", param="tools")
+            branches.append({"type": "object", "properties": {"name": {"const": n}, "parameters": schema},
+                             "required": ["name", "parameters"], "additionalProperties": False})
+        array: dict[str, Any] = {"type": "array", "items": {"anyOf": branches}, "minItems": 1}
+        if parallel_tool_calls is False:
+            array["maxItems"] = 1
+        for path, d in defs.items():
+            key, name = path.split("/", 1)
+            array.setdefault(key, {})[name] = d
         return ToolPlan("required", tools, constraint=StructuredOutputsParams(json=array))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
@@ -125,6 +138,8 @@ class ToolCallStream:
         self.text: list[str] = []
         self.parser = TOOL_PARSERS[plan.parser].streaming() if plan.mode == "auto" else None
         self.named_id: Optional[str] = None
+        self.held = ""  # whitespace-only content not sent yet
+        self.sent_text = False
 
     @property
     def called(self) -> bool:
@@ -160,8 +175,21 @@ class ToolCallStream:
             return []
         if mode == "auto":
             content, calls = self.parser.feed(text)
-            return ([DeltaMessage(content=content)] if content else []) + self._calls(calls)
+            return self._content(content) + self._calls(calls)
         return [DeltaMessage(content=text)]
+
+    def _content(self, content: str) -> list:
+        """Content deltas of "auto". Whitespace before any real text is held back: with calls, an
+        answer of only whitespace around them has no content (as ``calls_from_text`` says);
+        without calls it is sent at the end."""
+        from pagedserve.entrypoints.openai.protocol import DeltaMessage
+
+        self.held += content
+        if not self.held or (not self.sent_text and not self.held.strip()):
+            return []
+        out, self.held = self.held, ""
+        self.sent_text = True
+        return [DeltaMessage(content=out)]
 
     def finish(self) -> list:
         from pagedserve.entrypoints.openai.protocol import DeltaMessage
@@ -171,5 +199,9 @@ class ToolCallStream:
             return ([DeltaMessage(content=content)] if content else []) + self._calls(calls)
         if self.plan.mode == "auto":
             content, calls = self.parser.finish()
-            return ([DeltaMessage(content=content)] if content else []) + self._calls(calls)
+            out = self._content(content) + self._calls(calls)
+            if self.held and not self.called:
+                out.insert(0, DeltaMessage(content=self.held))
+            self.held = ""
+            return out
         return []
