@@ -262,3 +262,19 @@ def test_frontend_edge_cases_found_in_review(tiny_dir):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop) and stop not in out.text
     assert_engine_idle(llm)
+
+
+def test_tokenizer_flag_loads_another_tokenizer_folder(tiny_dir, smollm2_dir, tmp_path):
+    """--tokenizer / LLM(tokenizer=...): the front and the core read the tokenizer from there."""
+    import shutil
+
+    model = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_dir, model)
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    with pytest.raises(Exception):
+        LLM(str(model), dtype="float32", num_kv_blocks=16, max_model_len=64)
+    llm = LLM(str(model), tokenizer=smollm2_dir, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3 and out.prompt_token_ids == llm.get_tokenizer()("hello")["input_ids"]
