@@ -258,13 +258,13 @@ class AsyncLLM:
             streams, self._streams = self._streams, {}
             calls, self._utility_calls = self._utility_calls, {}
             self.output_processor.abort_requests(list(self.output_processor.request_states))
+        if dead and self.on_engine_dead is not None:  # first: a consumer woken below may check on it
+            self.on_engine_dead()
         err = EngineDeadError(reason)
         for stream in streams.values():
             _put(stream.loop, stream.queue.put_nowait, err)
         for loop, fut in calls.values():
             _put(loop, _set_future, fut, None, err)
-        if dead and self.on_engine_dead is not None:
-            self.on_engine_dead()
 
 
 def _set_future(fut: asyncio.Future, result: Any, exc: Optional[BaseException]) -> None:
