@@ -69,7 +69,7 @@ class EngineMetrics:
         self.request_generation_tokens = lab(Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS))
         self.iteration_tokens = lab(Histogram(PREFIX + "iteration_tokens_total", "Histogram of number of tokens per engine_step.", L, registry=r, buckets=ITERATION_BUCKETS))
         self._request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"], registry=r)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "timeout", "error"):
             self._request_success.labels(model_name=model_name, finished_reason=reason)
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}

@@ -46,6 +46,8 @@ class EngineCoreRequest:
         arrival_time: ``time.monotonic()`` seconds when the request reached the server (the
             monotonic clock is shared by the processes of one host).
         cache_salt: requests with different salts never share prefix-cache blocks.
+        deadline: ``time.monotonic()`` after which the request is finished as "timeout"
+            (its blocks freed), or None.
     """
 
     request_id: str
@@ -54,6 +56,7 @@ class EngineCoreRequest:
     eos_token_ids: list[int]
     arrival_time: float
     cache_salt: Optional[str] = None
+    deadline: Optional[float] = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6  # the request could not go on (its grammar failed); ``Request.error`` says why
+    FINISHED_TIMEOUT = 7  # past its deadline
 
     @property
     def finished(self) -> bool:
@@ -24,12 +25,13 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """finish_reason: "stop", "length", "abort" or "error" (None while alive)."""
+        """finish_reason: "stop", "length", "abort", "error" or "timeout" (None while alive)."""
         return {
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH_CAPPED: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_ERROR: "error",
+            RequestStatus.FINISHED_TIMEOUT: "timeout",
         }.get(self)
 
 
@@ -58,6 +60,7 @@ class Request:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,6 +69,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = set(eos_token_ids)
         self.cache_salt = cache_salt
+        self.deadline = deadline  # time.monotonic() past which it finishes as "timeout"
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import SchedulerStats
-from pagedserve.engine.input_processor import ProcessedRequest, PromptType
+from pagedserve.engine.input_processor import ProcessedRequest, PromptType, RequestError
 from pagedserve.engine.llm_engine import log_stats, make_processors, served_model_names
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -85,6 +85,8 @@ class AsyncLLM:
         self.on_engine_dead = on_engine_dead
         self._lock = threading.Lock()  # output processor, streams, stats
         self._streams: dict[str, _Stream] = {}
+        self._not_started: set[str] = set()  # admitted, no output yet (queued or in prefill)
+        self.max_queued_requests: Optional[int] = None  # beyond it, new requests get 503
         self._utility_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._stats = SchedulerStats(num_total_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
@@ -134,8 +136,10 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._check_alive()
+            self._check_capacity()
             self.output_processor.add_request(req)  # ValueError on a duplicate id
             self._streams[req.request_id] = _Stream(loop, queue)
+            self._not_started.add(req.request_id)
         try:
             self.client.send(["add", req.children])
         except BaseException:
@@ -144,9 +148,14 @@ class AsyncLLM:
                 self.output_processor.abort_requests([req.request_id])
             raise
         finished = False
+        started = False
         try:
             while True:
                 item = await queue.get()
+                if not isinstance(item, BaseException) and not started:
+                    started = True
+                    with self._lock:
+                        self._not_started.discard(req.request_id)
                 if isinstance(item, BaseException):
                     finished = True  # the output thread already dropped it
                     raise item
@@ -155,8 +164,22 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
+            with self._lock:
+                self._not_started.discard(req.request_id)
             if not finished:
                 self.abort(req.request_id)
+
+    def check_capacity(self) -> None:
+        """Raises RequestError 503 (with ``Retry-After``) when ``max_queued_requests`` requests
+        are already waiting to start, so an overloaded server says so at once instead of
+        queueing without end. The server calls it before a stream begins."""
+        with self._lock:
+            self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        if self.max_queued_requests is not None and len(self._not_started) >= self.max_queued_requests:
+            raise RequestError(f"the server is overloaded: {len(self._not_started)} requests are waiting to start; retry later.",
+                               status_code=503, err_type="ServiceUnavailableError", headers={"Retry-After": "1"})
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or done). Never blocks on the core."""

@@ -79,7 +79,8 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a validated request. Raises ValueError when its id is in use."""
         self.scheduler.add_request(
-            Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids, req.arrival_time, req.cache_salt)
+            Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids, req.arrival_time, req.cache_salt,
+                    req.deadline)
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

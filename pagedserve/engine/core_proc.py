@@ -104,9 +104,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
-    # Ctrl-C in a terminal reaches the whole process group: the front stops this process (a
-    # shutdown message, then a kill after a timeout), so it does not die mid-step on its own.
+    # Ctrl-C in a terminal, or a supervisor's SIGTERM, reaches the whole process group: the
+    # front drains and then stops this process (a shutdown message, then a kill after a
+    # timeout), so it does not die mid-step on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")

@@ -26,12 +26,14 @@ class RequestError(ValueError):
     """A request the engine refuses; the server answers with this status and an OpenAI error
     body (``{"error": {"message", "type", "param", "code"}}``)."""
 
-    def __init__(self, message: str, param: Optional[str] = None, status_code: int = 400, err_type: str = "BadRequestError") -> None:
+    def __init__(self, message: str, param: Optional[str] = None, status_code: int = 400, err_type: str = "BadRequestError",
+                 headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status_code = status_code
         self.err_type = err_type
+        self.headers = headers or {}
 
 
 _KNOWN_PARAMS = {
@@ -188,7 +190,7 @@ class InputProcessor:
 
     def make_request(self, request_id: Optional[str], prompt_text: Optional[str], prompt_token_ids: list[int],
                      params: SamplingParams, arrival_time: Optional[float] = None,
-                     cache_salt: Optional[str] = None) -> ProcessedRequest:
+                     cache_salt: Optional[str] = None, timeout_s: Optional[float] = None) -> ProcessedRequest:
         """Fan out checked token ids and params (``check_params`` passed, ``max_tokens`` set)
         into the core's requests."""
         if request_id is None:
@@ -196,6 +198,7 @@ class InputProcessor:
             self._counter += 1
         params._all_stop_token_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        deadline = arrival + timeout_s if timeout_s is not None else None
         children = []
         for i in range(params.n):
             child = params
@@ -205,5 +208,5 @@ class InputProcessor:
                 if params.seed is not None:
                     child.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt))
+            children.append(EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt, deadline))
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, children)

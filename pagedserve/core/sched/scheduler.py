@@ -53,6 +53,8 @@ class Scheduler:
         # The requests of the last schedule(), by id: update_from_output applies tokens only to
         # them (not to a request that took a finished one's id in between).
         self.scheduled_requests: dict[str, Request] = {}
+        self.num_with_deadline = 0
+        self.timed_out: list[Request] = []  # finished at their deadline, reported by the next update
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -67,6 +69,8 @@ class Scheduler:
             request.grammar = self.structured_output_manager.new_matcher(constraint)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.deadline is not None:
+            self.num_with_deadline += 1
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, or stop on a stop string) live requests and free their blocks now.
@@ -88,6 +92,8 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         req.finished_time = time.monotonic()
+        if req.deadline is not None:
+            self.num_with_deadline -= 1
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.num_block_ids_on_worker.pop(req.request_id, None)
@@ -119,6 +125,10 @@ class Scheduler:
         """Pick this step's requests and tokens, allocate their blocks, advance their
         ``num_computed_tokens`` as if the step succeeds (the model runs every scheduled token),
         and describe it all as a :class:`SchedulerOutput` of plain values."""
+        if self.num_with_deadline:
+            now = time.monotonic()
+            expired = [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]
+            self.timed_out += self.finish_requests([r.request_id for r in expired], RequestStatus.FINISHED_TIMEOUT)
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int, int]] = []
@@ -204,10 +214,13 @@ class Scheduler:
 
         Returns:
             one :class:`EngineCoreOutput` per request that received a token (requests aborted
-            between ``schedule`` and now are skipped), and the stats after the step.
+            between ``schedule`` and now are skipped) or passed its deadline in ``schedule``,
+            and the stats after the step.
         """
         now = time.monotonic()
-        outputs = []
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="timeout", num_cached_tokens=max(0, r.num_cached_tokens),
+                                    first_scheduled_time=r.first_scheduled_time) for r in self.timed_out]
+        self.timed_out = []
         logprobs = runner_output.logprobs
         for rid, tok in runner_output.sampled.items():
             req = self.scheduled_requests.get(rid)
