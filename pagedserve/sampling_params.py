@@ -11,6 +11,11 @@ MAX_LOGPROBS = 20
 # Most completions per request (one request must not be able to queue unbounded work).
 MAX_N = 128
 _INT64_MAX = 2**63 - 1
+# Caps on list-like fields, each of which costs work per step (matching, masking, biasing).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -181,6 +186,12 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must contain only non-empty strings.")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters.")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}.")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}.")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must contain only non-negative integers.")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
