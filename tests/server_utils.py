@@ -74,7 +74,7 @@ def client(server):
 
 
 def _metrics(base: str) -> dict[str, float]:
-    text = httpx.get(base + "/metrics", timeout=10).text
+    text = httpx.get(base + "/metrics", headers=AUTH, timeout=10).text
     out = {}
     for line in text.splitlines():
         m = re.match(r'^(pagedserve:[a-z0-9_]+)(\{[^}]*\})?\s+(\S+)$', line)

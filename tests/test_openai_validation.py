@@ -36,6 +36,9 @@ class ValidationOnlyLLM:
         self.is_running = True
         self.reached_engine: list = []
 
+    def check_capacity(self) -> None:
+        pass
+
     async def generate_processed(self, req):
         self.reached_engine.append(req)
         raise AssertionError(f"request {req.request_id} reached the engine")
@@ -118,6 +121,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+    # Amplification: every list-like or size-like field is capped.
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 65}, "stop", "at most 64"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 2000]}, "stop", "characters"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(1100))}, "stop_token_ids", "at most"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1100)}}, "logit_bias", "at most"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, "n", "at most"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens", "maximum context length"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 50}, "best_of", "best_of"),
+    ("/v1/completions", {"prompt": "hi", "timeout": -1}, "timeout", "timeout"),
     # Found by the issue-10 review: a value that cannot travel to the engine-core process.
     ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k", "2**63"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**70, "stream": True}, "top_k", "2**63"),
@@ -146,6 +158,11 @@ def test_unknown_model_is_404_and_aliases_answer(app_client):
         r = client.post(path, json=body)
         assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError" and r.json()["error"]["param"] == "model"
     assert client.get("/v1/models/no-such-model").status_code == 404
+    # A request never names a file: a path in "model" is just an unknown name.
+    for name in ("../../etc/passwd", "/etc/passwd", "..%2F..%2Fetc%2Fpasswd"):
+        r = client.post("/v1/completions", json={"model": name, "prompt": "hi"})
+        assert r.status_code == 404 and "root:" not in r.text
+        assert client.get(f"/v1/models/{name}").status_code == 404
     assert client.get("/v1/models/alias").json()["id"] == "alias"
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL, "alias"]
     assert not llm.reached_engine

@@ -186,7 +186,7 @@ def test_models_health_version_metrics(server, client):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
     assert client.completions.create(model="smol", prompt="hi", max_tokens=1).model == "smol"
     assert httpx.get(server + "/health").status_code == 200
-    assert httpx.get(server + "/version").json()["version"]
+    assert httpx.get(server + "/version", headers=AUTH).json()["version"]
     m = _metrics(server)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
@@ -206,6 +206,13 @@ def test_auth(server):
     assert httpx.get(server + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(server + "/v1/models", headers=AUTH).status_code == 200
     assert httpx.get(server + "/health").status_code == 200  # stays open
+    key = AUTH["Authorization"].split()[1]
+    for method, path in (("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                         ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/v1/models/x")):
+        r = httpx.request(method, server + path, json={"prompt": "a", "tokens": [1]})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", path
+        assert httpx.request(method, server + path, headers={"X-Api-Key": key}, json={"prompt": "a", "tokens": [1]}).status_code in (200, 404), path
+    assert httpx.get(server + "/v1/models", headers={"authorization": f"bearer {key}"}).status_code == 200
 
 
 def test_completion(server, client):
@@ -226,7 +233,7 @@ def test_completion(server, client):
     # Several prompts (text and token ids) in one request.
     r = client.completions.create(model=MODEL, prompt=["Hello", "The sky is"], max_tokens=3, temperature=0)
     assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 6
-    ids = httpx.post(server + "/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    ids = httpx.post(server + "/tokenize", headers=AUTH, json={"prompt": "The sky is"}).json()["tokens"]
     r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     assert r2.choices[0].text == r.choices[1].text
 
@@ -245,7 +252,7 @@ def test_stop_strings_and_stop_reason(client):
                                   extra_body={"include_stop_str_in_output": True})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text.endswith("is")
     # stop token id: "." token of " Paris."
-    dot = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), json={"prompt": ".", "add_special_tokens": False}).json()["tokens"][0]
+    dot = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), headers=AUTH, json={"prompt": ".", "add_special_tokens": False}).json()["tokens"][0]
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, extra_body={"stop_token_ids": [dot]})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == dot
 

@@ -29,7 +29,7 @@ import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai.http_common import (
-    SSE_HEADERS, APIKeyMiddleware, error_response, install_error_handlers, run_until_disconnect,
+    SSE_HEADERS, APIKeyMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers, run_until_disconnect,
 )
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -70,7 +70,9 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     served = list(llm.served_model_names)
     kw = dict(trust_request_chat_template=server.trust_request_chat_template, chat_template=server.chat_template_text(),
               enable_auto_tool_choice=server.enable_auto_tool_choice, tool_call_parser=server.tool_call_parser,
-              default_sampling=generation_defaults(server.generation_config, llm.model_dir), log_requests=server.enable_log_requests)
+              default_sampling=generation_defaults(server.generation_config, llm.model_dir), log_requests=server.enable_log_requests,
+              request_timeout=server.request_timeout)
+    llm.max_queued_requests = server.max_queued_requests
     completions = OpenAIServingCompletion(llm, served, **kw)
     chats = OpenAIServingChat(llm, served, **kw)
     model_root = llm.config.model or served[0]
@@ -92,8 +94,10 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     app.state.llm = llm
     app.state.metrics = metrics
     if server.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+        public = frozenset({"/health", "/metrics"} if server.metrics_public else {"/health"})
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key, public_paths=public)
     add_cors(app, server)
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=server.max_request_body_bytes, max_header_bytes=server.max_header_bytes)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -124,6 +128,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
+        llm.check_capacity()
         model, prompts, params = await off_loop(completions.prepare_completion, req)
         request_id = random_id("cmpl")
         completions.log_request(request_id, req, [len(p.token_ids) for p in prompts], params)
@@ -133,6 +138,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
+        llm.check_capacity()
         model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
         request_id = random_id("chatcmpl")
         chats.log_request(request_id, req, [len(prompt.token_ids)], [params])

@@ -26,26 +26,83 @@ def error_response(message: str, status_code: int = 400, err_type: str = "BadReq
 
 
 class APIKeyMiddleware:
-    """Pure ASGI middleware: /v1 routes need ``Authorization: Bearer <key>`` (401 otherwise).
-    (Not BaseHTTPMiddleware, which would get between handlers and ``receive`` and so hide
-    client disconnects.)"""
+    """Pure ASGI middleware: with an API key, every route but ``public_paths`` (``/health``,
+    and ``/metrics`` with ``--metrics-public``) needs ``Authorization: Bearer KEY`` or
+    ``X-Api-Key: KEY``; anything else is a 401 with an OpenAI error body. CORS preflights
+    (``OPTIONS``) pass, as browsers send them without credentials. (Not BaseHTTPMiddleware,
+    which would get between handlers and ``receive`` and so hide client disconnects.)"""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, public_paths: frozenset = frozenset({"/health"})) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+        self.public_paths = public_paths
+
+    def _authorized(self, headers: list) -> bool:
+        for k, v in headers:
+            if k == b"authorization" and v[:7].lower() == b"bearer " and hmac.compare_digest(v[7:].strip(), self.key):
+                return True
+            if k == b"x-api-key" and hmac.compare_digest(v.strip(), self.key):
+                return True
+        return False
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope["path"] in self.public_paths:
             return await self.app(scope, receive, send)
-        auth = b""
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                auth = v
-                break
-        if hmac.compare_digest(auth, self.expected):
+        if self._authorized(scope.get("headers", [])):
             return await self.app(scope, receive, send)
-        resp = error_response("Unauthorized: a valid API key is required (Authorization: Bearer KEY).", 401, "AuthenticationError")
+        resp = error_response("Unauthorized: a valid API key is required (Authorization: Bearer KEY, or X-Api-Key: KEY).",
+                              401, "AuthenticationError")
         await resp(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class RequestLimitsMiddleware:
+    """Pure ASGI middleware: request headers over ``max_header_bytes`` get 431, a body over
+    ``max_body_bytes`` (by Content-Length, or counted as it arrives) gets 413, both with an
+    OpenAI error body."""
+
+    def __init__(self, app: Any, max_body_bytes: int, max_header_bytes: int) -> None:
+        self.app = app
+        self.max_body = max_body_bytes
+        self.max_headers = max_header_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope.get("headers", [])
+        if sum(len(k) + len(v) for k, v in headers) > self.max_headers:
+            return await error_response(f"request headers are larger than {self.max_headers} bytes", 431,
+                                        "RequestHeaderFieldsTooLargeError")(scope, receive, send)
+        for k, v in headers:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
+                return await error_response(f"request body is larger than {self.max_body} bytes", 413,
+                                            "RequestEntityTooLargeError")(scope, receive, send)
+        seen = 0
+        started = False
+
+        async def counted_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await error_response(f"request body is larger than {self.max_body} bytes", 413,
+                                     "RequestEntityTooLargeError")(scope, receive, send)
 
 
 async def _listen_for_disconnect(request: Request) -> None:
@@ -93,7 +150,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(exc.message, exc.status_code, exc.err_type, exc.param)
+        resp = error_response(exc.message, exc.status_code, exc.err_type, exc.param)
+        resp.headers.update(exc.headers)
+        return resp
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError) -> JSONResponse:

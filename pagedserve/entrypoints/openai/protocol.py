@@ -85,6 +85,7 @@ class _SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Optional[str] = None
+    timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None

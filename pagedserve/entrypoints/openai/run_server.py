@@ -4,6 +4,11 @@ The port is bound before the model loads, so a busy port fails at once; until th
 ready every request (``/health`` included) is answered 503. If the engine core dies later, the
 server keeps answering 503 for ``ENGINE_DEAD_GRACE_S`` and then exits with status 1, for a
 supervisor to restart it.
+
+SIGTERM (to the server, or to its whole process group, as a supervisor sends it) drains: new
+requests get 503, running ones get ``--shutdown-timeout`` seconds to finish, then the engine
+core is stopped and the server exits 0. The engine core ignores SIGTERM and Ctrl-C itself: the
+front stops it. A second signal exits at once.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ class LoadingApp:
     def __init__(self) -> None:
         self.app: Any = None
         self.llm: Any = None
+        self.draining = False  # graceful shutdown: every request gets 503
 
     def ready(self, app: Any, llm: Any) -> None:
         self.app, self.llm = app, llm
@@ -43,10 +49,39 @@ class LoadingApp:
                         self.llm.shutdown()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        if self.app is not None:
+        if self.app is not None and not self.draining:
             return await self.app(scope, receive, send)
         if scope["type"] == "http":
-            await error_response("the engine is loading", 503, "ServiceUnavailableError")(scope, receive, send)
+            why = "the server is shutting down" if self.draining else "the engine is loading"
+            await error_response(why, 503, "ServiceUnavailableError")(scope, receive, send)
+
+
+def draining_server(config: Any, loading: LoadingApp, shutdown_timeout: float) -> Any:
+    """A uvicorn server whose first SIGTERM drains (see the module docstring)."""
+    import signal
+    import time
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining_started = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig != signal.SIGTERM or self.draining_started:
+                return super().handle_exit(sig, frame)
+            self.draining_started = True
+            loading.draining = True
+            logger.info("pagedserve: SIGTERM: refusing new requests, letting running ones finish (up to %.0f s)", shutdown_timeout)
+
+            def drain() -> None:
+                deadline = time.monotonic() + shutdown_timeout
+                while time.monotonic() < deadline and loading.llm is not None and loading.llm.num_unfinished_requests() > 0:
+                    time.sleep(0.05)
+                self.should_exit = True
+
+            threading.Thread(target=drain, name="pagedserve-drain", daemon=True).start()
+
+    return DrainingServer(config)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -82,7 +117,9 @@ def run_server(args: Any) -> int:
     log_level = str(getattr(args, "log_level", "info")).lower()
     sock = bind(server_args.host, server_args.port)
     loading = LoadingApp()
-    uv = uvicorn.Server(uvicorn.Config(loading, log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5))
+    config_uv = uvicorn.Config(loading, log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5,
+                               h11_max_incomplete_event_size=max(server_args.max_header_bytes * 4, 1 << 20))  # our 431 decides
+    uv = draining_server(config_uv, loading, server_args.shutdown_timeout)
     engine_dead = threading.Event()
     failure: list[BaseException] = []
 

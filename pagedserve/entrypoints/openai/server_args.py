@@ -16,6 +16,7 @@ class ServerArgs:
     """How the OpenAI-compatible server answers (see docs/server.md).
 
     Attributes:
+        api_key: every route but /health needs it (``metrics_public``: /metrics too is open).
         chat_template: a Jinja chat template, or the path of a file holding one; None = the
             model's.
         trust_request_chat_template: allow a ``chat_template`` field in requests (it runs as
@@ -29,11 +30,19 @@ class ServerArgs:
             holding a generation_config.json.
         enable_log_requests: log each request's id, prompt length and sampling parameters.
         uvicorn_log_level: uvicorn's own log level.
+        max_queued_requests: requests admitted but not started (no output yet) beyond which a
+            new one gets 503 with ``Retry-After`` at once; None = no limit.
+        request_timeout: default deadline of a request (seconds; a request's ``timeout`` field
+            overrides it); past it the request ends with finish_reason "timeout".
+        shutdown_timeout: on SIGTERM, seconds the running requests get to finish while new
+            ones are refused with 503.
+        max_request_body_bytes, max_header_bytes: larger requests get 413 / 431.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: Optional[str] = None
+    metrics_public: bool = False
     chat_template: Optional[str] = None
     trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False
@@ -45,10 +54,21 @@ class ServerArgs:
     generation_config: str = "auto"
     enable_log_requests: bool = False
     uvicorn_log_level: str = "info"
+    max_queued_requests: Optional[int] = None
+    request_timeout: Optional[float] = None
+    shutdown_timeout: float = 30.0
+    max_request_body_bytes: int = 32 << 20
+    max_header_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: " + ", ".join(TOOL_PARSERS) + ")")
+        for name in ("max_queued_requests", "request_timeout", "max_request_body_bytes", "max_header_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         self.api_key = self.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
@@ -74,7 +94,8 @@ class ServerArgs:
         g = parser.add_argument_group("server")
         g.add_argument("--host", default="127.0.0.1")
         g.add_argument("--port", type=int, default=8000)
-        g.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY; or set PAGEDSERVE_API_KEY)")
+        g.add_argument("--api-key", default=None, help="require this key on every route but /health (Bearer or X-Api-Key; or set PAGEDSERVE_API_KEY)")
+        g.add_argument("--metrics-public", action="store_true", help="with --api-key, leave /metrics open (for a scraper without the key)")
         g.add_argument("--chat-template", default=None, help="a Jinja chat template or the path of a file with one (default: the model's)")
         g.add_argument("--trust-request-chat-template", action="store_true", help="allow a chat_template field in requests (it runs as code in the server)")
         g.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (needs --tool-call-parser)')
@@ -86,6 +107,11 @@ class ServerArgs:
         g.add_argument("--generation-config", default="auto", help="auto (the model's sampling defaults), vllm (none) or a folder")
         g.add_argument("--enable-log-requests", action="store_true", help="log every request (id, prompt length, sampling parameters)")
         g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+        g.add_argument("--max-queued-requests", type=int, default=None, help="beyond this many requests waiting to start, answer 503 with Retry-After")
+        g.add_argument("--request-timeout", type=float, default=None, help="default deadline of a request in seconds (the request's timeout field overrides it)")
+        g.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests get to finish (new ones get 503)")
+        g.add_argument("--max-request-body-bytes", type=int, default=32 << 20, help="larger bodies get 413")
+        g.add_argument("--max-header-bytes", type=int, default=64 << 10, help="larger request headers get 431")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -89,7 +89,7 @@ class OpenAIServingChat(OpenAIServing):
                         params: SamplingParams, plan: ToolPlan) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in range(params.n)]
         cached = 0
-        async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt)) as stream:
+        async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req))) as stream:
             async for _, out in stream:
                 if out.finished:
                     cached = out.num_cached_tokens
@@ -135,7 +135,7 @@ class OpenAIServingChat(OpenAIServing):
             if echo:
                 for i in range(params.n):
                     yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
-            async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt)) as stream:
+            async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req))) as stream:
                 async for _, out in stream:
                     for o in out.outputs:
                         ch = choices[o.index]

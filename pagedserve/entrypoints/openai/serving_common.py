@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.input_processor import RequestError, check_text, param_of
+from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
 from pagedserve.entrypoints.openai.token_strings import TokenStrings
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ErrorInfo, ErrorResponse
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -150,6 +151,7 @@ UNSUPPORTED_FIELDS = {
     "vllm_xargs": (None,), "kv_transfer_params": (None,), "prompt_embeds": (None,), "mm_processor_kwargs": (None,),
 }
 _ignored_logged: set[str] = set()
+MAX_TIMEOUT_S = 86400.0
 
 
 def check_extra_fields(req: Any) -> None:
@@ -177,7 +179,8 @@ class OpenAIServing:
 
     def __init__(self, llm: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False,
                  chat_template: Optional[str] = None, enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
-                 default_sampling: Optional[dict[str, Any]] = None, log_requests: bool = False) -> None:
+                 default_sampling: Optional[dict[str, Any]] = None, log_requests: bool = False,
+                 request_timeout: Optional[float] = None) -> None:
         self.llm = llm
         self.input_processor = llm.input_processor
         self.trust_request_chat_template = trust_request_chat_template
@@ -189,11 +192,18 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self.default_sampling = dict(default_sampling or {})
         self.log_requests = log_requests
+        self.request_timeout = request_timeout
 
     def check_request(self, req: Any) -> str:
-        """The model check and the unknown-field check of a request; the name to report."""
+        """The model check, the unknown-field check and the deadline of a request; the name to report."""
         check_extra_fields(req)
+        if req.timeout is not None and not 0 < req.timeout <= MAX_TIMEOUT_S:
+            raise RequestError(f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {req.timeout}.", param="timeout")
         return self.check_model(req.model)
+
+    def timeout_of(self, req: Any) -> Optional[float]:
+        """The request's deadline in seconds from arrival: its ``timeout``, else the server's."""
+        return req.timeout if req.timeout is not None else self.request_timeout
 
     def check_model(self, model: Optional[str]) -> str:
         """The name to report. Raises RequestError 404 (``NotFoundError``, as OpenAI and vLLM
@@ -270,16 +280,21 @@ class OpenAIServing:
                 msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
         kwargs = dict(chat_template_kwargs or {})
+        server_template = self.chat_template
         if tools:
             kwargs["tools"] = tools
-            if chat_template is None and self.chat_template is None and "tools" not in (self.tokenizer.chat_template or ""):
-                chat_template = tools_template()  # the model's template would drop the tools
-        chat_template = chat_template or self.chat_template
+            if server_template is None and "tools" not in (self.tokenizer.chat_template or ""):
+                server_template = tools_template()  # the model's template would drop the tools
         try:
-            text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template, **kwargs,
-            )
+            if chat_template is not None:  # a client's program: sandboxed, with bounds on loops and output
+                text = render_untrusted(chat_template, conv, self.tokenizer, add_generation_prompt, continue_final_message, **kwargs)
+            else:
+                text = self.tokenizer.apply_chat_template(
+                    conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, chat_template=server_template, **kwargs,
+                )
+        except TemplateLimitError as e:
+            raise RequestError(str(e), param="chat_template") from None
         except Exception as e:  # jinja errors, a template that refuses the roles, ...
             raise RequestError(f"messages could not be rendered with the chat template: {e}", param="messages") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -288,12 +303,12 @@ class OpenAIServing:
         return conv, ids
 
     async def run(self, request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
-                  cache_salt: Optional[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  cache_salt: Optional[str], timeout_s: Optional[float] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt; yield ``(prompt index, delta output)``. However this
         ends (finished, client gone, cancelled, error), no request is left running."""
         rids = [f"{request_id}-{i}" if len(prompts) > 1 else request_id for i in range(len(prompts))]
         make = self.input_processor.make_request
-        gens = [self.llm.generate_processed(make(rid, p.text, p.token_ids, sp, cache_salt=cache_salt))
+        gens = [self.llm.generate_processed(make(rid, p.text, p.token_ids, sp, cache_salt=cache_salt, timeout_s=timeout_s))
                 for rid, p, sp in zip(rids, prompts, params)]
         unfinished = set(rids)
         try:

@@ -74,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
         n = params[0].n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         cached = 0
-        async with aclosing(self.run(request_id, prompts, params, req.cache_salt)) as stream:
+        async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req))) as stream:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
                 for o in out.outputs:
@@ -102,7 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(p.token_ids) for p in prompts)
         created = int(time.time())
         try:
-            async with aclosing(self.run(request_id, prompts, params, req.cache_salt)) as stream:
+            async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req))) as stream:
                 async for pi, out in stream:
                     for o in out.outputs:
                         idx = pi * n + o.index
