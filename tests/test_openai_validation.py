@@ -5,6 +5,8 @@ stub fails the test if something does). A handful of these also run end to end a
 server in test_server.py."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -36,8 +38,9 @@ class ValidationOnlyLLM:
         self.is_running = True
         self.reached_engine: list = []
 
-    def check_capacity(self) -> None:
-        pass
+    @contextlib.contextmanager
+    def admission(self):
+        yield
 
     async def generate_processed(self, req):
         self.reached_engine.append(req)

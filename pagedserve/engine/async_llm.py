@@ -19,8 +19,9 @@ import asyncio
 import itertools
 import logging
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import SchedulerStats
@@ -86,6 +87,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # output processor, streams, stats
         self._streams: dict[str, _Stream] = {}
         self._not_started: set[str] = set()  # admitted, no output yet (queued or in prefill)
+        self._preparing = 0  # HTTP requests inside admission(), not yet handed to the core
         self.max_queued_requests: Optional[int] = None  # beyond it, new requests get 503
         self._utility_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
@@ -136,7 +138,6 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._check_alive()
-            self._check_capacity()
             self.output_processor.add_request(req)  # ValueError on a duplicate id
             self._streams[req.request_id] = _Stream(loop, queue)
             self._not_started.add(req.request_id)
@@ -169,16 +170,25 @@ class AsyncLLM:
             if not finished:
                 self.abort(req.request_id)
 
-    def check_capacity(self) -> None:
-        """Raises RequestError 503 (with ``Retry-After``) when ``max_queued_requests`` requests
-        are already waiting to start, so an overloaded server says so at once instead of
-        queueing without end. The server calls it before a stream begins."""
+    @contextmanager
+    def admission(self) -> Iterator[None]:
+        """Admit one HTTP request for preparation (tokenizing, rendering), or raise RequestError
+        503 with ``Retry-After`` when ``max_queued_requests`` requests are already waiting to
+        start (requests being prepared count), so an overloaded server says so at once instead
+        of queueing without end."""
         with self._lock:
             self._check_capacity()
+            self._preparing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._preparing -= 1
 
     def _check_capacity(self) -> None:
-        if self.max_queued_requests is not None and len(self._not_started) >= self.max_queued_requests:
-            raise RequestError(f"the server is overloaded: {len(self._not_started)} requests are waiting to start; retry later.",
+        waiting = len(self._not_started) + self._preparing
+        if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+            raise RequestError(f"the server is overloaded: {waiting} requests are waiting to start; retry later.",
                                status_code=503, err_type="ServiceUnavailableError", headers={"Retry-After": "1"})
 
     def abort(self, request_id: str) -> None:

@@ -128,8 +128,8 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        llm.check_capacity()
-        model, prompts, params = await off_loop(completions.prepare_completion, req)
+        with llm.admission():  # 503 at once when too many requests wait to start
+            model, prompts, params = await off_loop(completions.prepare_completion, req)
         request_id = random_id("cmpl")
         completions.log_request(request_id, req, [len(p.token_ids) for p in prompts], params)
         if req.stream:
@@ -138,8 +138,8 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        llm.check_capacity()
-        model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
+        with llm.admission():
+            model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
         request_id = random_id("chatcmpl")
         chats.log_request(request_id, req, [len(prompt.token_ids)], [params])
         if req.stream:

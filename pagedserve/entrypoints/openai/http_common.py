@@ -55,10 +55,6 @@ class APIKeyMiddleware:
         await resp(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class RequestLimitsMiddleware:
     """Pure ASGI middleware: request headers over ``max_header_bytes`` get 431, a body over
     ``max_body_bytes`` (by Content-Length, or counted as it arrives) gets 413, both with an
@@ -80,29 +76,29 @@ class RequestLimitsMiddleware:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
                 return await error_response(f"request body is larger than {self.max_body} bytes", 413,
                                             "RequestEntityTooLargeError")(scope, receive, send)
-        seen = 0
-        started = False
-
-        async def counted_receive() -> dict:
-            nonlocal seen
+        # Read the whole body here (the app would anyway), counting it as it arrives, then
+        # replay it; later receive() calls (disconnect detection) go to the server.
+        chunks, seen, more = [], 0, True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise _BodyTooLarge()
-            return message
+            if message["type"] != "http.request":  # the client went away mid-body
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            more = message.get("more_body", False)
+            if seen > self.max_body:
+                return await error_response(f"request body is larger than {self.max_body} bytes", 413,
+                                            "RequestEntityTooLargeError")(scope, receive, send)
+        replayed = False
 
-        async def tracked_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
 
-        try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _BodyTooLarge:
-            if not started:
-                await error_response(f"request body is larger than {self.max_body} bytes", 413,
-                                     "RequestEntityTooLargeError")(scope, receive, send)
+        await self.app(scope, replay, send)
 
 
 async def _listen_for_disconnect(request: Request) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, AsyncIterator, Optional, Union
 
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedserve.engine.input_processor import RequestError, check_text, param_of
 from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
 from pagedserve.entrypoints.openai.token_strings import TokenStrings
@@ -32,9 +32,15 @@ def error_body(message: str, status_code: int = 400, err_type: str = "BadRequest
 
 
 def stream_error(e: Exception) -> str:
-    """An SSE event with the error body of a request refused late or an engine that died."""
-    status = 400 if isinstance(e, ValueError) else 500
-    return sse(error_body(str(e), status, "BadRequestError" if status == 400 else "InternalServerError", param_of(str(e))))
+    """An SSE event with the error body of a request refused late (its RequestError's status),
+    an engine that died (503) or a bug (500)."""
+    if isinstance(e, RequestError):
+        return sse(error_body(e.message, e.status_code, e.err_type, e.param))
+    if isinstance(e, EngineDeadError):
+        return sse(error_body(str(e), 503, "ServiceUnavailableError"))
+    if isinstance(e, ValueError):
+        return sse(error_body(str(e), 400, "BadRequestError", param_of(str(e))))
+    return sse(error_body(str(e), 500, "InternalServerError"))
 
 
 def _finite(x: float) -> float:
