@@ -572,7 +572,7 @@ def test_engine_process_killed_health_503_errors_and_nonzero_exit(tiny_model_fac
                     os.kill(core_pid, signal.SIGKILL)
         assert events[-1] == "data: [DONE]"
         err = json.loads(events[-2][6:])["error"]
-        assert err["code"] == 500 and "engine" in err["message"]
+        assert err["code"] == 503 and err["type"] == "ServiceUnavailableError" and "engine" in err["message"]
         statuses = []
         while proc.poll() is None and time.monotonic() < deadline + 30:
             try:
@@ -586,6 +586,63 @@ def test_engine_process_killed_health_503_errors_and_nonzero_exit(tiny_model_fac
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_model_factory, tmp_path):
+    """A supervisor's SIGTERM to the server's whole process group: new requests get 503 at once,
+    the running stream is not cut (every token, then [DONE]), the engine core (same group)
+    does not die on its own, and the server exits 0 after stopping it."""
+    model = tiny_model_factory("llama")
+    port = _free_port()
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.pop("PAGEDSERVE_API_KEY", None)
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "1024", "--shutdown-timeout", "60"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        (core_pid,) = _children(proc.pid)
+        events, refused = [], []
+        body = {"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    late = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+                    refused.append((late.status_code, late.json()["error"]["type"], len(events)))
+        assert refused == [(503, "ServiceUnavailableError", 3)]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) > 900  # nothing cut
+        assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):  # reaped by the server before it exited
+                os.kill(core_pid, 0)
+                time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything left in the group
+        except ProcessLookupError:
+            pass
 
 
 # -- structured output through the official client -------------------------------------------
