@@ -208,3 +208,29 @@ def test_nothing_is_unpickled_or_evaluated():
                     isinstance(node.value, ast.Constant) and node.value.value is False):
                 found.append(f"{where} passes trust_remote_code")
     assert not found, "\n".join(found)
+
+
+def test_api_key_with_metrics_public(llm):
+    with serve(llm, ServerArgs(api_key="k-123", metrics_public=True)) as base:
+        assert httpx.get(base + "/metrics", timeout=10).status_code == 200
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        for path in ("/v1/models", "/version", "/openapi.json", "/health/", "/metrics/"):
+            assert_openai_error(httpx.get(base + path, timeout=10), 401, "AuthenticationError")
+        assert httpx.get(base + "/v1/models", headers={"X-Api-Key": "k-123"}, timeout=10).status_code == 200
+        assert_openai_error(httpx.get(base + "/v1/models", headers={"X-Api-Key": "k-1234"}, timeout=10), 401, "AuthenticationError")
+
+
+def test_cache_salt_over_http_never_hits_another_tenants_blocks(llm):
+    prompt = "tenant isolation " * 20  # several full blocks
+    with serve(llm, ServerArgs()) as base:
+        def cached(salt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            if salt is not None:
+                body["cache_salt"] = salt
+            return httpx.post(base + "/v1/completions", json=body, timeout=30).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        cached("alice")
+        assert cached("alice") >= 32  # the same tenant hits its own blocks
+        assert cached("bob") == 0 and cached(None) == 0  # another salt, or none, hits nothing of alice's
+        assert cached("bob") >= 32
+        kv_idle(llm)
