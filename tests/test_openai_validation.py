@@ -179,3 +179,14 @@ def test_cors_preflight_succeeds_out_of_the_box(app_client):
     assert r.headers["access-control-allow-origin"] in ("*", "http://example.com")
     assert "POST" in r.headers["access-control-allow-methods"]
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
+
+
+def test_docs_page_assets_come_from_the_server_not_a_cdn(app_client):
+    client, _ = app_client
+    html = client.get("/docs").text
+    assert "cdn.jsdelivr" not in html and "unpkg" not in html
+    for asset in ("/docs/static/swagger-ui-bundle.js", "/docs/static/swagger-ui.css"):
+        assert asset in html
+        r = client.get(asset)
+        assert r.status_code == 200 and len(r.content) > 10_000, asset
+    assert client.get("/redoc").status_code == 404  # not served: its assets would come from a CDN

@@ -28,6 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.docs_page import add_docs_page
 from pagedserve.entrypoints.openai.http_common import (
     SSE_HEADERS, APIKeyMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers, run_until_disconnect,
 )
@@ -90,7 +91,8 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
         llm.shutdown()
         prepare.shutdown(wait=False)
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    add_docs_page(app)
     app.state.llm = llm
     app.state.metrics = metrics
     if server.api_key:
