@@ -50,6 +50,13 @@ class Figures:
     statuses: dict[int, int] = field(default_factory=dict)
     greedy_checked: int = 0
     greedy_mismatched: list[str] = field(default_factory=list)
+    greedy_near_ties: list[str] = field(default_factory=list)
+
+    def merge(self, other: "Figures") -> None:
+        for k in ("sent", "completed", "aborted", "disconnected", "timeouts", "greedy_checked"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        for k, v in other.statuses.items():
+            self.statuses[k] = self.statuses.get(k, 0) + v
 
 
 def process_figures() -> dict[str, int]:
@@ -172,9 +179,18 @@ async def run_soak(base: str, model: str, num_requests: int, concurrency: int, s
     return figs, greedy
 
 
+NEAR_TIE_NATS = 1e-4
+
+
 def check_greedy(base: str, offline: Any, greedy: list[tuple[Spec, list[str]]], figs: Figures) -> None:
     """Compare each completed greedy answer with the offline engine's for the same prompt ids
-    (the server's /tokenize renders them as the request did)."""
+    (the server's /tokenize renders them as the request did).
+
+    A float32 matmul sums in an order that depends on the batch's shape, so two greedy runs of
+    one prompt in different batches can part where the top two tokens are within about 1e-6
+    nats. A difference is counted as a near-tie, not a mismatch, only when the offline run's
+    first token off the server's text had a runner-up within ``NEAR_TIE_NATS`` and the server's
+    text continues with that runner-up."""
     import httpx
 
     from pagedserve import SamplingParams
@@ -185,14 +201,38 @@ def check_greedy(base: str, offline: Any, greedy: list[tuple[Spec, list[str]]], 
         tok = {"model": b["model"], "messages": b["messages"]} if "messages" in b else {"model": b["model"], "prompt": b["prompt"]}
         ids = httpx.post(base + "/tokenize", json=tok, timeout=60).json()["tokens"]
         prompts.append({"prompt_token_ids": ids})
-        params.append(SamplingParams(temperature=0, max_tokens=b["max_tokens"], stop=b.get("stop"), ignore_eos=b.get("ignore_eos", False)))
+        params.append(SamplingParams(temperature=0, max_tokens=b["max_tokens"], stop=b.get("stop"), ignore_eos=b.get("ignore_eos", False),
+                                     logprobs=2))
         wants.append(texts)
     outs = offline.generate(prompts, params, use_tqdm=False)
+    tokenizer = offline.get_tokenizer()
     for (spec, texts), out in zip(greedy, outs):
         figs.greedy_checked += 1
-        ref = out.outputs[0].text
-        if any(t != ref for t in texts):
-            figs.greedy_mismatched.append(f"{spec.route} {spec.body}: server {texts!r} offline {ref!r}")
+        ref = out.outputs[0]
+        bad = [t for t in texts if t != ref.text]
+        if not bad:
+            continue
+        if all(near_tie(tokenizer, ref, t) for t in bad):
+            figs.greedy_near_ties.append(f"{spec.route} {spec.body}: server {bad!r} offline {ref.text!r}")
+        else:
+            figs.greedy_mismatched.append(f"{spec.route} {spec.body}: server {texts!r} offline {ref.text!r}")
+
+
+def near_tie(tokenizer: Any, ref: Any, server_text: str) -> bool:
+    """True when ``server_text`` follows ``ref`` up to a token where the offline run's runner-up
+    was within ``NEAR_TIE_NATS`` of its choice and the server took that runner-up."""
+    for i, tid in enumerate(ref.token_ids):
+        prefix = tokenizer.decode(ref.token_ids[:i + 1], skip_special_tokens=True)
+        if server_text.startswith(prefix):
+            continue
+        lps = ref.logprobs[i]
+        chosen = lps[tid].logprob
+        for alt, lp in lps.items():
+            if alt != tid and chosen - lp.logprob < NEAR_TIE_NATS:
+                if server_text.startswith(tokenizer.decode(ref.token_ids[:i] + [alt], skip_special_tokens=True)):
+                    return True
+        return False
+    return False
 
 
 def main() -> int:
@@ -204,6 +244,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-prompt-words", type=int, default=200)
     ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6, help="split the requests into rounds; figures printed after each")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from app_utils import kv_idle, serve, tiny_async_llm
@@ -218,10 +259,19 @@ def main() -> int:
             kv_idle(llm, 60)
             before = process_figures()
             t0 = time.monotonic()
-            figs, greedy = asyncio.run(run_soak(base, name, args.requests, args.concurrency, args.seed, args.max_prompt_words, args.max_tokens))
+            figs, greedy, rounds = Figures(), [], []
+            per_round = -(-args.requests // args.rounds)
+            for r in range(args.rounds):
+                n = min(per_round, args.requests - r * per_round)
+                f, g = asyncio.run(run_soak(base, name, n, args.concurrency, args.seed + 1000 * r, args.max_prompt_words, args.max_tokens))
+                figs.merge(f)
+                greedy += g
+                kv_idle(llm, 60)
+                rounds.append(process_figures())
+                print(f"round {r + 1}/{args.rounds}: {figs.sent} requests so far, fds {rounds[-1]['fds']}, threads "
+                      f"{rounds[-1]['threads']}, RSS {rounds[-1]['rss_kib'] / 1024:.0f} MiB", flush=True)
             wall = time.monotonic() - t0
-            kv_idle(llm, 60)
-            after = process_figures()
+            after = rounds[-1]
             stats = llm.get_stats()
             offline = LLM(args.model, dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048, num_threads=args.num_threads)
             check_greedy(base, offline, greedy, figs)
@@ -232,7 +282,11 @@ def main() -> int:
     print(f"KV blocks free after: {stats.num_free_blocks}/{stats.num_total_blocks}")
     print(f"after warm-up: fds {before['fds']} -> {after['fds']}, threads {before['threads']} -> {after['threads']}, "
           f"RSS {before['rss_kib'] / 1024:.0f} -> {after['rss_kib'] / 1024:.0f} MiB")
-    print(f"greedy answers equal to offline: {figs.greedy_checked - len(figs.greedy_mismatched)}/{figs.greedy_checked}")
+    ties = len(figs.greedy_near_ties)
+    print(f"greedy answers equal to offline: {figs.greedy_checked - len(figs.greedy_mismatched) - ties}/{figs.greedy_checked}, "
+          f"{ties} parted at a near-tie (runner-up within {NEAR_TIE_NATS:g} nats), {len(figs.greedy_mismatched)} mismatched")
+    for m in figs.greedy_near_ties[:3]:
+        print("  NEAR-TIE", m[:400])
     for m in figs.greedy_mismatched[:5]:
         print("  MISMATCH", m)
     return 1 if figs.greedy_mismatched or stats.num_free_blocks != stats.num_total_blocks else 0

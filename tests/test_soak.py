@@ -42,3 +42,18 @@ def test_soak_random_requests_aborts_and_disconnects(tiny_model_factory):
     assert after["fds"] <= before["fds"] + 2, (before, after)
     assert after["threads"] <= before["threads"] + 1, (before, after)
     assert after["rss_kib"] - before["rss_kib"] < 100 * 1024, (before, after)
+
+
+def test_near_tie_rule_of_the_greedy_check():
+    from types import SimpleNamespace
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    lp = lambda x: SimpleNamespace(logprob=x)  # noqa: E731
+    ref = SimpleNamespace(token_ids=[0, 1, 2], logprobs=[{0: lp(-0.1)}, {1: lp(-1.0), 3: lp(-1.00001)}, {2: lp(-0.1)}])
+    assert soak.near_tie(Tok(), ref, "adc")  # took the runner-up, 1e-5 nats behind
+    assert not soak.near_tie(Tok(), ref, "aec")  # a token that was not the runner-up
+    far = SimpleNamespace(token_ids=[0, 1, 2], logprobs=[{0: lp(-0.1)}, {1: lp(-1.0), 3: lp(-1.5)}, {2: lp(-0.1)}])
+    assert not soak.near_tie(Tok(), far, "adc")  # 0.5 nats is no tie
