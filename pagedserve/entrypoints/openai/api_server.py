@@ -24,11 +24,12 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
+from fastapi_offline import FastAPIOffline
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.input_processor import RequestError
-from pagedserve.entrypoints.openai.docs_page import add_docs_page
+from pagedserve.entrypoints.openai import dashboard
 from pagedserve.entrypoints.openai.http_common import (
     SSE_HEADERS, APIKeyMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers, run_until_disconnect,
 )
@@ -91,13 +92,16 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
         llm.shutdown()
         prepare.shutdown(wait=False)
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    add_docs_page(app)
+    # /docs and /redoc with their JavaScript served from the package (FastAPI's own pages load it
+    # from a CDN and render blank offline).
+    app = FastAPIOffline(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, static_url="/docs/static")
+    dashboard.add_dashboard(app, llm, api_key_required=bool(server.api_key))
     app.state.llm = llm
     app.state.metrics = metrics
     if server.api_key:
-        public = frozenset({"/health", "/metrics"} if server.metrics_public else {"/health"})
-        app.add_middleware(APIKeyMiddleware, api_key=server.api_key, public_paths=public)
+        public = {"/health", "/metrics"} if server.metrics_public else {"/health"}
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key, public_paths=frozenset(public | set(dashboard.PUBLIC_PATHS)),
+                           public_prefixes=(dashboard.PUBLIC_PREFIX,))
     add_cors(app, server)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=server.max_request_body_bytes, max_header_bytes=server.max_header_bytes)
     install_error_handlers(app)
