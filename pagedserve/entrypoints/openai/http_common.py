@@ -27,15 +27,18 @@ def error_response(message: str, status_code: int = 400, err_type: str = "BadReq
 
 class APIKeyMiddleware:
     """Pure ASGI middleware: with an API key, every route but ``public_paths`` (``/health``,
-    and ``/metrics`` with ``--metrics-public``) needs ``Authorization: Bearer KEY`` or
+    ``/metrics`` with ``--metrics-public``, and the files under ``public_prefixes``: the
+    dashboard page's static files, not its data) needs ``Authorization: Bearer KEY`` or
     ``X-Api-Key: KEY``; anything else is a 401 with an OpenAI error body. CORS preflights
     (``OPTIONS``) pass, as browsers send them without credentials. (Not BaseHTTPMiddleware,
     which would get between handlers and ``receive`` and so hide client disconnects.)"""
 
-    def __init__(self, app: Any, api_key: str, public_paths: frozenset = frozenset({"/health"})) -> None:
+    def __init__(self, app: Any, api_key: str, public_paths: frozenset = frozenset({"/health"}),
+                 public_prefixes: tuple = ()) -> None:
         self.app = app
         self.key = api_key.encode()
         self.public_paths = public_paths
+        self.public_prefixes = public_prefixes
 
     def _authorized(self, headers: list) -> bool:
         for k, v in headers:
@@ -46,7 +49,9 @@ class APIKeyMiddleware:
         return False
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope["path"] in self.public_paths:
+        path = scope.get("path", "")
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS" or path in self.public_paths
+                or (path.startswith(self.public_prefixes) and ".." not in path)):
             return await self.app(scope, receive, send)
         if self._authorized(scope.get("headers", [])):
             return await self.app(scope, receive, send)
