@@ -218,6 +218,13 @@ def test_api_key_with_metrics_public(llm):
             assert_openai_error(httpx.get(base + path, timeout=10), 401, "AuthenticationError")
         assert httpx.get(base + "/v1/models", headers={"X-Api-Key": "k-123"}, timeout=10).status_code == 200
         assert_openai_error(httpx.get(base + "/v1/models", headers={"X-Api-Key": "k-1234"}, timeout=10), 401, "AuthenticationError")
+        # The dashboard page and its files are public, its data is not.
+        for path in ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/api/auth"):
+            assert httpx.get(base + path, timeout=10).status_code == 200, path
+        assert httpx.get(base + "/dashboard/api/auth", timeout=10).json() == {"api_key_required": True}
+        for path in ("/dashboard/api/snapshot", "/dashboard/api/stream", "/dashboard/static/../api/snapshot",
+                     "/dashboard/static/%2E%2E/api/snapshot", "/docs", "/redoc", "/docs/static/../../v1/models"):
+            assert_openai_error(httpx.get(base + path, timeout=10), 401, "AuthenticationError")
 
 
 def test_cache_salt_over_http_never_hits_another_tenants_blocks(llm):
