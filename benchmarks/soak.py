@@ -59,8 +59,19 @@ class Figures:
             self.statuses[k] = self.statuses.get(k, 0) + v
 
 
-def process_figures() -> dict[str, int]:
-    """Open fds, OS threads and RSS (KiB) of this process."""
+def process_figures(settle_s: float = 3.0) -> dict[str, int]:
+    """Open fds, OS threads and RSS (KiB) of this process, once the fd count has stopped
+    falling (up to ``settle_s``: the server closes its side of finished connections a moment
+    after the client, and garbage holds sockets until collected)."""
+    import gc
+
+    gc.collect()
+    deadline, last, same = time.monotonic() + settle_s, -1, 0
+    while time.monotonic() < deadline and same < 5:
+        n = len(os.listdir("/proc/self/fd"))
+        same = same + 1 if n == last else 0
+        last = n
+        time.sleep(0.1)
     status = {}
     with open("/proc/self/status") as fh:
         for line in fh:
