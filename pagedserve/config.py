@@ -50,6 +50,11 @@ class EngineConfig:
         tokenizer: an HF tokenizer folder to use instead of the model's.
         num_threads: torch CPU threads of the engine (the process that runs the model);
             None = one per core this process may run on.
+        trace_buffer_steps: step records the engine core keeps in its ring buffer for
+            ``get_step_trace`` (steps; 0 = none kept; see ``pagedserve.core.trace``).
+        trace_file: write one JSON record per step to this file (JSON lines, flushed each
+            step; the file is truncated when the engine starts), or None. Written by the
+            process that runs the engine core.
     """
 
     model: Optional[str] = field(default=None, metadata=_flag("HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"))
@@ -71,6 +76,8 @@ class EngineConfig:
     served_model_name: Optional[list[str]] = field(default=None, metadata=_flag("model name(s) the API answers to (the first is reported)", nargs="+"))
     tokenizer: Optional[str] = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
     num_threads: Optional[int] = field(default=None, metadata=_flag("torch CPU threads of the engine (default: one per core)"))
+    trace_buffer_steps: int = field(default=1024, metadata=_flag("step records kept for get_step_trace (0 = off)"))
+    trace_file: Optional[str] = field(default=None, metadata=_flag("write one JSON line per engine step to this file"))
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -87,6 +94,8 @@ class EngineConfig:
             positive(name)
         for name in ("block_size", "max_num_seqs"):
             positive(name, allow_none=False)
+        if not isinstance(self.trace_buffer_steps, int) or isinstance(self.trace_buffer_steps, bool) or self.trace_buffer_steps < 0:
+            raise ValueError(f"trace_buffer_steps must be >= 0, got {self.trace_buffer_steps}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -173,6 +173,8 @@ def check_invariants(sched: Scheduler) -> None:
     for b in pool.blocks:
         assert b.ref_cnt >= 0
         assert (b.ref_cnt == 0) == (b.block_id in free_set), b
+    # The O(1) count of cached-and-evictable blocks (read by the step trace) matches a walk.
+    assert pool.num_cached_free_blocks == sum(1 for b in pool.free_queue if b.block_hash is not None)
     # Every ref_cnt equals the number of live block tables holding the block.
     counts: Counter = Counter()
     where = defaultdict(list)

@@ -262,3 +262,25 @@ def test_serve_against_pagedserve_server(tiny_model_factory, tmp_path):
 def test_serve_says_in_one_line_when_the_server_is_down():
     with pytest.raises(SystemExit, match="no server answers at http://127.0.0.1:9 "):
         _bench("serve", "--base-url", "http://127.0.0.1:9/v1", "--num-prompts", "2")
+
+
+# -- memory --------------------------------------------------------------------------------
+def test_memory_paged_vs_static(tiny_model_factory, tmp_path, capsys):
+    out, png = tmp_path / "mem.json", tmp_path / "mem.png"
+    rc = _bench(
+        "memory", "--model", tiny_model_factory("llama"), "--num-prompts", "6", "--min-input-len", "16", "--max-input-len", "32",
+        "--output-len", "64", "--dtype", "float32", "--num-threads", "1", "--output-json", str(out), "--plot", str(png),
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "PagedAttention paper" in text and "Throughput: paged" in text
+    res = json.loads(out.read_text())
+    for key in ("paged_utilization", "static_utilization", "static_max_len_utilization", "max_concurrent_paged", "max_concurrent_static", "throughput"):
+        assert key in res, key
+    assert 0 < res["static_max_len_utilization"] <= res["static_utilization"] <= res["paged_utilization"] <= 1
+    assert res["max_concurrent_paged"] >= res["max_concurrent_static"] >= 1 and res["steps"] > 0
+    tp = res["throughput"]
+    assert tp["paged"]["output_tokens_per_s"] > 0 and tp["static"]["output_tokens_per_s"] > 0 and tp["ratio_output_tokens_per_s"] > 0
+    assert tp["static"]["max_num_seqs"] == res["max_concurrent_static"]
+    assert tp["paged"]["output_tokens"] == tp["static"]["output_tokens"] == res["total_output_tokens"] < res["total_max_tokens"]
+    assert png.stat().st_size > 1000

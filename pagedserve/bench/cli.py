@@ -1,4 +1,4 @@
-"""``pagedserve bench {throughput,latency,serve}``, hooked into the main CLI.
+"""``pagedserve bench {throughput,latency,serve,memory}``, hooked into the main CLI.
 
 Examples::
 
@@ -7,6 +7,7 @@ Examples::
         --prefix-len 512 --suffix-len 64 --num-prefixes 4 --output-len 64
     pagedserve bench latency --input-len 512 --output-len 128
     pagedserve bench serve --base-url http://127.0.0.1:8000 --request-rates 1,2,4,inf --plot sweep.png
+    pagedserve bench memory --output-json mem.json --plot mem.png    # KV memory holding tokens: paged vs static
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from pagedserve.bench.datasets import add_dataset_args
     from pagedserve.bench.latency import add_latency_args, cmd_latency
+    from pagedserve.bench.memory import add_memory_args, cmd_memory
     from pagedserve.bench.serve import add_serve_args, cmd_serve_bench
     from pagedserve.bench.throughput import add_throughput_args, cmd_throughput
 
@@ -56,4 +58,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_serve_args(s)
     s.set_defaults(func=cmd_serve_bench)
+
+    m = sub.add_parser(
+        "memory",
+        help="share of KV memory holding token states, paged vs static reservation, and the batch size and throughput that follow",
+        formatter_class=_HelpFormatter,
+    )
+    add_memory_args(m)
+    add_dataset_args(m)
+    EngineConfig.add_cli_args(m)
+    m.set_defaults(func=cmd_memory)
     return bench

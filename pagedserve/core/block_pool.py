@@ -105,6 +105,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        # Free blocks that still carry a hash (a later request can hit them), kept up to date
+        # at every change so a step trace can read it in O(1).
+        self.num_cached_free_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -133,6 +136,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self.num_cached_free_blocks -= 1
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -149,6 +154,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
@@ -160,6 +167,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if block.ref_cnt == 0 and block.prev_free is not None:  # not reached today: blocks are cached while held
+            self.num_cached_free_blocks += 1
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each of a request's blocks (given in block-table order).
@@ -176,6 +185,7 @@ class BlockPool:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+                    self.num_cached_free_blocks += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False) while any block is in use."""
@@ -184,4 +194,5 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        self.num_cached_free_blocks = 0
         return True

@@ -204,14 +204,34 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self._call_utility("reset_prefix_cache")
 
-    async def _call_utility(self, name: str) -> Any:
+    async def get_step_trace(self, since_step: Optional[int] = None, limit: Optional[int] = None) -> list[dict[str, Any]]:
+        """The engine core's step records with ``step >= since_step`` (every buffered one when
+        None), oldest first, at most ``limit``: plain dicts (fields in
+        :mod:`pagedserve.core.trace`), fetched from the core between two of its steps. A
+        dashboard polls with the last step it saw + 1. Empty when ``trace_buffer_steps=0``.
+
+        Raises:
+            EngineDeadError: the engine core is not running.
+        """
+        return await self._call_utility("get_step_trace", since_step, limit)
+
+    async def get_block_map(self) -> dict[str, Any]:
+        """Every KV block's state and owner now (see :func:`pagedserve.core.trace.block_map`),
+        built by the core on this call (O(num_blocks)).
+
+        Raises:
+            EngineDeadError: the engine core is not running.
+        """
+        return await self._call_utility("get_block_map")
+
+    async def _call_utility(self, name: str, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         call_id = next(self._call_ids)
         with self._lock:
             self._check_alive()
             self._utility_calls[call_id] = (loop, fut)
-        self.client.send(["utility", call_id, name])
+        self.client.send(["utility", call_id, name, list(args)])
         return await fut
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

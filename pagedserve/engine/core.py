@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -18,6 +18,7 @@ from pagedserve.core.outputs import EngineCoreOutputs, EngineCoreRequest, Schedu
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.core.structured_output import StructuredOutputManager
+from pagedserve.core.trace import StepTracer, block_map
 
 logger = logging.getLogger("pagedserve")
 
@@ -64,6 +65,8 @@ class EngineCore:
         grammars = StructuredOutputManager(lambda: load_tokenizer(tokenizer_dir), hf_config.vocab_size,
                                            lambda tok: load_eos_token_ids(self.worker.model_dir, hf_config, tok))
         self.scheduler = Scheduler(self.config, kv, grammars)
+        tracer = StepTracer(self.config.trace_buffer_steps, self.config.trace_file)
+        self.tracer: Optional[StepTracer] = tracer if tracer.enabled else None
         self.info = EngineCoreInfo(
             self.config, spec.num_blocks, spec.block_bytes, str(self.worker.dtype).replace("torch.", ""),
             str(self.worker.device), self.worker.model_dir,
@@ -85,18 +88,27 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests as aborted and free their blocks now (unknown ids are ignored)."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.tracer is not None and done:
+            self.tracer.note_aborted(r.request_id for r in done)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and update once; outputs of the requests that progressed."""
+        tracer = self.tracer
+        if tracer is not None:
+            start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        if tracer is not None:  # before the model runs: phases are read off num_computed_tokens
+            scheduled = tracer.scheduled_entries(self.scheduler, scheduler_output)
         # Even an empty step goes to the worker: it carries the ids of finished requests.
         runner_output = self.worker.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        if tracer is not None:
+            tracer.record(start, scheduled, self.scheduler, scheduler_output, outputs)
         return outputs
 
     def get_stats(self) -> SchedulerStats:
@@ -105,3 +117,16 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefix blocks; refused (False) while requests hold blocks."""
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def get_step_trace(self, since_step: Optional[int] = None, limit: Optional[int] = None) -> list[dict[str, Any]]:
+        """The last steps' records (see :mod:`pagedserve.core.trace` for their fields), oldest
+        first: those with ``step >= since_step`` still in the ring buffer (all when None), at
+        most ``limit``. Empty when the trace is off (``trace_buffer_steps=0``). A poller passes
+        the last step it saw + 1; a gap between that and the first record returned means the
+        buffer overflowed in between."""
+        return self.tracer.get(since_step, limit) if self.tracer is not None else []
+
+    def get_block_map(self) -> dict[str, Any]:
+        """A snapshot of every KV block's state and owner (see
+        :func:`pagedserve.core.trace.block_map`); O(num_blocks), built on each call."""
+        return block_map(self.scheduler.kv_cache_manager, [r.request_id for r in self.scheduler.running])

@@ -3,10 +3,11 @@
 
 Messages in (lists): ``["add", [EngineCoreRequest, ...]]`` (the ``n`` sequences of one request
 together), ``["abort", [ids]]``,
-``["utility", call_id, name]`` (``reset_prefix_cache`` or ``get_stats``), ``["shutdown"]``.
+``["utility", call_id, name, args]`` (``reset_prefix_cache``, ``get_stats``, ``get_step_trace``
+with args ``[since_step, limit]`` or ``get_block_map``; ``args`` may be left out), ``["shutdown"]``.
 Messages out: ``["ready", EngineCoreInfo]`` once loaded, ``["outputs", EngineCoreOutputs]`` after
 every step (and after commands that changed the state of an idle core),
-``["utility", call_id, result]``, and ``["error", exception type, message]`` when start-up or
+``["utility", call_id, result, error or None]``, and ``["error", exception type, message]`` when start-up or
 a step fails (the process then exits with status 1).
 
 The loop: take every waiting command, run one step if any request is unfinished, send its
@@ -32,7 +33,7 @@ from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs
 logger = logging.getLogger("pagedserve")
 
 IDLE_POLL_S = 1.0
-UTILITIES = ("reset_prefix_cache", "get_stats")
+UTILITIES = ("reset_prefix_cache", "get_stats", "get_step_trace", "get_block_map")
 
 
 def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], send: Callable[[list], None],
@@ -78,10 +79,16 @@ def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
         return True
     if kind == "utility":
         call_id, name = msg[1], msg[2]
+        args = msg[3] if len(msg) > 3 and isinstance(msg[3], list) else []
         if name not in UTILITIES:
             send(["utility", call_id, None, f"unknown utility {name!r}"])
             return False
-        send(["utility", call_id, getattr(core, name)(), None])
+        try:
+            result = getattr(core, name)(*args)
+        except (TypeError, ValueError) as e:  # bad arguments from the front: answer, do not die
+            send(["utility", call_id, None, f"{name}: {e}"])
+            return False
+        send(["utility", call_id, result, None])
         return name == "reset_prefix_cache"
     logger.error("pagedserve engine core: unknown message %r", kind)
     return False

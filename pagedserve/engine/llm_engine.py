@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import SchedulerStats
@@ -114,6 +114,17 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefix blocks. Returns False (and does nothing) while requests hold blocks."""
         return self.core.reset_prefix_cache()
+
+    def get_step_trace(self, since_step: Optional[int] = None, limit: Optional[int] = None) -> list[dict[str, Any]]:
+        """The engine core's step records with ``step >= since_step`` (all buffered when None),
+        oldest first, at most ``limit``; fields in :mod:`pagedserve.core.trace`. Empty when
+        ``trace_buffer_steps=0``."""
+        return self.core.get_step_trace(since_step, limit)
+
+    def get_block_map(self) -> dict[str, Any]:
+        """Every KV block's state (free / used / shared / cached) and owner, built now; see
+        :func:`pagedserve.core.trace.block_map`."""
+        return self.core.get_block_map()
 
     def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
         now = time.monotonic()

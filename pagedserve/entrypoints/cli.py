@@ -1,4 +1,4 @@
-"""The ``pagedserve`` command: generate, chat, serve, bench."""
+"""The ``pagedserve`` command: generate, chat, serve, bench, explain."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from pagedserve.entrypoints.explain import add_explain_parser
+
+    add_explain_parser(sub).add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error")
     return parser
 
 
@@ -101,7 +105,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     explicit = any(a == "--log-level" or a.startswith("--log-level=") for a in (argv if argv is not None else sys.argv[1:]))
-    level = "warning" if args.command == "chat" and not explicit else args.log_level  # keep the conversation clean
+    # Keep the conversation, and explain's step table, clean.
+    level = "warning" if args.command in ("chat", "explain") and not explicit else args.log_level
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0

@@ -130,3 +130,21 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
+
+    def get_step_trace(self, since_step: Optional[int] = None, limit: Optional[int] = None) -> list[dict[str, Any]]:
+        """What the engine did in its last steps: one dict per step with ``step >= since_step``
+        (every buffered one when None), oldest first, at most ``limit``. Fields (see
+        :mod:`pagedserve.core.trace`): ``step``, ``time``, ``duration_ms``, ``token_budget``,
+        ``num_scheduled_tokens``, ``scheduled`` (``request_id``, ``phase`` "prefill"/"decode",
+        ``num_tokens``, ``num_computed_tokens``, ``num_prompt_tokens``, ``admitted``,
+        ``prefix_hit_tokens``), ``preempted``, ``finished`` (``request_id``,
+        ``finish_reason``), ``num_running``, ``num_waiting`` and the block counts
+        ``num_total_blocks``, ``num_used_blocks``, ``num_free_blocks``,
+        ``num_cached_free_blocks``. The engine keeps the last ``trace_buffer_steps`` (1024)."""
+        return self.llm_engine.get_step_trace(since_step, limit)
+
+    def get_block_map(self) -> dict[str, Any]:
+        """Every KV block's state now: ``state`` (per block id, index into ``state_names`` =
+        free, used, shared, cached), ``owner`` (index into ``request_ids`` or -1), ``ref_cnt``,
+        ``block_size``, ``num_blocks``."""
+        return self.llm_engine.get_block_map()
