@@ -68,6 +68,7 @@ def test_worked_example_of_design_md_is_visible_in_the_trace(tiny_dir):
     longs = [next(e for e in r["scheduled"] if e["request_id"] == "long") for r in recs]
     assert [e["num_computed_tokens"] for e in longs] == [0, 4, 8, 12]
     assert [e["admitted"] for e in longs] == [True, False, False, False] and longs[0]["prefix_hit_tokens"] == 0
+    assert longs[0]["queued_s"] >= 0.0 and all("queued_s" not in e for e in longs[1:])
     assert all(e["num_prompt_tokens"] == 12 for e in longs)
     assert shape(recs[3]) == {"dec0": ("decode", 1), "dec1": ("decode", 1), "long": ("decode", 1)}
     assert recs[3]["finished"] == [{"request_id": "long", "finish_reason": "length"}]  # max_tokens=2

@@ -17,8 +17,9 @@ and lists, so it goes through msgpack and JSON unchanged:
     ``request_id`` (str), ``phase`` ("prefill" or "decode"), ``num_tokens`` (tokens computed
     for it this step), ``num_computed_tokens`` (tokens in its KV cache before the step),
     ``num_prompt_tokens``, ``admitted`` (bool: admitted from WAITING in this step, new or
-    resumed after preemption) and ``prefix_hit_tokens`` (tokens served from the prefix cache
-    at that admission; 0 when not admitted this step). "prefill" means the chunk computes
+    resumed after preemption), ``prefix_hit_tokens`` (tokens served from the prefix cache
+    at that admission; 0 when not admitted this step) and, for admitted ones only,
+    ``queued_s`` (seconds from the request's arrival to this admission). "prefill" means the chunk computes
     prompt tokens, or recomputes tokens of a request resumed after preemption; "decode" is the
     one token of a request whose every earlier token is in the cache.
 ``preempted`` (list of str)
@@ -80,6 +81,7 @@ class StepTracer:
         """This step's requests, read right after ``schedule()`` (which has already advanced
         each request's ``num_computed_tokens`` by its chunk) and before the model runs."""
         new_ids = {n.req_id for n in scheduler_output.scheduled_new_reqs}
+        now = time.monotonic()
         reqs = scheduler.scheduled_requests
         out = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -96,6 +98,8 @@ class StepTracer:
                 "admitted": admitted,
                 "prefix_hit_tokens": before if admitted else 0,
             })
+            if admitted:
+                out[-1]["queued_s"] = max(0.0, now - req.arrival_time)
         return out
 
     def record(self, start: float, scheduled: list[dict[str, Any]], scheduler: Any, scheduler_output: Any,
