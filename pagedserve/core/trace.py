@@ -19,9 +19,10 @@ and lists, so it goes through msgpack and JSON unchanged:
     ``num_prompt_tokens``, ``admitted`` (bool: admitted from WAITING in this step, new or
     resumed after preemption), ``prefix_hit_tokens`` (tokens served from the prefix cache
     at that admission; 0 when not admitted this step) and, for admitted ones only,
-    ``queued_s`` (seconds from the request's arrival to this admission). "prefill" means the chunk computes
-    prompt tokens, or recomputes tokens of a request resumed after preemption; "decode" is the
-    one token of a request whose every earlier token is in the cache.
+    ``queued_s`` (seconds from the request's arrival to this admission). "prefill" means the
+    chunk computes prompt tokens, or recomputes tokens of a request resumed after preemption
+    (every chunk of the recompute, the first one even if the prefix cache left a single token);
+    "decode" is the one token of a running request whose every earlier token is in the cache.
 ``preempted`` (list of str)
     requests preempted in this step (their blocks freed, back to WAITING).
 ``finished`` (list of ``{"request_id", "finish_reason"}``)
@@ -91,7 +92,9 @@ class StepTracer:
             admitted = rid in new_ids
             out.append({
                 "request_id": rid,
-                "phase": "prefill" if (before < num_prompt or before < req.num_tokens - 1) else "decode",
+                # Admitted = new (its hit stops short of the prompt's end) or resumed after a
+                # preemption (a recompute, even when the prefix cache leaves one token to run).
+                "phase": "prefill" if (admitted or before < num_prompt or before < req.num_tokens - 1) else "decode",
                 "num_tokens": n,
                 "num_computed_tokens": before,
                 "num_prompt_tokens": num_prompt,
