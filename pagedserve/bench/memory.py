@@ -223,7 +223,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     for label, u in ((f"paged (pagedserve, blocks of {B})", paged_u), ("static, prompt + max_tokens per request", static_u),
                      (f"static, max_model_len ({max_len}) per request", maxlen_u)):
         print(f"  {label:<46} {100 * u:5.1f} %" + (f"  (waste {100 * (1 - paged_u):.1f} %)" if u is paged_u else ""))
-    print(f"  PagedAttention paper (Fig. 2): 20.4-38.2 % in the systems it measured (Orca Max / Pow2 / Oracle), vLLM 96.3 % (under 4 % waste)")
+    print("  PagedAttention paper (Fig. 2): 20.4-38.2 % in the systems it measured (Orca Max / Pow2 / Oracle), vLLM 96.3 % (under 4 % waste)")
     print(f"Requests at once in the same pool: paged {max_paged} (measured, mean {mean_paged:.1f}, {stats.num_preemptions} preemptions); "
           f"static prompt + max_tokens {max_static}; static max_model_len slots {max_static_len}")
     if static_tp:
