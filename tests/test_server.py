@@ -175,6 +175,28 @@ def test_async_llm_engine_process_killed_fails_requests_and_never_hangs():
     assert llm.client.proc.returncode == -signal.SIGKILL
 
 
+def test_send_to_a_dead_engine_process_never_blocks(tiny_model_factory):
+    """A ZeroMQ PUSH socket whose peer is gone blocks on send; the front sends from its event
+    loop, so a request arriving between the core's death and its detection froze the server."""
+    import threading
+
+    from pagedserve import EngineConfig
+    from pagedserve.engine.core_client import MPClient
+
+    client = MPClient(EngineConfig(model=tiny_model_factory("llama"), dtype="float32", num_kv_blocks=64, num_threads=1))
+    try:
+        os.kill(client.pid, signal.SIGKILL)
+        client.proc.wait(10)
+        time.sleep(0.2)  # the IPC peer is gone
+        t = threading.Thread(target=lambda: [client.send(["abort", [f"r{i}"]]) for i in range(100)], daemon=True)
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), "send blocked on a dead core"
+        assert not client.is_alive()
+    finally:
+        client.shutdown(timeout_s=2)
+
+
 # -- basics ----------------------------------------------------------------------------------
 def test_models_health_version_metrics(server, client):
     models = client.models.list()

@@ -95,7 +95,10 @@ class MPClient:
         return self.proc.pid
 
     def send(self, msg: list) -> None:
-        """Queue a message for the core (never blocks: the sockets have no high-water mark).
+        """Queue a message for the core; never blocks. With no high-water mark a send to a
+        connected core always queues; a PUSH socket whose peer is gone (the core died) would
+        block forever, so the send is non-blocking and such a message is dropped (the output
+        thread notices the death and fails every request).
 
         Raises:
             TypeError: a value the codec cannot encode (a bug in the caller's validation).
@@ -105,7 +108,9 @@ class MPClient:
             if self._ctx.closed:
                 return
             try:
-                self._input.send(data, copy=False)
+                self._input.send(data, flags=self._zmq.NOBLOCK, copy=False)
+            except self._zmq.Again:  # no connected core: it died, is_alive() says so
+                logger.warning("pagedserve: engine core not connected; dropped a %r message", msg[0] if msg else None)
             except self._zmq.ZMQError:  # closed by shutdown: is_alive() says so
                 pass
 
