@@ -17,8 +17,9 @@ measurements are kept by step size: the newest ``per_bucket`` of each power-of-t
 ``num_tokens``, so a long run of decode-only steps does not push out what the prefill steps
 taught (and a machine that slows down is followed within a few steps of each size). The model
 never extrapolates far: :meth:`StepCostModel.max_step_tokens` is twice the largest step it has
-measured (at least ``COLD_START_TOKENS``), so before any measurement a step holds at most 64
-tokens of prefill besides its decodes, and chunk sizes grow by doubling while the model learns.
+measured (at least ``COLD_START_TOKENS``), so before any measurement a step holds at most 256
+tokens (a few tenths of a second for a 1B model on a CPU, against 2-4 s for 2,048 tokens of a 135M
+one), and chunk sizes grow by doubling while the model learns.
 
 :class:`StepTimeBudget` is the per-step bookkeeping the scheduler uses: the decodes of the step
 are reserved first (they always run), then each prefill chunk gets the tokens that still fit the
@@ -30,7 +31,7 @@ import math
 from collections import deque
 from typing import Optional
 
-COLD_START_TOKENS = 64  # most tokens of a step before the model has measured a larger one / 2
+COLD_START_TOKENS = 256  # most tokens of a step until twice the largest step measured is more
 _REFRESH_EVERY = 1024  # recompute the running sums from the kept measurements (no drift)
 # Candidate coefficient sets (indices into (fixed, token, pair)); the per-token one is always in.
 _SUBSETS = ((0, 1, 2), (0, 1), (1, 2), (1,))
@@ -149,14 +150,14 @@ class StepCostModel:
         if a <= 0.0 and b <= 0.0:
             return 1 << 30
         n = 2.0 * room / (b + math.sqrt(b * b + 4.0 * a * room))  # the positive root, stable form
-        return int(min(n + 1e-6, 1 << 30))  # + 1e-6: 47.9999999 of a fit that is exactly 48 is 48
+        return int(min(n + 0.01, 1 << 30))  # + 0.01: 47.9999 tokens of a fit that is 48 up to rounding are 48
 
 
 def _ridge_solve(xx: tuple, xy: tuple, subset: tuple[int, ...]) -> Optional[list[float]]:
     """Solve the normal equations restricted to ``subset`` with a tiny ridge (relative to each
     diagonal entry) for conditioning; None when singular."""
     k = len(subset)
-    m = [[xx[i][j] + (1e-9 * xx[i][i] + 1e-12 if i == j else 0.0) for j in subset] + [xy[i]] for i in subset]
+    m = [[xx[i][j] + (1e-10 * xx[i][i] + 1e-12 if i == j else 0.0) for j in subset] + [xy[i]] for i in subset]
     for col in range(k):  # Gaussian elimination with partial pivoting
         piv = max(range(col, k), key=lambda r: abs(m[r][col]))
         if abs(m[piv][col]) < 1e-300:
