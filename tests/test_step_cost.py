@@ -10,7 +10,7 @@ import pytest
 
 from core_utils import B, Scheduled, check_invariants, make_request, make_scheduler, plan, step
 from pagedserve.config import EngineConfig
-from pagedserve.core.sched.step_cost import COLD_START_TOKENS, StepCostModel, StepTimeBudget, attention_pairs
+from pagedserve.core.sched.step_cost import COLD_START_TOKENS, PLAN_FRACTION, StepCostModel, StepTimeBudget, attention_pairs
 
 _uid = iter(range(10**9))
 
@@ -172,12 +172,14 @@ def test_a_prefill_alone_is_cut_to_the_target_after_a_cold_start():
     while s.has_unfinished_requests():
         r = step(s, step_ms=cost)
         plans.append(plan(r)["long"])
-    # Cold start: 256 tokens; then at most twice the largest step measured, and the fit
-    # (exact after three measurements: (50 - 2) / 0.5 = 96 tokens).
+    # Cold start: 256 tokens; then at most twice the largest step measured, and the fit (exact
+    # after three measurements), planned at 90 % of the target: (45 - 2) / 0.5 = 86 -> 84 tokens
+    # to end on a block.
+    assert PLAN_FRACTION == 0.9
     assert plans[0] == COLD_START_TOKENS
     assert sum(plans) == 1000 and len(plans) > 6
-    assert all(p == 96 for p in plans[3:-1]) and plans[-1] <= 96
-    assert all(cost([Scheduled("long", 0, p, [], [], False)]) <= 50.0 for p in plans[3:])
+    assert all(p == 84 for p in plans[3:-1]) and plans[-1] <= 84
+    assert all(cost([Scheduled("long", 0, p, [], [], False)]) <= 45.0 for p in plans[3:])
 
 
 def test_decodes_run_every_step_and_the_prefill_gets_the_rest():
@@ -195,9 +197,10 @@ def test_decodes_run_every_step_and_the_prefill_gets_the_rest():
         assert all(p.get(f"d{i}") == 1 for i in range(8))  # no decoder skips a step
         chunks.append(p.get("long", 0))
         check_invariants(s)
-    # 8 decodes take 2 + 4 = 6 ms of 30: 48 tokens of prefill per step (the decode steps and
-    # the decoders' own prefill already pin the fit: fixed 2 ms, 0.5 ms per token, 0 per pair).
-    assert chunks == [48] * 8 + [16]
+    # 8 decodes take 2 + 4 = 6 ms of the 27 planned (90 % of 30): 42 -> 40 tokens (a block
+    # boundary) of prefill per step (the decode steps and the decoders' own prefill already pin
+    # the fit: fixed 2 ms, 0.5 ms per token, 0 per pair).
+    assert chunks == [40] * 10
 
 
 def test_a_target_below_the_decode_cost_still_advances_the_prefill_by_the_floor():

@@ -13,7 +13,7 @@ admitted in that step.
 Bounded step time (``EngineConfig.max_step_ms``, on by default): a :class:`StepCostModel` fits
 the step's wall time against its tokens and attention pairs from the durations ``EngineCore``
 reports (:meth:`Scheduler.record_step_time`), and each prefill chunk is cut to what still fits
-the target once the step's decodes are counted (:class:`StepTimeBudget`). It applies whether or
+90 % of the target once the step's decodes are counted (:class:`StepTimeBudget`). It applies whether or
 not decodes are running: a prefill alone is cut too, so anything that waits for the end of a
 step (a new request's admission, an abort from a client that went away, a deadline) waits at
 most about one target. Decodes always run, and a step's first prefill chunk gets at least
