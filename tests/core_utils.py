@@ -28,11 +28,13 @@ def make_kv_manager(num_blocks: int = 16, caching: bool = True, identity: str = 
 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, max_model_len: Optional[int] = None,
-                   chunked: bool = True, threshold: int = 0, caching: bool = True) -> Scheduler:
-    """A scheduler over a fresh pool of ``num_blocks`` blocks of ``B`` tokens."""
+                   chunked: bool = True, threshold: int = 0, caching: bool = True, max_step_ms: float = 0.0) -> Scheduler:
+    """A scheduler over a fresh pool of ``num_blocks`` blocks of ``B`` tokens. The step-time
+    bound is off unless ``max_step_ms`` is given (the token-budget tests pin the plain rule;
+    with it on, ``step(..., step_ms=...)`` plays the clock)."""
     cfg = EngineConfig(
         block_size=B, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
-        long_prefill_token_threshold=threshold, enable_prefix_caching=caching,
+        long_prefill_token_threshold=threshold, enable_prefix_caching=caching, max_step_ms=max_step_ms,
     ).resolved(max_model_len or num_blocks * B)
     sched = Scheduler(cfg, make_kv_manager(num_blocks, caching, "unit"))
     sched.fake_worker = FakeWorker()
@@ -118,14 +120,19 @@ class StepResult:
         return self.output.total_num_scheduled_tokens
 
 
-def step(sched: Scheduler, token: Callable[[Request], int] = lambda r: TOK) -> StepResult:
+def step(sched: Scheduler, token: Callable[[Request], int] = lambda r: TOK,
+         step_ms: Optional[Callable[[list[Scheduled]], float]] = None) -> StepResult:
     """``schedule()``, the fake worker, then ``update_from_output`` with ``token(request)``
-    for the requests that sample."""
+    for the requests that sample; then, when ``step_ms`` is given, the step's "measured"
+    duration ``step_ms(scheduled)`` (ms) goes to ``record_step_time`` as EngineCore.step does."""
     so = sched.schedule()
     scheduled = sched.fake_worker.apply(so)
     live = dict(sched.requests)
     runner_out = sched.fake_worker.sampled(scheduled, lambda rid: token(live[rid]))
-    return StepResult(so, scheduled, sched.update_from_output(so, runner_out))
+    result = StepResult(so, scheduled, sched.update_from_output(so, runner_out))
+    if step_ms is not None:
+        sched.record_step_time(step_ms(scheduled))
+    return result
 
 
 def plan(result: StepResult) -> dict[str, int]:

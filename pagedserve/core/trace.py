@@ -13,6 +13,9 @@ and lists, so it goes through msgpack and JSON unchanged:
     wall time of schedule + execute + update.
 ``token_budget`` (int)
     ``max_num_batched_tokens``; ``num_scheduled_tokens`` (int): tokens computed this step.
+``predicted_ms`` (float or None)
+    the step-cost model's prediction of ``duration_ms`` when the step was planned (see
+    ``EngineConfig.max_step_ms``); None when the bound is off or before its first measurement.
 ``scheduled`` (list of dicts, in scheduling order)
     ``request_id`` (str), ``phase`` ("prefill" or "decode"), ``num_tokens`` (tokens computed
     for it this step), ``num_computed_tokens`` (tokens in its KV cache before the step),
@@ -122,6 +125,7 @@ class StepTracer:
             "duration_ms": 1000.0 * (now - start),
             "token_budget": scheduler.config.max_num_batched_tokens,
             "num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
+            "predicted_ms": getattr(scheduler, "last_predicted_ms", None),
             "scheduled": scheduled,
             "preempted": list(scheduler_output.preempted_req_ids),
             "finished": finished,

@@ -74,9 +74,10 @@ class EngineCore:
         B = self.config.block_size
         logger.info(
             "pagedserve: KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), max_model_len %d, "
-            "token budget %d, engine ready in %.1fs",
+            "token budget %d, step-time target %s, engine ready in %.1fs",
             spec.num_blocks, B, spec.num_blocks * B, spec.num_blocks * spec.block_bytes / 2**20, spec.block_bytes // B,
-            self.config.max_model_len, self.config.max_num_batched_tokens, time.monotonic() - t0,
+            self.config.max_model_len, self.config.max_num_batched_tokens,
+            f"{self.config.max_step_ms:g} ms" if self.scheduler.step_cost is not None else "off", time.monotonic() - t0,
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -98,8 +99,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and update once; outputs of the requests that progressed."""
         tracer = self.tracer
-        if tracer is not None:
-            start = time.monotonic()
+        start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if tracer is not None:  # before the model runs: phases are read off num_computed_tokens
             scheduled = tracer.scheduled_entries(self.scheduler, scheduler_output)
@@ -107,6 +107,8 @@ class EngineCore:
         runner_output = self.worker.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        # The step-cost model behind max_step_ms learns from every step's wall time.
+        self.scheduler.record_step_time(1000.0 * (time.monotonic() - start))
         if tracer is not None:
             tracer.record(start, scheduled, self.scheduler, scheduler_output, outputs)
         return outputs

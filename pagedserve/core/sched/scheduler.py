@@ -9,6 +9,15 @@ hit. Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, 
 code. When a running request cannot get a block, the most recently admitted running request is
 preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new is
 admitted in that step.
+
+Bounded step time (``EngineConfig.max_step_ms``, on by default): a :class:`StepCostModel` fits
+the step's wall time against its tokens and attention pairs from the durations ``EngineCore``
+reports (:meth:`Scheduler.record_step_time`), and each prefill chunk is cut to what still fits
+90 % of the target once the step's decodes are counted (:class:`StepTimeBudget`). It applies whether or
+not decodes are running: a prefill alone is cut too, so anything that waits for the end of a
+step (a new request's admission, an abort from a client that went away, a deadline) waits at
+most about one target. Decodes always run, and a step's first prefill chunk gets at least
+max(16, block_size) tokens, so prefills always advance.
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
+from pagedserve.core.sched.step_cost import StepCostModel, StepTimeBudget, attention_pairs
 from pagedserve.core.structured_output import StructuredOutputManager
 
 
@@ -55,6 +65,11 @@ class Scheduler:
         self.scheduled_requests: dict[str, Request] = {}
         self.num_with_deadline = 0
         self.timed_out: list[Request] = []  # finished at their deadline, reported by the next update
+        # Bounded step time: the cost model, and the last schedule()'s (tokens, attention pairs)
+        # and predicted duration (ms), for record_step_time and the step trace.
+        self.step_cost = StepCostModel() if config.max_step_ms and config.enable_chunked_prefill else None
+        self.last_step_features = (0, 0)
+        self.last_predicted_ms: Optional[float] = None
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -112,6 +127,12 @@ class Scheduler:
             num_tokens = min(num_tokens, thr)
         return min(num_tokens, budget)
 
+    def record_step_time(self, duration_ms: float) -> None:
+        """Teach the step-cost model the measured wall time (ms) of the step the last
+        ``schedule()`` planned (``EngineCore.step`` calls this after each step)."""
+        if self.step_cost is not None:
+            self.step_cost.observe(*self.last_step_features, duration_ms)
+
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
         self.num_block_ids_on_worker.pop(req.request_id, None)
@@ -134,12 +155,24 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []
         new_ids: set[str] = set()
         kv = self.kv_cache_manager
+        limit = None if self.step_cost is None else StepTimeBudget.for_step(
+            self.step_cost, self.config.max_step_ms, self.running, bool(self.waiting), self.config.block_size)
+        decodes_left = limit.num_decodes if limit is not None else 0  # not scheduled yet: kept from prefills
 
         # 1) running requests, in admission order; preempt from the back when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = self._chunk(remaining, budget)
+            if limit is not None:
+                if remaining == 1:
+                    decodes_left -= 1
+                else:
+                    num_new = limit.prefill_chunk(min(num_new, budget - decodes_left), req.num_computed_tokens)
+                    if num_new <= 0:  # no time left for this chunk; the decodes behind it still run
+                        i += 1
+                        continue
             while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -147,6 +180,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                if limit is not None and remaining > 1:
+                    limit.add(num_new, req.num_computed_tokens)
                 scheduled.append((req, req.num_computed_tokens, num_new))
                 budget -= num_new
                 i += 1
@@ -162,6 +197,10 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_remaining > budget:
                     break
                 num_new = self._chunk(num_remaining, budget)
+                if limit is not None:
+                    num_new = limit.prefill_chunk(min(num_new, budget - decodes_left), num_hit)
+                    if num_new <= 0:
+                        break
                 if kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
                     break
                 self.waiting.popleft()
@@ -177,6 +216,8 @@ class Scheduler:
                 scheduled.append((req, num_hit, num_new))
                 new_ids.add(req.request_id)
                 budget -= num_new
+                if limit is not None:
+                    limit.add(num_new, num_hit)
 
         cached = out.scheduled_cached_reqs
         self.scheduled_requests = {req.request_id: req for req, _, _ in scheduled}
@@ -199,6 +240,10 @@ class Scheduler:
             out.num_scheduled_tokens[rid] = num_new
             req.num_computed_tokens = num_computed + num_new
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        if self.step_cost is not None:
+            pairs = sum(attention_pairs(n, c) for _, c, n in scheduled)
+            self.last_step_features = (out.total_num_scheduled_tokens, pairs)
+            self.last_predicted_ms = self.step_cost.predict(out.total_num_scheduled_tokens, pairs) if scheduled else None
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         constrained = [req for req, _, _ in scheduled if req.grammar is not None and req.num_computed_tokens == req.num_tokens]
         if constrained:  # they sample this step: the worker masks their logits
