@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 DEFAULT_TOKEN_BUDGET = 2048
 # Step-time target (ms): see benchmarks/README.md, "Issue 15: bounded step time", for the choice.
-DEFAULT_MAX_STEP_MS = 200.0
+SERVING_MAX_STEP_MS = 200.0  # the server's default; offline engines default to off (as vLLM's usage-context defaults)
 
 
 def _flag(help: str, *names: str, **argparse_kwargs: Any) -> Any:
@@ -46,8 +46,10 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks across requests by chained block hashes.
         enable_chunked_prefill: split long prompts across steps under the token budget.
         long_prefill_token_threshold: cap on one request's prefill chunk per step (0 = none).
-        max_step_ms: step-time target (milliseconds; 0 or None = off, the fixed token budget
-            alone). The scheduler sizes prefill chunks from the step cost it measures (see
+        max_step_ms: step-time target (milliseconds; 0 = off, the fixed token budget alone;
+            None = the entry point's default: ``SERVING_MAX_STEP_MS`` (200) for the server's
+            ``AsyncLLM``, off for the offline ``LLM`` and ``bench throughput``, whose figure is
+            throughput; vLLM likewise picks ``max_num_batched_tokens`` by usage context). The scheduler sizes prefill chunks from the step cost it measures (see
             ``pagedserve.core.sched.step_cost``) so that a step's predicted wall time stays under
             it, whether or not decodes run beside the prefill; the token budget still caps a
             step. Decodes are never held back for it and a step's first prefill chunk always
@@ -81,8 +83,9 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse KV blocks of shared prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_flag("split long prompts under the token budget"))
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one request's prefill chunk per step (0 = none)"))
-    max_step_ms: Optional[float] = field(default=DEFAULT_MAX_STEP_MS, metadata=_flag(
-        "step-time target in ms: prefill chunks are sized from the measured step cost to keep each step under it (0 = off)"))
+    max_step_ms: Optional[float] = field(default=None, metadata=_flag(
+        "step-time target in ms: prefill chunks are sized from the measured step cost to keep each step under it "
+        f"(0 = off; default: {SERVING_MAX_STEP_MS:g} for serve, off offline)"))
     seed: int = field(default=0, metadata=_flag("global sampling seed"))
     device: str = field(default="auto", metadata=_flag("auto, cpu or cuda"))
     served_model_name: Optional[list[str]] = field(default=None, metadata=_flag("model name(s) the API answers to (the first is reported)", nargs="+"))
@@ -108,12 +111,11 @@ class EngineConfig:
             positive(name, allow_none=False)
         if not isinstance(self.trace_buffer_steps, int) or isinstance(self.trace_buffer_steps, bool) or self.trace_buffer_steps < 0:
             raise ValueError(f"trace_buffer_steps must be >= 0, got {self.trace_buffer_steps}")
-        if self.max_step_ms is None:
-            self.max_step_ms = 0.0
-        if (isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, (int, float))
+        if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, (int, float))
                 or not math.isfinite(self.max_step_ms) or self.max_step_ms < 0):
             raise ValueError(f"max_step_ms must be a number of milliseconds >= 0 (0 = off), got {self.max_step_ms!r}")
-        self.max_step_ms = float(self.max_step_ms)
+        if self.max_step_ms is not None:
+            self.max_step_ms = float(self.max_step_ms)
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -145,6 +147,13 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
     # -- CLI --------------------------------------------------------------------------------
+    def with_serving_defaults(self) -> "EngineConfig":
+        """A copy with the online server's defaults filled in where a field is left at None
+        (today: ``max_step_ms`` = ``SERVING_MAX_STEP_MS``)."""
+        if self.max_step_ms is not None:
+            return self
+        return dataclasses.replace(self, max_step_ms=SERVING_MAX_STEP_MS)
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
         """Add every field as a flag (``--max-num-seqs``, ``--[no-]enable-prefix-caching``, ...)

@@ -241,3 +241,8 @@ def test_cache_salt_over_http_never_hits_another_tenants_blocks(llm):
         assert cached("bob") == 0 and cached(None) == 0  # another salt, or none, hits nothing of alice's
         assert cached("bob") >= 32
         kv_idle(llm)
+
+
+def test_the_server_engine_bounds_step_time_by_default(llm):
+    # AsyncLLM (the server's engine) fills in the online default; LLM offline leaves it off.
+    assert llm.config.max_step_ms == 200.0 and llm.client.core.scheduler.step_cost is not None

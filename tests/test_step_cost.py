@@ -152,8 +152,12 @@ def test_budget_before_any_measurement_is_the_cold_start_size():
 
 # -- the scheduler with a fake clock -------------------------------------------------------
 def test_config_field_and_flag():
-    assert EngineConfig().max_step_ms > 0  # on by default
-    assert EngineConfig(max_step_ms=None).max_step_ms == 0.0
+    from pagedserve.config import SERVING_MAX_STEP_MS
+
+    assert EngineConfig().max_step_ms is None  # offline: off (throughput is the point)
+    assert EngineConfig().with_serving_defaults().max_step_ms == SERVING_MAX_STEP_MS == 200.0  # the server: on
+    assert EngineConfig(max_step_ms=0).with_serving_defaults().max_step_ms == 0.0  # an explicit 0 stays off
+    assert EngineConfig(max_step_ms=75).with_serving_defaults().max_step_ms == 75.0
     for bad in (-1.0, float("nan"), float("inf"), "100", True):
         with pytest.raises(ValueError, match="max_step_ms"):
             EngineConfig(max_step_ms=bad)

@@ -73,6 +73,7 @@ class AsyncLLM:
         from pagedserve.model.loader import resolve_model
 
         resolve_model(config.model)  # convert a GGUF file once, here, before the core starts
+        config = config.with_serving_defaults()  # e.g. the bounded step time: latency matters online
         self.client = MPClient(config, log_level) if engine_process else ThreadClient(config)
         info = self.client.info
         self.config = info.config
