@@ -610,16 +610,21 @@ def test_engine_process_killed_health_503_errors_and_nonzero_exit(tiny_model_fac
             proc.wait(10)
 
 
-def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("shutdown_timeout", [60, 1])
+def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_model_factory, tmp_path, shutdown_timeout):
     """A supervisor's SIGTERM to the server's whole process group: new requests get 503 at once,
     the running stream is not cut (every token, then [DONE]), the engine core (same group)
-    does not die on its own, and the server exits 0 after stopping it."""
+    does not die on its own, and the server exits 0 after stopping it. With a short
+    --shutdown-timeout the stream still running then ends with a 503 error event (not a cut
+    connection or a plain-text 500), an open dashboard stream ends too, and the exit is prompt."""
+    import threading
+
     model = tiny_model_factory("llama")
     port = _free_port()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env.pop("PAGEDSERVE_API_KEY", None)
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "1024", "--shutdown-timeout", "60"]
+           "--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "1024", "--shutdown-timeout", str(shutdown_timeout)]
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -636,6 +641,15 @@ def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_model_factory, tm
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
         (core_pid,) = _children(proc.pid)
+        dashboard_ended = threading.Event()
+
+        def watch_dashboard():
+            with httpx.stream("GET", base + "/dashboard/api/stream", timeout=60) as d:
+                for _ in d.iter_lines():
+                    pass
+            dashboard_ended.set()
+
+        threading.Thread(target=watch_dashboard, daemon=True).start()
         events, refused = [], []
         body = {"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
@@ -645,14 +659,24 @@ def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_model_factory, tm
                 events.append(line)
                 if len(events) == 3:
                     os.killpg(proc.pid, signal.SIGTERM)
+                    t_term = time.monotonic()
                     late = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
                     refused.append((late.status_code, late.json()["error"]["type"], len(events)))
         assert refused == [(503, "ServiceUnavailableError", 3)]
+        if shutdown_timeout == 1:
+            assert events[-2].startswith("data: {") and json.loads(events[-2][6:])["error"]["code"] == 503, events[-3:]
+            assert "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+            assert proc.wait(30) == 0, log_path.read_text()[-3000:]
+            assert time.monotonic() - t_term < 8, "the drain did not end at --shutdown-timeout"
+            assert dashboard_ended.wait(5)
+            assert "Exception in ASGI application" not in log_path.read_text()
+            return
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[6:]) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) > 900  # nothing cut
         assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+        assert dashboard_ended.wait(5)
         with pytest.raises(ProcessLookupError):
             for _ in range(100):  # reaped by the server before it exited
                 os.kill(core_pid, 0)

@@ -90,6 +90,7 @@ class AsyncLLM:
         self._not_started: set[str] = set()  # admitted, no output yet (queued or in prefill)
         self._preparing = 0  # HTTP requests inside admission(), not yet handed to the core
         self.max_queued_requests: Optional[int] = None  # beyond it, new requests get 503
+        self.draining = False  # set by the server when it stops admitting (SIGTERM)
         self._utility_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._stats = SchedulerStats(num_total_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
@@ -303,6 +304,16 @@ class AsyncLLM:
         if entry is not None:
             loop, fut = entry
             _put(loop, _set_future, fut, result, RuntimeError(error) if error else None)
+
+    def fail_all_requests(self, reason: str) -> None:
+        """End every live request now with :class:`EngineDeadError` ``reason`` (the server
+        answers 503) and abort them in the core, which keeps running; for a shutdown that
+        cannot wait any longer."""
+        with self._lock:
+            child_ids = self.output_processor.abort_requests(list(self.output_processor.request_states))
+        self._fail_all(reason, dead=False)
+        if child_ids:
+            self.client.send(["abort", child_ids])
 
     def _fail_all(self, reason: str, dead: bool) -> None:
         with self._lock:

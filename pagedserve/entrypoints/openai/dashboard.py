@@ -69,7 +69,7 @@ async def event_stream(llm: Any, interval: float) -> AsyncIterator[str]:
 
     since: Optional[int] = None
     n = 0
-    while True:
+    while not getattr(llm, "draining", False):  # a shutdown ends the stream (it is no request to wait for)
         try:
             event = await snapshot(llm, since, n % BLOCK_MAP_EVERY == 0)
         except EngineDeadError as e:

@@ -71,12 +71,21 @@ def draining_server(config: Any, loading: LoadingApp, shutdown_timeout: float) -
                 return super().handle_exit(sig, frame)
             self.draining_started = True
             loading.draining = True
+            if loading.llm is not None:
+                loading.llm.draining = True  # ends the dashboard's streams, which are no requests
             logger.info("pagedserve: SIGTERM: refusing new requests, letting running ones finish (up to %.0f s)", shutdown_timeout)
 
             def drain() -> None:
                 deadline = time.monotonic() + shutdown_timeout
                 while time.monotonic() < deadline and loading.llm is not None and loading.llm.num_unfinished_requests() > 0:
                     time.sleep(0.05)
+                if loading.llm is not None and loading.llm.num_unfinished_requests() > 0:
+                    # Past --shutdown-timeout: end what still runs with a 503 body or stream event
+                    # (uvicorn's own cancel would answer a plain-text 500 or cut a stream mid-chunk).
+                    logger.warning("pagedserve: --shutdown-timeout passed; ending %d unfinished requests",
+                                   loading.llm.num_unfinished_requests())
+                    loading.llm.fail_all_requests("the server is shutting down (--shutdown-timeout passed)")
+                    time.sleep(0.2)
                 self.should_exit = True
 
             threading.Thread(target=drain, name="pagedserve-drain", daemon=True).start()
@@ -117,7 +126,7 @@ def run_server(args: Any) -> int:
     log_level = str(getattr(args, "log_level", "info")).lower()
     sock = bind(server_args.host, server_args.port)
     loading = LoadingApp()
-    config_uv = uvicorn.Config(loading, log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5,
+    config_uv = uvicorn.Config(loading, log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=2,
                                h11_max_incomplete_event_size=max(server_args.max_header_bytes * 4, 1 << 20))  # our 431 decides
     uv = draining_server(config_uv, loading, server_args.shutdown_timeout)
     engine_dead = threading.Event()
