@@ -111,6 +111,12 @@ class EngineConfig:
             positive(name, allow_none=False)
         if not isinstance(self.trace_buffer_steps, int) or isinstance(self.trace_buffer_steps, bool) or self.trace_buffer_steps < 0:
             raise ValueError(f"trace_buffer_steps must be >= 0, got {self.trace_buffer_steps}")
+        if self.trace_file:
+            import os
+
+            folder = os.path.dirname(os.path.abspath(self.trace_file))
+            if os.path.isdir(self.trace_file) or not os.path.isdir(folder):
+                raise ValueError(f"trace_file {self.trace_file!r}: not a file path in an existing folder")
         if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, (int, float))
                 or not math.isfinite(self.max_step_ms) or self.max_step_ms < 0):
             raise ValueError(f"max_step_ms must be a number of milliseconds >= 0 (0 = off), got {self.max_step_ms!r}")

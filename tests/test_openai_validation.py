@@ -189,5 +189,4 @@ def test_docs_page_assets_come_from_the_server_not_a_cdn(app_client):
         assert asset in html
         r = client.get(asset)
         assert r.status_code == 200 and len(r.content) > 10_000, asset
-    html = client.get("/redoc").text
-    assert "cdn.jsdelivr" not in html and "/docs/static/redoc.standalone.js" in html
+    assert client.get("/redoc").status_code == 404  # not served: ReDoc fetches its logo from a CDN

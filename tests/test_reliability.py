@@ -179,6 +179,7 @@ def test_exception_inside_a_step_fails_its_requests_503_and_health_503(tiny_dir)
             assert_openai_error(r, 503, "ServiceUnavailableError")
             assert time.monotonic() - t0 < 5  # no hang
             assert_openai_error(httpx.get(base + "/health", timeout=10), 503, "ServiceUnavailableError")
+            assert_openai_error(httpx.get(base + "/dashboard/api/stream", timeout=10), 503, "ServiceUnavailableError")
     finally:
         llm.shutdown()
 
@@ -222,6 +223,9 @@ def test_api_key_with_metrics_public(llm):
         for path in ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/api/auth"):
             assert httpx.get(base + path, timeout=10).status_code == 200, path
         assert httpx.get(base + "/dashboard/api/auth", timeout=10).json() == {"api_key_required": True}
+        for since in (2**64, -(2**63) - 1, -5, 10**30):  # clamped, never a 5xx (msgpack carries int64)
+            r = httpx.get(base + "/dashboard/api/snapshot", params={"since_step": since}, headers={"X-Api-Key": "k-123"}, timeout=10)
+            assert r.status_code == 200 and set(r.json()) == {"steps", "blocks", "stats"}, (since, r.text[:200])
         for path in ("/dashboard/api/snapshot", "/dashboard/api/stream", "/dashboard/static/../api/snapshot",
                      "/dashboard/static/%2E%2E/api/snapshot", "/docs", "/redoc", "/docs/static/../../v1/models"):
             assert_openai_error(httpx.get(base + path, timeout=10), 401, "AuthenticationError")

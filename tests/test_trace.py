@@ -245,3 +245,36 @@ def test_trace_flags_are_engine_flags_of_every_command():
         cfg = EngineConfig.from_cli_args(args)
         assert cfg.trace_file == "t.jsonl" and cfg.trace_buffer_steps == 8, argv
     assert EngineConfig.from_cli_args(p.parse_args(["generate", "--prompt", "x"])).trace_buffer_steps == 1024
+
+
+def test_trace_file_errors_are_clear_and_a_failed_write_keeps_the_engine_serving(tmp_path):
+    import os
+
+    import pytest as _pytest
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.core.trace import StepTracer
+
+    for bad in (str(tmp_path), str(tmp_path / "no" / "such" / "dir.jsonl")):
+        with _pytest.raises(ValueError, match="trace_file"):
+            EngineConfig(trace_file=bad)
+    if not os.path.exists("/dev/full"):
+        _pytest.skip("no /dev/full here")
+    tracer = StepTracer(4, "/dev/full")  # every write fails with ENOSPC
+
+    class Out:
+        total_num_scheduled_tokens = 0
+        preempted_req_ids = ()
+        outputs = ()
+
+    class Pool:
+        num_free_blocks = num_blocks = num_cached_free_blocks = 8
+
+    class Sched:
+        config = EngineConfig(max_num_batched_tokens=64, max_model_len=64)
+        kv_cache_manager = type("KV", (), {"block_pool": Pool()})()
+        running, waiting = [], []
+
+    for _ in range(3):
+        tracer.record(0.0, [], Sched(), Out(), Out())  # no exception
+    assert [r["step"] for r in tracer.get()] == [0, 1, 2] and tracer._file is None

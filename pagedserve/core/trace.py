@@ -43,11 +43,14 @@ Building a record reads what the scheduler already holds (no walk over blocks); 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import deque
 from typing import Any, Iterable, Optional
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
+
+logger = logging.getLogger("pagedserve")
 
 # Block states of :func:`block_map` (index = the small int in its ``state`` list).
 BLOCK_STATES = ("free", "used", "shared", "cached")
@@ -140,8 +143,12 @@ class StepTracer:
         if self.keep:
             self.buffer.append(rec)
         if self._file is not None:
-            self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                self._file.flush()
+            except OSError as e:  # a full disk must not take the engine down: stop writing, keep serving
+                logger.error("pagedserve: writing the trace file failed (%s); no more trace lines are written", e)
+                self._close_file()
         return rec
 
     def get(self, since_step: Optional[int] = None, limit: Optional[int] = None) -> list[dict[str, Any]]:
@@ -160,9 +167,15 @@ class StepTracer:
         return [buf[i] for i in range(start, stop)]
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close_file()
+
+    def _close_file(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
 
 
 def block_map(kv_cache_manager: KVCacheManager, running_ids: Optional[list[str]] = None) -> dict[str, Any]:

@@ -92,9 +92,10 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
         llm.shutdown()
         prepare.shutdown(wait=False)
 
-    # /docs and /redoc with their JavaScript served from the package (FastAPI's own pages load it
-    # from a CDN and render blank offline).
-    app = FastAPIOffline(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, static_url="/docs/static")
+    # /docs with Swagger UI served from the package (FastAPI's own page loads it from a CDN and
+    # renders blank offline). No /redoc: ReDoc still fetches its logo from cdn.redoc.ly.
+    app = FastAPIOffline(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, static_url="/docs/static",
+                         redoc_url=None)
     dashboard.add_dashboard(app, llm, api_key_required=bool(server.api_key))
     app.state.llm = llm
     app.state.metrics = metrics

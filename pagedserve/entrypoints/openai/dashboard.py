@@ -21,19 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import pathlib
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+
+from pagedserve.entrypoints.openai.http_common import error_response
+from pagedserve.entrypoints.openai.serving_common import error_body
 
 STATIC_DIR = pathlib.Path(__file__).parent / "static"
 PUBLIC_PREFIX = "/dashboard/static/"
 PUBLIC_PATHS = ("/dashboard", "/dashboard/api/auth")
 MAX_STEPS_PER_EVENT = 512
 BLOCK_MAP_EVERY = 2
-MIN_INTERVAL_S = 0.05
+MIN_INTERVAL_S = 0.1
+MAX_STEP_INDEX = 2**62  # larger since_step values (or negative ones) are clamped: msgpack carries int64
 
 
 def _stats(llm: Any) -> dict[str, Any]:
@@ -73,7 +78,7 @@ async def event_stream(llm: Any, interval: float) -> AsyncIterator[str]:
         try:
             event = await snapshot(llm, since, n % BLOCK_MAP_EVERY == 0)
         except EngineDeadError as e:
-            yield "data: " + json.dumps({"error": str(e)}) + "\n\n"
+            yield "data: " + json.dumps(error_body(str(e), 503, "ServiceUnavailableError")) + "\n\n"
             return
         if event["steps"]:
             since = event["steps"][-1]["step"] + 1
@@ -96,10 +101,14 @@ def add_dashboard(app: FastAPI, llm: Any, api_key_required: bool) -> None:
 
     @app.get("/dashboard/api/snapshot", include_in_schema=False)
     async def dashboard_snapshot(since_step: Optional[int] = None) -> JSONResponse:
+        if since_step is not None:
+            since_step = min(max(since_step, 0), MAX_STEP_INDEX)
         return JSONResponse(await snapshot(llm, since_step, True))
 
     @app.get("/dashboard/api/stream", include_in_schema=False)
-    async def dashboard_stream(interval: float = 0.25) -> StreamingResponse:
-        interval = min(max(interval, MIN_INTERVAL_S), 10.0)
+    async def dashboard_stream(interval: float = 0.25) -> Response:
+        if llm.errored or not llm.is_running:
+            return error_response("engine is not running", 503, "ServiceUnavailableError")
+        interval = min(max(interval, MIN_INTERVAL_S), 10.0) if math.isfinite(interval) else 0.25
         return StreamingResponse(event_stream(llm, interval), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -189,7 +189,7 @@ function drawLanes() {
 function setStatus(text, cls) { const s = $("status"); s.textContent = text; s.className = "status " + (cls || ""); }
 
 function handle(event) {
-  if (event.error) { setStatus("engine: " + event.error, "error"); return; }
+  if (event.error) { state.engineError = event.error.message || String(event.error); setStatus("engine: " + state.engineError, "error"); return; }
   for (const rec of event.steps) addStep(rec);
   state.lastStats = event.stats;
   drawTiles(event.stats);
@@ -226,7 +226,13 @@ async function connect() {
     $("keyform").hidden = false;
     return;
   }
-  if (!resp.ok) { setStatus(`HTTP ${resp.status}, retrying`, "error"); setTimeout(connect, 2000); return; }
+  if (!resp.ok) {
+    let why = `HTTP ${resp.status}`;
+    try { why += ": " + (await resp.json()).error.message; } catch (e) { /* not a JSON body */ }
+    setStatus(why + " (retrying)", "error");
+    setTimeout(connect, 2000);
+    return;
+  }
   $("keyform").hidden = true;
   setStatus("live", "live");
   const reader = resp.body.getReader(), dec = new TextDecoder();
@@ -243,7 +249,7 @@ async function connect() {
       }
     }
   } catch (e) { /* the server went away: reconnect below */ }
-  setStatus("disconnected, retrying", "error");
+  setStatus(state.engineError ? `engine: ${state.engineError} (retrying)` : "disconnected, retrying", "error");
   setTimeout(connect, 2000);
 }
 
