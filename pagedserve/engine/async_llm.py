@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import SchedulerStats
+from pagedserve.engine.core_utility import CoreUtilityCalls, _put, _set_future
 from pagedserve.engine.input_processor import ProcessedRequest, PromptType, RequestError
 from pagedserve.engine.llm_engine import log_stats, make_processors, served_model_names
 from pagedserve.outputs import RequestOutput
@@ -45,7 +46,7 @@ class _Stream:
     queue: asyncio.Queue
 
 
-class AsyncLLM:
+class AsyncLLM(CoreUtilityCalls):
     """Serve one model to asyncio code.
 
     Args:
@@ -203,39 +204,6 @@ class AsyncLLM:
             if self.metrics is not None:
                 self.metrics.observe_abort(request_id)
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self._call_utility("reset_prefix_cache")
-
-    async def get_step_trace(self, since_step: Optional[int] = None, limit: Optional[int] = None) -> list[dict[str, Any]]:
-        """The engine core's step records with ``step >= since_step`` (every buffered one when
-        None), oldest first, at most ``limit``: plain dicts (fields in
-        :mod:`pagedserve.core.trace`), fetched from the core between two of its steps. A
-        dashboard polls with the last step it saw + 1. Empty when ``trace_buffer_steps=0``.
-
-        Raises:
-            EngineDeadError: the engine core is not running.
-        """
-        return await self._call_utility("get_step_trace", since_step, limit)
-
-    async def get_block_map(self) -> dict[str, Any]:
-        """Every KV block's state and owner now (see :func:`pagedserve.core.trace.block_map`),
-        built by the core on this call (O(num_blocks)).
-
-        Raises:
-            EngineDeadError: the engine core is not running.
-        """
-        return await self._call_utility("get_block_map")
-
-    async def _call_utility(self, name: str, *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        call_id = next(self._call_ids)
-        with self._lock:
-            self._check_alive()
-            self._utility_calls[call_id] = (loop, fut)
-        self.client.send(["utility", call_id, name, list(args)])
-        return await fut
-
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core and the output thread; live requests end with EngineDeadError."""
         self._stopped = True
@@ -298,13 +266,6 @@ class AsyncLLM:
             if stream is not None:
                 _put(stream.loop, stream.queue.put_nowait, out)
 
-    def _resolve_utility(self, call_id: int, result: Any, error: Optional[str]) -> None:
-        with self._lock:
-            entry = self._utility_calls.pop(call_id, None)
-        if entry is not None:
-            loop, fut = entry
-            _put(loop, _set_future, fut, result, RuntimeError(error) if error else None)
-
     def fail_all_requests(self, reason: str) -> None:
         """End every live request now with :class:`EngineDeadError` ``reason`` (the server
         answers 503) and abort them in the core, which keeps running; for a shutdown that
@@ -330,15 +291,3 @@ class AsyncLLM:
             _put(stream.loop, stream.queue.put_nowait, err)
         for loop, fut in calls.values():
             _put(loop, _set_future, fut, None, err)
-
-
-def _set_future(fut: asyncio.Future, result: Any, exc: Optional[BaseException]) -> None:
-    if not fut.done():
-        fut.set_exception(exc) if exc is not None else fut.set_result(result)
-
-
-def _put(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the consumer's loop is closed
-        pass
