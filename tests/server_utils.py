@@ -102,3 +102,33 @@ def wait_idle(base: str, timeout: float = 20.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
+def start_tiny_server(model: str, tmp_path, *args: str, new_session: bool = False):
+    """``pagedserve serve MODEL`` on a free loopback port (float32, one thread, no API key) with
+    its output in ``tmp_path/server.log``, once ``/health`` answers 200. Returns
+    ``(proc, base_url, log_path)``; the caller stops ``proc`` (by pid, or its process group
+    with ``new_session``)."""
+    port = _free_port()
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.pop("PAGEDSERVE_API_KEY", None)
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", *args]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    return proc, base, log_path
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+

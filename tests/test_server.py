@@ -22,7 +22,7 @@ except ImportError:  # some environments ship only httpx2 (what the openai clien
     import httpx2 as httpx
 import pytest
 
-from server_utils import AUTH, MAX_MODEL_LEN, MODEL, _free_port, _metrics, wait_idle
+from server_utils import AUTH, MAX_MODEL_LEN, MODEL, _free_port, _metrics, start_tiny_server, wait_idle
 
 
 # -- AsyncLLM alone (no HTTP) ------------------------------------------------------------------
@@ -562,26 +562,8 @@ def test_engine_process_killed_health_503_errors_and_nonzero_exit(tiny_model_fac
     event, /health turns 503 (not a hang, not a connection error), and the server exits with a
     non-zero status by itself, all in bounded time."""
     model = tiny_model_factory("llama")
-    port = _free_port()
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    env.pop("PAGEDSERVE_API_KEY", None)
-    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512"]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    proc, base, log_path = start_tiny_server(model, tmp_path, "--num-kv-blocks", "64", "--max-model-len", "512")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.2)
         (core_pid,) = _children(proc.pid)
         events = []
         body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -595,8 +577,8 @@ def test_engine_process_killed_health_503_errors_and_nonzero_exit(tiny_model_fac
         assert events[-1] == "data: [DONE]"
         err = json.loads(events[-2][6:])["error"]
         assert err["code"] == 503 and err["type"] == "ServiceUnavailableError" and "engine" in err["message"]
-        statuses = []
-        while proc.poll() is None and time.monotonic() < deadline + 30:
+        statuses, deadline = [], time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
             try:
                 statuses.append(httpx.get(base + "/health", timeout=2).status_code)
             except httpx.HTTPError:
@@ -620,26 +602,9 @@ def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_model_factory, tm
     import threading
 
     model = tiny_model_factory("llama")
-    port = _free_port()
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    env.pop("PAGEDSERVE_API_KEY", None)
-    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "1024", "--shutdown-timeout", str(shutdown_timeout)]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base, log_path = start_tiny_server(model, tmp_path, "--num-kv-blocks", "128", "--max-model-len", "1024",
+                                             "--shutdown-timeout", str(shutdown_timeout), new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.2)
         (core_pid,) = _children(proc.pid)
         dashboard_ended = threading.Event()
 
