@@ -67,6 +67,17 @@ class EngineConfig:
         trace_file: write one JSON record per step to this file (JSON lines, flushed each
             step; the file is truncated when the engine starts), or None. Written by the
             process that runs the engine core.
+        data_parallel_size, data_parallel_backend, ray_address, threads_per_replica,
+            pin_replica_cores, router: data parallelism of the server (``AsyncLLM``): N engine
+            replicas behind one front, see ``pagedserve.engine.dp_client``. Backend "mp"
+            (processes on this host) or "ray" (Ray actors in placement groups; ``ray_address``
+            "auto" or host:port joins a running cluster, None starts a local head for the
+            server's lifetime). ``threads_per_replica``: torch threads of each replica (None =
+            ``num_threads``, else the usable cores divided by N, at least 1); with "mp" and
+            ``pin_replica_cores`` each replica is pinned to its own cores when N x threads fit.
+            ``router``: "kv-aware" (the replica holding the longest cached prefix, traded
+            against queue length; see ``pagedserve.distributed.dp_router``), "least-loaded" or
+            "round-robin". The replicas themselves run with data_parallel_size 1.
     """
 
     model: Optional[str] = field(default=None, metadata=_flag("HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"))
@@ -93,6 +104,18 @@ class EngineConfig:
     num_threads: Optional[int] = field(default=None, metadata=_flag("torch CPU threads of the engine (default: one per core)"))
     trace_buffer_steps: int = field(default=1024, metadata=_flag("step records kept for get_step_trace (0 = off)"))
     trace_file: Optional[str] = field(default=None, metadata=_flag("write one JSON line per engine step to this file"))
+    # -- data parallelism (the server's front reads these; each replica runs with size 1) --
+    data_parallel_size: int = field(default=1, metadata=_flag("engine replicas behind the server", "--data-parallel-size", "-dp"))
+    data_parallel_backend: str = field(default="mp", metadata=_flag(
+        "where replicas run: mp (processes on this host) or ray (Ray actors, across a Ray cluster's nodes)", choices=["mp", "ray"]))
+    ray_address: Optional[str] = field(default=None, metadata=_flag(
+        "Ray cluster to join (auto, or head host:port); default: start a local Ray head for the server's lifetime"))
+    threads_per_replica: Optional[int] = field(default=None, metadata=_flag(
+        "torch threads of each replica (default: --num-threads, else usable cores / replicas)"))
+    pin_replica_cores: bool = field(default=True, metadata=_flag("mp backend: pin each replica to its own cores when they fit"))
+    router: str = field(default="kv-aware", metadata=_flag(
+        "how requests pick a replica: kv-aware (longest cached prefix, balanced against queue length), least-loaded or round-robin",
+        choices=["kv-aware", "least-loaded", "round-robin"]))
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -107,8 +130,13 @@ class EngineConfig:
 
         for name in ("max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             positive(name)
-        for name in ("block_size", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "data_parallel_size"):
             positive(name, allow_none=False)
+        positive("threads_per_replica")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}")
+        if self.router not in ("kv-aware", "least-loaded", "round-robin"):
+            raise ValueError(f"router must be kv-aware, least-loaded or round-robin, got {self.router!r}")
         if not isinstance(self.trace_buffer_steps, int) or isinstance(self.trace_buffer_steps, bool) or self.trace_buffer_steps < 0:
             raise ValueError(f"trace_buffer_steps must be >= 0, got {self.trace_buffer_steps}")
         if self.trace_file:

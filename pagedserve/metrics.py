@@ -13,13 +13,21 @@ apps in one process (tests) do not collide. The engine thread of
 
 Counters are exposed with the ``_total`` suffix, as prometheus-client (and vLLM) do:
 ``pagedserve:prompt_tokens_total``, ``pagedserve:request_success_total{finished_reason="stop"}``.
+
+Every series carries an ``engine`` label, as vLLM's (the data-parallel rank; "0" with one
+engine): with ``--data-parallel-size N`` the front serves each replica's series side by side
+(``for_engine(i)`` gives replica i's view, over the same metric families), so a sum over
+``engine`` is the server's. ``pagedserve:engine_replica_up{engine}`` is 1 while a replica is in
+rotation.
 """
 from __future__ import annotations
 
 import threading
-from typing import Optional
+import weakref
+from typing import Any, Callable, Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pagedserve.core.outputs import SchedulerStats
 from pagedserve.outputs import RequestOutput
@@ -37,17 +45,36 @@ ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+# Each registry's metric families by name: the EngineMetrics of several engines share them.
+_FAMILIES: "weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _shared(cls: type, registry: CollectorRegistry) -> Callable[..., Any]:
+    """``cls(name, ...)`` that returns the family already registered under ``name`` in
+    ``registry`` instead of registering a second one."""
+    families = _FAMILIES.setdefault(registry, {})
+
+    def make(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name not in families:
+            families[name] = cls(name, *args, **kwargs)
+        return families[name]
+
+    return make
+
 
 class EngineMetrics:
-    """The server's Prometheus metrics, labelled by ``model_name``."""
+    """The server's Prometheus metrics of one engine, labelled by ``model_name`` and ``engine``."""
 
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None, engine: int = 0) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
-        r, L = self.registry, ["model_name"]
+        self.engine = str(engine)
+        self._engines: dict[int, EngineMetrics] = {engine: self}
+        r, L = self.registry, ["model_name", "engine"]
+        Counter, Gauge, Histogram = (_shared(c, r) for c in (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram))
 
         def lab(metric):
-            return metric.labels(model_name=model_name)
+            return metric.labels(model_name=model_name, engine=self.engine)
 
         self.num_requests_running = lab(Gauge(PREFIX + "num_requests_running", "Number of requests in model execution batches.", L, registry=r))
         self.num_requests_waiting = lab(Gauge(PREFIX + "num_requests_waiting", "Number of requests waiting to be processed.", L, registry=r))
@@ -68,9 +95,11 @@ class EngineMetrics:
         self.request_prompt_tokens = lab(Histogram(PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS))
         self.request_generation_tokens = lab(Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS))
         self.iteration_tokens = lab(Histogram(PREFIX + "iteration_tokens_total", "Histogram of number of tokens per engine_step.", L, registry=r, buckets=ITERATION_BUCKETS))
-        self._request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"], registry=r)
+        self._request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.", ["model_name", "engine", "finished_reason"], registry=r)
         for reason in ("stop", "length", "abort", "timeout", "error"):
-            self._request_success.labels(model_name=model_name, finished_reason=reason)
+            self._request_success.labels(model_name=model_name, engine=self.engine, finished_reason=reason)
+        self.replica_up = lab(Gauge(PREFIX + "engine_replica_up", "1 while the engine replica is in rotation.", L, registry=r))
+        self.replica_up.set(1)
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
@@ -121,7 +150,7 @@ class EngineMetrics:
             self._observe_phases(out, generated)
             for c in out.outputs:
                 if c.finish_reason:
-                    self._request_success.labels(model_name=self.model_name, finished_reason=c.finish_reason).inc()
+                    self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason=c.finish_reason).inc()
 
     def _observe_phases(self, out: RequestOutput, generated: int) -> None:
         """vLLM's per-request phase times (queue, prefill, decode, running) and sizes."""
@@ -145,7 +174,14 @@ class EngineMetrics:
         with self._lock:
             self._last_token_time.pop(request_id, None)
             self._generated.pop(request_id, None)
-        self._request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
+        self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason="abort").inc()
+
+    def for_engine(self, engine: int) -> "EngineMetrics":
+        """Engine ``engine``'s metrics (created on first use), in this registry."""
+        m = self._engines.get(engine)
+        if m is None:
+            m = self._engines[engine] = EngineMetrics(self.model_name, self.registry, engine)
+        return m
 
     # -- exposition --------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -108,6 +108,30 @@ class BlockPool:
         # Free blocks that still carry a hash (a later request can hit them), kept up to date
         # at every change so a step trace can read it in O(1).
         self.num_cached_free_blocks = 0
+        # KV events for a data-parallel router (vLLM's KV events): None = off (the default, one
+        # ``is None`` test per cached/evicted block); else runs ``[kind, [hash, ...]]`` in the
+        # order they happened, kind "stored" / "removed" / "cleared", drained by take_kv_events.
+        self.kv_events: Optional[list] = None
+
+    def enable_kv_events(self) -> None:
+        """Start recording which hashes enter and leave the prefix-cache index."""
+        if self.kv_events is None:
+            self.kv_events = []
+
+    def take_kv_events(self) -> Optional[list]:
+        """The events since the last call (None when off or when nothing changed)."""
+        events = self.kv_events
+        if not events:
+            return None
+        self.kv_events = []
+        return events
+
+    def _record(self, kind: str, block_hash: bytes) -> None:
+        events = self.kv_events
+        if events and events[-1][0] == kind:
+            events[-1][1].append(block_hash)
+        else:
+            events.append([kind, [block_hash]])
 
     @property
     def num_free_blocks(self) -> int:
@@ -147,6 +171,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.kv_events is not None:
+                    self._record("removed", block.block_hash)
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -167,6 +193,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.kv_events is not None:
+            self._record("stored", block_hash)
         if block.ref_cnt == 0 and block.prev_free is not None:  # not reached today: blocks are cached while held
             self.num_cached_free_blocks += 1
 
@@ -195,4 +223,6 @@ class BlockPool:
             block.block_hash = None
         self.cached_blocks.clear()
         self.num_cached_free_blocks = 0
+        if self.kv_events is not None:
+            self.kv_events = [["cleared", []]]  # what came before no longer matters
         return True

@@ -129,9 +129,16 @@ class EngineCoreOutputs:
         timestamp: ``time.monotonic()`` when the step ended (token times of every output).
         scheduler_stats: the core's counters after the step.
         num_scheduled_tokens: tokens the step computed (0 for a report without a step).
+        kv_events: with data parallelism, the prefix-cache changes since the last outputs:
+            runs ``[kind, [16-byte block hash, ...]]``, kind "stored", "removed" or "cleared"
+            (see ``BlockPool.take_kv_events``); None when off or unchanged.
+        engine_index: the data-parallel replica that sent it (set by the front's DP client;
+            0 with one engine).
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     timestamp: float = 0.0
     scheduler_stats: Optional[SchedulerStats] = None
     num_scheduled_tokens: int = 0
+    kv_events: Optional[list] = None
+    engine_index: int = 0

@@ -12,6 +12,9 @@ outputs are detokenized here and handed to asyncio consumers (vLLM v1's ``AsyncL
   aborts its request at once; the core frees its blocks before its next step.
 * If the core dies (even by SIGKILL) or fails a step, every live request ends with
   :class:`EngineDeadError`, ``errored`` turns True and ``on_engine_dead`` is called; nothing hangs.
+* With ``data_parallel_size`` N > 1 the client is a :class:`pagedserve.engine.dp_client.DPClient`
+  (N replicas, one router): stats and metrics are kept per engine (``get_stats`` sums them),
+  and a replica's death ends only the requests it was running (``["failed", ids, reason]``).
 """
 from __future__ import annotations
 
@@ -75,7 +78,15 @@ class AsyncLLM(CoreUtilityCalls):
 
         resolve_model(config.model)  # convert a GGUF file once, here, before the core starts
         config = config.with_serving_defaults()  # e.g. the bounded step time: latency matters online
-        self.client = MPClient(config, log_level) if engine_process else ThreadClient(config)
+        self.data_parallel_size = config.data_parallel_size
+        if self.data_parallel_size > 1:
+            if not engine_process:
+                raise ValueError("data_parallel_size > 1 needs engine processes (engine_process=True)")
+            from pagedserve.engine.dp_client import DPClient
+
+            self.client = DPClient(config, log_level)
+        else:
+            self.client = MPClient(config, log_level) if engine_process else ThreadClient(config)
         info = self.client.info
         self.config = info.config
         self.served_model_names = served_model_names(config)
@@ -95,6 +106,8 @@ class AsyncLLM(CoreUtilityCalls):
         self._utility_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._stats = SchedulerStats(num_total_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
+        # Data parallel: each replica's latest stats.
+        self._engine_stats: dict[int, SchedulerStats] = dict(enumerate(getattr(self.client, "replica_stats", ())))
         self._error: Optional[str] = None
         self._stopped = False
         self._thread = threading.Thread(target=self._run_output_loop, name="pagedserve-output", daemon=True)
@@ -117,6 +130,10 @@ class AsyncLLM(CoreUtilityCalls):
         """The core's counters as of its last step or command."""
         with self._lock:
             return self._stats
+
+    def replica_status(self) -> Optional[list[dict[str, Any]]]:
+        """Data parallel: each replica's state (see ``DPClient.replica_status``); else None."""
+        return self.client.replica_status() if self.data_parallel_size > 1 else None
 
     def num_unfinished_requests(self) -> int:
         with self._lock:
@@ -200,9 +217,12 @@ class AsyncLLM(CoreUtilityCalls):
             self._streams.pop(request_id, None)
             child_ids = self.output_processor.abort_requests([request_id])
         if child_ids:
+            metrics = self.metrics
+            if metrics is not None and self.data_parallel_size > 1:
+                metrics = metrics.for_engine(self.client.engine_of(child_ids[0]))
             self.client.send(["abort", child_ids])
-            if self.metrics is not None:
-                self.metrics.observe_abort(request_id)
+            if metrics is not None:
+                metrics.observe_abort(request_id)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core and the output thread; live requests end with EngineDeadError."""
@@ -239,6 +259,8 @@ class AsyncLLM(CoreUtilityCalls):
                         log_stats(self.get_stats())
                 elif kind == "utility":
                     self._resolve_utility(msg[1], msg[2], msg[3])
+                elif kind == "failed":  # data parallel: one replica died under these sequences
+                    self._fail_sequences(msg[1], msg[2])
                 elif kind == "error":
                     reason = f"engine core failed: {msg[1]}: {msg[2]}"
                     break
@@ -253,18 +275,42 @@ class AsyncLLM(CoreUtilityCalls):
         with self._lock:
             outputs, to_abort = self.output_processor.process_outputs(core_outputs)
             if core_outputs.scheduler_stats is not None:
-                self._stats = core_outputs.scheduler_stats
+                if self.data_parallel_size > 1:
+                    from pagedserve.engine.dp_client import sum_stats
+
+                    self._engine_stats[core_outputs.engine_index] = core_outputs.scheduler_stats
+                    self._stats = sum_stats(list(self._engine_stats.values()))
+                else:
+                    self._stats = core_outputs.scheduler_stats
             streams = [(o, self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)) for o in outputs]
         if to_abort:
             self.client.send(["abort", to_abort])
         if self.metrics is not None:
-            self.metrics.observe_stats(self._stats)
-            self.metrics.observe_step(core_outputs.num_scheduled_tokens)
+            if self.data_parallel_size > 1:
+                metrics = self.metrics.for_engine(core_outputs.engine_index)
+                stats = self._engine_stats.get(core_outputs.engine_index)
+            else:
+                metrics, stats = self.metrics, self._stats
+            if stats is not None:
+                metrics.observe_stats(stats)
+            metrics.observe_step(core_outputs.num_scheduled_tokens)
             for o in outputs:
-                self.metrics.observe_output(o)
+                metrics.observe_output(o)
         for out, stream in streams:
             if stream is not None:
                 _put(stream.loop, stream.queue.put_nowait, out)
+
+    def _fail_sequences(self, child_ids: list[str], reason: str) -> None:
+        """End the requests owning these core sequences with EngineDeadError ``reason`` (their
+        replica is gone, the server is not)."""
+        with self._lock:
+            parents = {self.output_processor.sequence_of[c][0].request_id for c in child_ids if c in self.output_processor.sequence_of}
+            streams = [self._streams.pop(p, None) for p in parents]
+            self.output_processor.abort_requests(list(parents))
+        err = EngineDeadError(f"{reason} while running this request")
+        for stream in streams:
+            if stream is not None:
+                _put(stream.loop, stream.queue.put_nowait, err)
 
     def fail_all_requests(self, reason: str) -> None:
         """End every live request now with :class:`EngineDeadError` ``reason`` (the server

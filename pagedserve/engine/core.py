@@ -32,6 +32,8 @@ class EngineCoreInfo:
         num_blocks, block_bytes: the KV pool (blocks, bytes per block).
         dtype, device: as strings ("bfloat16", "cpu").
         model_dir: the resolved HF-style model directory (tokenizer and config live there).
+        block_hash_seed: the prefix cache's hash seed (16 bytes, from the model identity), so
+            a data-parallel front hashes requests' blocks exactly as this core does.
     """
 
     config: EngineConfig
@@ -40,6 +42,7 @@ class EngineCoreInfo:
     dtype: str
     device: str
     model_dir: str
+    block_hash_seed: bytes = b""
 
 
 class EngineCore:
@@ -69,7 +72,7 @@ class EngineCore:
         self.tracer: Optional[StepTracer] = tracer if tracer.enabled else None
         self.info = EngineCoreInfo(
             self.config, spec.num_blocks, spec.block_bytes, str(self.worker.dtype).replace("torch.", ""),
-            str(self.worker.device), self.worker.model_dir,
+            str(self.worker.device), self.worker.model_dir, kv.seed_hash,
         )
         B = self.config.block_size
         logger.info(
@@ -127,6 +130,14 @@ class EngineCore:
         the last step it saw + 1; a gap between that and the first record returned means the
         buffer overflowed in between."""
         return self.tracer.get(since_step, limit) if self.tracer is not None else []
+
+    def enable_kv_events(self) -> None:
+        """Record prefix-cache stored/removed events from now on (for a data-parallel router)."""
+        self.scheduler.kv_cache_manager.block_pool.enable_kv_events()
+
+    def take_kv_events(self) -> Optional[list]:
+        """Events since the last call (see ``EngineCoreOutputs.kv_events``), or None."""
+        return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
 
     def get_block_map(self) -> dict[str, Any]:
         """A snapshot of every KV block's state and owner (see

@@ -41,11 +41,19 @@ def _raise_core_error(kind: str, message: str) -> None:
 class MPClient:
     """Starts the engine-core process and talks to it.
 
-    Raises (from the constructor): ValueError / FileNotFoundError when the core refuses the
-    config or model; RuntimeError when it dies or does not get ready in time.
+    Args (past the config): ``kv_events``: the core publishes prefix-cache events (a
+    data-parallel replica); ``cpus``: pin the core process to these core ids; ``extra_env``:
+    set in its environment;
+    ``wait_ready=False`` returns once the process is started, and the caller calls
+    :meth:`wait_ready` (the DP client starts its replicas side by side).
+
+    Raises (from the constructor or ``wait_ready``): ValueError / FileNotFoundError when the
+    core refuses the config or model; RuntimeError when it dies or does not get ready in time.
     """
 
-    def __init__(self, config: EngineConfig, log_level: str = "info", startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def __init__(self, config: EngineConfig, log_level: str = "info", startup_timeout_s: float = STARTUP_TIMEOUT_S, *,
+                 kv_events: bool = False, cpus: Optional[list[int]] = None, extra_env: Optional[dict[str, str]] = None,
+                 wait_ready: bool = True) -> None:
         import zmq
 
         from pagedserve.engine import serial
@@ -67,13 +75,26 @@ class MPClient:
         cmd = [sys.executable, "-m", "pagedserve.engine.core_proc", "--input-address", f"ipc://{self._dir}/input",
                "--output-address", f"ipc://{self._dir}/output", "--config-json", json.dumps(config.to_dict()),
                "--log-level", log_level]
+        if kv_events:
+            cmd.append("--kv-events")
+        if cpus:
+            cmd += ["--cpus", ",".join(map(str, cpus))]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        env.update(extra_env or {})
         self.proc = subprocess.Popen(cmd, env=env)
+        self._startup_timeout_s = startup_timeout_s
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> EngineCoreInfo:
+        """Wait for the core's ready message; sets and returns ``info``. On failure the core
+        is stopped and the error raised."""
         try:
-            self.info = self._wait_ready(startup_timeout_s)
+            self.info = self._wait_ready(self._startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
+        return self.info
 
     def _wait_ready(self, timeout_s: float) -> EngineCoreInfo:
         deadline = time.monotonic() + timeout_s

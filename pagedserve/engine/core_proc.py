@@ -37,12 +37,16 @@ UTILITIES = ("reset_prefix_cache", "get_stats", "get_step_trace", "get_block_map
 
 
 def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], send: Callable[[list], None],
-                  parent_alive: Callable[[], bool] = lambda: True) -> None:
+                  parent_alive: Callable[[], bool] = lambda: True, kv_events: bool = False) -> None:
     """Serve ``core`` (an :class:`EngineCore`) until a shutdown message or the parent's death.
 
     ``recv(timeout_s)`` returns the next message or None after the timeout (0 = poll);
-    ``send(message)`` must not block for long. Exceptions from a step propagate.
+    ``send(message)`` must not block for long. Exceptions from a step propagate. With
+    ``kv_events`` (a data-parallel replica) every outputs message carries the prefix-cache
+    events since the previous one.
     """
+    if kv_events:
+        core.enable_kv_events()
     while True:
         idle = not core.has_unfinished_requests()
         msg = recv(IDLE_POLL_S if idle else 0.0)
@@ -58,9 +62,14 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], 
             changed |= _handle(core, msg, send)
             msg = recv(0.0)
         if core.has_unfinished_requests():
-            send(["outputs", core.step()])
+            out = core.step()
         elif changed:
-            send(["outputs", EngineCoreOutputs([], time.monotonic(), core.get_stats())])
+            out = EngineCoreOutputs([], time.monotonic(), core.get_stats())
+        else:
+            continue
+        if kv_events:
+            out.kv_events = core.take_kv_events()
+        send(["outputs", out])
 
 
 def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
@@ -104,22 +113,12 @@ def _remove_socket_dir(address: str) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description="pagedserve engine-core process (started by the server)")
-    ap.add_argument("--input-address", required=True)
-    ap.add_argument("--output-address", required=True)
-    ap.add_argument("--config-json", required=True)
-    ap.add_argument("--log-level", default="info")
-    args = ap.parse_args(argv)
-    # Ctrl-C in a terminal, or a supervisor's SIGTERM, reaches the whole process group: the
-    # front drains and then stops this process (a shutdown message, then a kill after a
-    # timeout), so it does not die mid-step on its own.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent = os.getppid()
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
-
+def serve_core(input_address: str, output_address: str, config: dict, parent_alive: Callable[[], bool],
+               kv_events: bool = False) -> int:
+    """Connect to the front's sockets, build the core, send ``ready``, run the busy loop.
+    Returns 0 after a shutdown message or the parent's death, 1 after an error (which was sent
+    to the front as an ``error`` message). Used by this module's main and by the Ray replica
+    actor (:mod:`pagedserve.engine.ray_client`)."""
     import msgpack
     import zmq
 
@@ -129,11 +128,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.setsockopt(zmq.RCVHWM, 0)  # never drop a message (see MPClient)
-    inbox.connect(args.input_address)
+    inbox.connect(input_address)
     outbox = ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.SNDHWM, 0)
     outbox.setsockopt(zmq.LINGER, 2000)
-    outbox.connect(args.output_address)
+    outbox.connect(output_address)
 
     def send(msg: list) -> None:
         outbox.send(serial.encode(msg), copy=False)
@@ -150,11 +149,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         from pagedserve.engine.core import EngineCore
 
-        core = EngineCore(EngineConfig(**json.loads(args.config_json)))
+        core = EngineCore(EngineConfig(**config))
         send(["ready", core.info])
-        run_busy_loop(core, recv, send, parent_alive=lambda: os.getppid() == parent)
-        if os.getppid() != parent:  # the front died without cleaning up: remove its socket directory
-            _remove_socket_dir(args.input_address)
+        run_busy_loop(core, recv, send, parent_alive=parent_alive, kv_events=kv_events)
         return 0
     except BaseException as e:  # start-up error or a crashed step: tell the frontend, exit non-zero
         logger.error("pagedserve engine core failed:\n%s", traceback.format_exc())
@@ -165,6 +162,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         outbox.close()
         inbox.close(linger=0)
         ctx.term()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description="pagedserve engine-core process (started by the server)")
+    ap.add_argument("--input-address", required=True)
+    ap.add_argument("--output-address", required=True)
+    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--kv-events", action="store_true", help="publish prefix-cache events (a data-parallel replica)")
+    ap.add_argument("--cpus", default=None, help="pin this process to these cores (comma-separated ids)")
+    args = ap.parse_args(argv)
+    if args.cpus:  # before torch starts its thread pool, whose threads inherit the mask
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    # Ctrl-C in a terminal, or a supervisor's SIGTERM, reaches the whole process group: the
+    # front drains and then stops this process (a shutdown message, then a kill after a
+    # timeout), so it does not die mid-step on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
+    rc = serve_core(args.input_address, args.output_address, json.loads(args.config_json),
+                    parent_alive=lambda: os.getppid() == parent, kv_events=args.kv_events)
+    if os.getppid() != parent:  # the front died without cleaning up: remove its socket directory
+        _remove_socket_dir(args.input_address)
+    return rc
 
 
 if __name__ == "__main__":

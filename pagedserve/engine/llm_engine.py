@@ -57,6 +57,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is for the server (pagedserve serve, AsyncLLM); the offline engine runs one replica")
         self.core = EngineCore(config)
         self.config = self.core.config  # resolved
         self.model_name = served_model_names(config)[0]

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi_offline import FastAPIOffline
 
 import pagedserve
@@ -111,6 +111,10 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     async def health() -> Response:
         if llm.errored or not llm.is_running:
             return error_response("engine is not running", 503, "ServiceUnavailableError")
+        replicas = llm.replica_status()
+        if replicas is not None:  # data parallel: 200 while any replica serves, with each one's state
+            live = sum(r["alive"] for r in replicas)
+            return JSONResponse({"status": "ok" if live == len(replicas) else "degraded", "replicas": replicas})
         return Response(status_code=200)
 
     @app.get("/version")
@@ -119,6 +123,8 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
+        for r in llm.replica_status() or ():
+            metrics.for_engine(r["engine"]).replica_up.set(1 if r["alive"] else 0)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     def card(name: str) -> ModelCard:
