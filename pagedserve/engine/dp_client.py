@@ -102,8 +102,7 @@ class DPClient:
         kv_events = config.router == "kv-aware" and config.enable_prefix_caching
         self.replicas: list[Any] = []
         self.cpus: list[Optional[list[int]]] = [None] * n
-        self._ray_started = False
-        self._pg = None
+        self._ray = None  # a RayCluster with the ray backend
         self._closed = False
         try:
             if self.backend == "mp":
@@ -117,12 +116,9 @@ class DPClient:
             else:
                 from pagedserve.engine import ray_client
 
-                self._ray_started = ray_client.init_ray(config.ray_address, n * threads)
-                host = ray_client.bind_host(self._ray_started)
-                self._pg = ray_client.placement_group(n, threads)
+                self._ray = ray_client.RayCluster(config.ray_address, n, threads)
                 for i in range(n):
-                    self.replicas.append(ray_client.RayCoreClient(replica_cfg, self._pg, i, host, log_level, kv_events=kv_events,
-                                                                  wait_ready=False))
+                    self.replicas.append(self._ray.start_replica(replica_cfg, i, log_level, kv_events))
             infos: list[EngineCoreInfo] = [r.wait_ready() for r in self.replicas]
         except BaseException:
             self.shutdown()
@@ -148,6 +144,7 @@ class DPClient:
             self._poller.register(r._output, zmq.POLLIN)
             self._socket_of[r._output] = i
         self._last_check = 0.0
+        self._recv_lock = threading.Lock()  # held by recv: shutdown waits for it, then recv is a no-op
         logger.info("pagedserve: %d engine replicas (%s backend, %d threads each, router %s)", n, self.backend, threads, policy)
 
     # -- the MPClient interface ------------------------------------------------------------
@@ -206,6 +203,12 @@ class DPClient:
 
     def recv(self, timeout_s: Optional[float]) -> Optional[list]:
         """The next message for AsyncLLM (only one thread may call this)."""
+        with self._recv_lock:
+            if self._closed:
+                return None
+            return self._recv(timeout_s)
+
+    def _recv(self, timeout_s: Optional[float]) -> Optional[list]:
         if self._pending:
             return self._pending.popleft()
         try:
@@ -309,7 +312,13 @@ class DPClient:
             self._poller.unregister(self.replicas[i]._output)
         except KeyError:
             pass
-        self.replicas[i].shutdown(1.0)
+        self._stop_replica(self.replicas[i], 1.0)
+
+    def _stop_replica(self, replica: Any, timeout_s: float) -> None:
+        if self._ray is not None:  # Ray calls on Ray's thread
+            self._ray.call(replica.shutdown, timeout_s)
+        else:
+            replica.shutdown(timeout_s)
 
     def replica_status(self) -> list[dict[str, Any]]:
         """Per replica: engine index, alive, pid, where it runs, pinned cores, in-flight
@@ -328,20 +337,13 @@ class DPClient:
         if self._closed:
             return
         self._closed = True
-        threads = [threading.Thread(target=r.shutdown, args=(timeout_s,), daemon=True) for r in self.replicas]
+        recv_lock = getattr(self, "_recv_lock", None)
+        if recv_lock is not None and recv_lock.acquire(timeout=timeout_s):  # a recv in progress finishes first
+            recv_lock.release()  # later ones see _closed and return None
+        threads = [threading.Thread(target=self._stop_replica, args=(r, timeout_s), daemon=True) for r in self.replicas]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout_s + 10)
-        if self.backend == "ray":
-            import ray
-
-            if self._pg is not None:
-                from ray.util.placement_group import remove_placement_group
-
-                try:
-                    remove_placement_group(self._pg)
-                except Exception:  # Ray already gone
-                    pass
-            if self._ray_started:
-                ray.shutdown()
+        if self._ray is not None:
+            self._ray.shutdown()

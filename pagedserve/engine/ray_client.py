@@ -18,7 +18,8 @@ import logging
 import os
 import subprocess
 import threading
-from typing import Any, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import STARTUP_TIMEOUT_S, MPClient
@@ -50,6 +51,9 @@ def init_ray(address: Optional[str], num_cpus: int) -> bool:
     to a new local head with at least ``num_cpus`` logical CPUs when ``address`` is None.
     Returns True when this call started a head (the caller stops it with ``ray.shutdown()``).
     Reuses a connection this process already has (returns False)."""
+    # Ray's C++ failure-signal handler takes SIGTERM from the server's drain and aborts the
+    # process at exit (status -6 after a clean shutdown); it is read when ray is first imported.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     import ray
 
     if ray.is_initialized():
@@ -185,3 +189,58 @@ class RayCoreClient(MPClient):
         except Exception:  # already gone, or Ray is shutting down
             pass
         self._close_sockets()
+
+
+class RayCluster:
+    """Ray for one data-parallel front: the connection (or a local head), the placement group
+    and the replicas' actors.
+
+    Every Ray control call (init, placement, actor start and kill, shutdown) runs on one
+    thread of its own (``call``), which lives as long as this object: Ray's driver crashes in
+    ``remove_placement_group`` when the thread that called ``ray.init`` has exited (the server
+    starts its engine on a loading thread that ends once it is up).
+
+    Raises (from the constructor): RuntimeError when the cluster cannot place the replicas.
+    """
+
+    def __init__(self, address: Optional[str], num_replicas: int, threads: int) -> None:
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-ray")
+        self._closed = False
+        self.started_local = False
+        self.pg = None
+        try:
+            self.started_local = self.call(init_ray, address, num_replicas * threads)
+            self.host = self.call(bind_host, self.started_local)
+            self.pg = self.call(placement_group, num_replicas, threads)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the Ray thread; its result or its exception."""
+        return self._exec.submit(fn, *args, **kwargs).result()
+
+    def start_replica(self, config: EngineConfig, index: int, log_level: str, kv_events: bool) -> RayCoreClient:
+        """Start replica ``index`` in its bundle (call its ``wait_ready`` next)."""
+        return self.call(RayCoreClient, config, self.pg, index, self.host, log_level, kv_events=kv_events, wait_ready=False)
+
+    def shutdown(self) -> None:
+        """Remove the placement group and stop a head this object started; idempotent."""
+        def stop() -> None:
+            import ray
+            from ray.util.placement_group import remove_placement_group
+
+            if self.pg is not None:
+                try:
+                    remove_placement_group(self.pg)
+                except Exception:  # Ray already gone
+                    pass
+                self.pg = None
+            if self.started_local:
+                ray.shutdown()
+                self.started_local = False
+
+        if not self._closed:
+            self._closed = True
+            self.call(stop)
+            self._exec.shutdown(wait=True)

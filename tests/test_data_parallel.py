@@ -1,0 +1,266 @@
+"""Data parallelism: the router's rules and the block pool's KV events alone, then real
+``pagedserve serve --data-parallel-size 2`` servers (mp and Ray, one thread per replica):
+greedy outputs equal one engine's, kv-aware routing follows the cached prefix (read from each
+replica's prefix-cache counters in /metrics), round-robin spreads, and a replica killed with
+SIGKILL is taken out of rotation while the server keeps answering."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from core_utils import make_kv_manager, make_request
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.distributed.dp_router import DPRouter, prompt_block_hashes
+from server_utils import httpx, start_tiny_server
+
+B = 16
+SEED = b"s" * 16
+
+
+# -- the router alone -------------------------------------------------------------------------
+def _router(policy: str, n: int = 2, slack: int = 4) -> DPRouter:
+    return DPRouter(n, policy, B, seeds=[SEED] * n, balance_slack=slack)
+
+
+def test_front_hashes_equal_the_replicas():
+    """The front hashes a prompt exactly as a replica's KV cache manager does (salt included),
+    up to the replica's hit cap of num_tokens - 1."""
+    kv = make_kv_manager()  # block size 4 in the unit helpers
+    for salt in (None, "tenant-a"):
+        tokens = list(range(3, 3 + 4 * 5))  # exactly 5 blocks: a hit covers at most 4
+        req = make_request("r", tokens, salt=salt)
+        kv.update_block_hashes(req)
+        assert prompt_block_hashes(kv.seed_hash, tokens, 4, salt) == req.block_hashes[:4]
+        assert prompt_block_hashes(kv.seed_hash, tokens + [9], 4, salt) == req.block_hashes[:5]
+
+
+def test_kv_aware_follows_the_prefix_then_spills_under_load():
+    r = _router("kv-aware")
+    hot = r.request_hashes(list(range(4 * B + 1)))
+    r.apply_events(1, [["stored", hot[SEED]]])
+    assert r.choose(hot) == 1  # the replica that holds every block
+    r.load = [0, 4]
+    assert r.choose(hot) == 1  # 4 ahead: within the slack for a full match
+    r.load = [0, 5]
+    assert r.choose(hot) == 0  # past it: spill to the shorter queue
+    r.load = [0, 2]
+    half = r.request_hashes(list(range(2 * B)) + [7] * (2 * B + 1))  # 2 of its 4 blocks cached
+    assert r.matched_blocks(1, half[SEED]) == 2
+    assert r.choose(half) == 1  # half the prefix: half the slack (2)
+    r.load = [0, 3]
+    assert r.choose(half) == 0
+    cold = r.request_hashes([5] * (3 * B))
+    r.load = [2, 1]
+    assert r.choose(cold) == 1  # no hit anywhere: least loaded
+    r.apply_events(1, [["removed", hot[SEED][2:]]])
+    assert r.matched_blocks(1, hot[SEED]) == 2
+    r.apply_events(1, [["stored", hot[SEED][2:3]], ["cleared", []], ["stored", hot[SEED][:1]]])
+    assert r.matched_blocks(1, hot[SEED]) == 1  # events apply in order
+    r.mark_dead(1)
+    r.load = [9, 0]
+    assert r.choose(hot) == 0 and not r.cached[1]
+    r.mark_dead(0)
+    with pytest.raises(RuntimeError, match="no engine replica"):
+        r.choose(hot)
+
+
+def test_least_loaded_and_round_robin():
+    r = _router("least-loaded", 3)
+    r.load = [3, 1, 2]
+    assert r.choose() == 1
+    r.load = [1, 1, 1]
+    assert [r.choose() for _ in range(3)] == [2, 0, 1]  # ties rotate
+    rr = _router("round-robin", 3)
+    rr.load = [0, 9, 9]  # load does not matter
+    assert [rr.choose() for _ in range(4)] == [0, 1, 2, 0]
+    rr.mark_dead(1)
+    assert [rr.choose() for _ in range(3)] == [2, 0, 2]
+    with pytest.raises(ValueError):
+        DPRouter(2, "random")
+
+
+def test_block_pool_events():
+    """Stored when a hash enters the index, removed when a cached block is reused, cleared on
+    reset; nothing is recorded unless enabled, and a twin block's hash is not stored twice."""
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, b"h1")
+    assert pool.kv_events is None and pool.take_kv_events() is None
+    pool.enable_kv_events()
+    pool.cache_block(b, b"h2")
+    c = pool.get_new_blocks(1)[0]
+    pool.cache_block(c, b"h2")  # same content as b: stays unregistered
+    assert pool.take_kv_events() == [["stored", [b"h2"]]]
+    assert pool.take_kv_events() is None
+    pool.free_blocks([a, b, c])
+    reused = pool.get_new_blocks(3)  # c (unhashed) first, then b and a (a chain's last block goes first)
+    assert pool.take_kv_events() == [["removed", [b"h2", b"h1"]]]
+    pool.cache_block(reused[0], b"h3")
+    pool.free_blocks(reused)
+    assert pool.reset_prefix_cache()
+    assert pool.take_kv_events() == [["cleared", []]]
+
+
+# -- real servers -------------------------------------------------------------------------------
+SERVER_ARGS = ("--data-parallel-size", "2", "--threads-per-replica", "1", "--num-kv-blocks", "64", "--max-model-len", "256",
+               "--max-num-seqs", "8", "--served-model-name", "x")
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    p = psutil.Process(pid)
+    return [p, *p.children(recursive=True)]
+
+
+def _stop(proc) -> None:
+    """SIGTERM the server: it exits 0, and every process it started (replicas, a Ray head
+    and its agents and actors) is gone within a minute."""
+    procs = _tree(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(45)
+    except Exception:
+        proc.kill()
+        proc.wait(10)
+        raise
+    finally:
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        for p in alive:
+            p.kill()
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert rc == 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def mp_server(tiny, tmp_path_factory):
+    proc, base, _ = start_tiny_server(tiny, tmp_path_factory.mktemp("dp-mp"), *SERVER_ARGS)
+    yield base
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny, tmp_path_factory):
+    proc, base, _ = start_tiny_server(tiny, tmp_path_factory.mktemp("dp-ray"), *SERVER_ARGS, "--data-parallel-backend", "ray",
+                                      "--router", "round-robin")
+    yield base
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    from pagedserve import LLM
+
+    return LLM(tiny, dtype="float32", num_kv_blocks=64, max_model_len=256, num_threads=1)
+
+
+def _complete(base: str, prompt: list[int], max_tokens: int = 6) -> str:
+    r = httpx.post(base + "/v1/completions", json={"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _engine_metrics(base: str, name: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for m in re.finditer(rf'^pagedserve:{name}\{{([^}}]*)\}} (\S+)$', text, re.M):
+        engine = re.search(r'engine="(\d+)"', m.group(1)).group(1)
+        out[engine] = out.get(engine, 0.0) + float(m.group(2))
+    return out
+
+
+def _health(base: str) -> dict:
+    r = httpx.get(base + "/health", timeout=10)
+    return {"status_code": r.status_code, **r.json()}
+
+
+def _prompts(seed: int, n: int = 3) -> list[list[int]]:
+    return [[100 + seed * 7 + i * 13 + j for j in range(20 + 5 * i)] for i in range(n)]
+
+
+def _check_matches_reference(base: str, reference, seed: int) -> None:
+    from pagedserve import SamplingParams
+
+    prompts = _prompts(seed)
+    want = [o.outputs[0].text for o in reference.generate([{"prompt_token_ids": p} for p in prompts],
+                                                          SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)]
+    assert [_complete(base, p) for p in prompts] == want
+
+
+def test_mp_outputs_equal_one_engine(mp_server, reference):
+    _check_matches_reference(mp_server, reference, 1)
+
+
+def test_kv_aware_sends_a_prefix_to_its_replica(mp_server):
+    before = _engine_metrics(mp_server, "prefix_cache_hits_total")
+    prefix = [300 + j for j in range(4 * B)]
+    for i in range(4):
+        _complete(mp_server, prefix + [20 + i, 30 + i], max_tokens=2)
+    after = _engine_metrics(mp_server, "prefix_cache_hits_total")
+    gained = {e: after.get(e, 0) - before.get(e, 0) for e in ("0", "1")}
+    assert sorted(gained.values()) == [0, 3 * 4 * B], gained  # every repeat hit the same replica's whole prefix
+    totals = _engine_metrics(mp_server, "prefix_cache_queries_total")
+    assert set(totals) == {"0", "1"}  # each replica's series, side by side
+
+
+def _stream_until_killed(base: str, pid_of) -> tuple[int, str]:
+    """Start a long streaming request, SIGKILL the replica running it once a token arrived,
+    and return the rest of the stream."""
+    body = {"model": "x", "prompt": [5, 6, 7, 8], "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        busy = [x for x in _health(base)["replicas"] if x["in_flight"] > 0]
+        assert len(busy) == 1, busy
+        os.kill(pid_of(busy[0]), signal.SIGKILL)
+        return busy[0]["engine"], "\n".join(lines)
+
+
+def _check_replica_death(base: str, pid_of) -> None:
+    engine, rest = _stream_until_killed(base, pid_of)
+    events = [json.loads(x[6:]) for x in rest.splitlines() if x.startswith("data: {")]
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and errors[0]["code"] == 503 and f"engine replica {engine} died" in errors[0]["message"], rest[-2000:]
+    deadline = time.monotonic() + 20
+    while True:
+        h = _health(base)
+        dead = [x for x in h["replicas"] if not x["alive"]]
+        if dead or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert h["status_code"] == 200 and h["status"] == "degraded", h
+    assert [x["engine"] for x in dead] == [engine] and dead[0]["error"], h
+    for i in range(3):  # the other replica answers everything from now on
+        assert _complete(base, [40 + i, 41, 42, 43], max_tokens=2)
+    up = _engine_metrics(base, "engine_replica_up")
+    assert up == {str(engine): 0.0, str(1 - engine): 1.0}, up
+
+
+def test_mp_killed_replica(mp_server):
+    _check_replica_death(mp_server, lambda r: r["pid"])
+
+
+def test_ray_outputs_equal_one_engine_and_round_robin_spreads(ray_server, reference):
+    h = _health(ray_server)
+    assert [r["backend"] for r in h["replicas"]] == ["ray", "ray"], h
+    before = _engine_metrics(ray_server, "request_success_total")
+    _check_matches_reference(ray_server, reference, 2)
+    _complete(ray_server, [9, 9, 9], max_tokens=2)
+    after = _engine_metrics(ray_server, "request_success_total")
+    assert {e: after.get(e, 0) - before.get(e, 0) for e in ("0", "1")} == {"0": 2, "1": 2}, (before, after)
+
+
+def test_ray_killed_actor(ray_server):
+    _check_replica_death(ray_server, lambda r: r["pid"])
