@@ -262,5 +262,34 @@ def test_ray_outputs_equal_one_engine_and_round_robin_spreads(ray_server, refere
     assert {e: after.get(e, 0) - before.get(e, 0) for e in ("0", "1")} == {"0": 2, "1": 2}, (before, after)
 
 
-def test_ray_killed_actor(ray_server):
-    _check_replica_death(ray_server, lambda r: r["pid"])
+def test_ray_killed_actor_before_any_output_moves_its_request(ray_server, reference):
+    """A request whose replica dies before it produced anything is run again on another
+    replica: freeze one actor (SIGSTOP), let round-robin hand it a request, SIGKILL it; the
+    request still answers, with the same greedy text, and the server carries on degraded."""
+    import threading
+
+    from pagedserve import SamplingParams
+
+    prompt = [60, 61, 62, 63, 64]
+    want = reference.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    frozen = _health(ray_server)["replicas"][0]
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    try:
+        for _ in range(3):  # round-robin reaches the frozen replica within two requests
+            got: list = []
+            t = threading.Thread(target=lambda: got.append(_complete(ray_server, prompt)), daemon=True)
+            t.start()
+            deadline = time.monotonic() + 20
+            while t.is_alive() and _health(ray_server)["replicas"][0]["in_flight"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if t.is_alive():
+                break
+            assert got == [want.outputs[0].text]
+        assert t.is_alive() and _health(ray_server)["replicas"][0]["in_flight"] == 1
+    finally:
+        os.kill(frozen["pid"], signal.SIGKILL)
+    t.join(30)
+    assert got == [want.outputs[0].text]
+    h = _health(ray_server)
+    assert h["status"] == "degraded" and [x["alive"] for x in h["replicas"]] == [False, True], h
+    assert _complete(ray_server, [70, 71, 72], max_tokens=2)
