@@ -70,6 +70,20 @@ def test_kv_aware_follows_the_prefix_then_spills_under_load():
         r.choose(hot)
 
 
+def test_kv_aware_follows_a_request_in_flight():
+    """A burst sharing a new prefix follows its first request before any event arrives, and
+    the replica stops counting as a holder once that request is done (no event ever came)."""
+    r = _router("kv-aware")
+    burst = r.request_hashes(list(range(3 * B + 1)))
+    first = r.choose(burst)
+    r.note_routed(first, burst[SEED])
+    r.load[first] += 1
+    assert r.choose(burst) == first and r.matched_blocks(first, burst[SEED]) == 3
+    r.note_done(first, burst[SEED])
+    r.load[first] -= 1
+    assert r.matched_blocks(first, burst[SEED]) == 0 and not r.pending[first]
+
+
 def test_least_loaded_and_round_robin():
     r = _router("least-loaded", 3)
     r.load = [3, 1, 2]
@@ -105,6 +119,13 @@ def test_block_pool_events():
     pool.free_blocks(reused)
     assert pool.reset_prefix_cache()
     assert pool.take_kv_events() == [["cleared", []]]
+
+
+def test_offline_engine_refuses_data_parallel(tiny):
+    from pagedserve import LLM
+
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM(tiny, data_parallel_size=2)
 
 
 # -- real servers -------------------------------------------------------------------------------
@@ -211,6 +232,10 @@ def test_kv_aware_sends_a_prefix_to_its_replica(mp_server):
     assert sorted(gained.values()) == [0, 3 * 4 * B], gained  # every repeat hit the same replica's whole prefix
     totals = _engine_metrics(mp_server, "prefix_cache_queries_total")
     assert set(totals) == {"0", "1"}  # each replica's series, side by side
+    holder = max(gained, key=gained.get)
+    replicas = _health(mp_server)["replicas"]
+    assert all(x["in_flight"] == 0 for x in replicas), replicas  # every finish was counted
+    assert replicas[int(holder)]["cached_blocks"] >= 4, replicas  # the router mirrors its cache
 
 
 def _stream_until_killed(base: str, pid_of) -> tuple[int, str]:

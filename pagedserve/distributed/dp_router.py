@@ -22,6 +22,9 @@ Policies (``--router``):
   replicas the longest match wins, then the shorter queue, then round-robin order. So a hot
   prefix stays on its replica until that replica is ``balance_slack`` sequences ahead, then
   spills over once (the other replica computes and caches it) and is balanced from then on.
+  A request counts as cached on its replica from the moment it is routed until it finishes
+  (``note_routed`` / ``note_done``: its blocks will be computed there), so a burst sharing a new
+  prefix follows its first request instead of scattering before that replica's first events.
 
 Block hashes are computed with the replicas' own function and seed
 (:func:`pagedserve.core.kv_cache_manager.hash_block_tokens`, seed from each replica's ready
@@ -76,6 +79,7 @@ class DPRouter:
         self.seeds = list(seeds) if seeds is not None else [b""] * num_replicas
         self.balance_slack = balance_slack
         self.cached: list[set[bytes]] = [set() for _ in range(num_replicas)]
+        self.pending: list[dict[bytes, int]] = [{} for _ in range(num_replicas)]  # hash -> in-flight requests
         self.load = [0] * num_replicas
         self.alive = [True] * num_replicas
         self._next = 0  # round-robin position
@@ -96,10 +100,27 @@ class DPRouter:
             elif kind == "cleared":
                 index.clear()
 
+    def note_routed(self, replica: int, hashes: Sequence[bytes]) -> None:
+        """A request with these leading block hashes was sent to ``replica``."""
+        pending = self.pending[replica]
+        for h in hashes:
+            pending[h] = pending.get(h, 0) + 1
+
+    def note_done(self, replica: int, hashes: Sequence[bytes]) -> None:
+        """That request finished or left ``replica`` (what it cached arrives as events)."""
+        pending = self.pending[replica]
+        for h in hashes:
+            n = pending.get(h, 0) - 1
+            if n > 0:
+                pending[h] = n
+            else:
+                pending.pop(h, None)
+
     def mark_dead(self, replica: int) -> None:
         """Take a replica out of rotation for good (its index is dropped)."""
         self.alive[replica] = False
         self.cached[replica].clear()
+        self.pending[replica].clear()
         self.load[replica] = 0
 
     # -- routing ---------------------------------------------------------------------------
@@ -111,11 +132,12 @@ class DPRouter:
         return {seed: prompt_block_hashes(seed, token_ids, self.block_size, cache_salt) for seed in set(self.seeds)}
 
     def matched_blocks(self, replica: int, hashes: Sequence[bytes]) -> int:
-        """Leading blocks of ``hashes`` that ``replica`` caches (its longest prefix hit)."""
-        index = self.cached[replica]
+        """Leading blocks of ``hashes`` that ``replica`` caches or is computing for a request in
+        flight (its longest prefix hit)."""
+        index, pending = self.cached[replica], self.pending[replica]
         n = 0
         for h in hashes:
-            if h not in index:
+            if h not in index and h not in pending:
                 break
             n += 1
         return n

@@ -53,7 +53,11 @@ class _Group:
     children: list[EngineCoreRequest]
     replica: int
     unfinished: set[str]
+    hashes: Optional[dict] = None  # the prompt's block hashes per replica seed (kv-aware)
     started: bool = False  # some output came back: it can no longer move to another replica
+
+    def routed_hashes(self, router: DPRouter) -> list[bytes]:
+        return self.hashes.get(router.seeds[self.replica], []) if self.hashes else []
 
 
 @dataclass
@@ -146,15 +150,14 @@ class DPClient:
             first = msg[1][0]
             hashes = self.router.request_hashes(first.prompt_token_ids, first.cache_salt) if self.router.wants_hashes() else None
             with self._lock:
-                self._route(_Group(list(msg[1]), -1, {c.request_id for c in msg[1]}), hashes)
+                self._route(_Group(list(msg[1]), -1, {c.request_id for c in msg[1]}, hashes))
         elif kind == "abort":
             by_replica: dict[int, list[str]] = collections.defaultdict(list)
             with self._lock:
                 for rid in msg[1]:
                     g = self._groups.pop(rid, None)
                     if g is not None and rid in g.unfinished:
-                        g.unfinished.discard(rid)
-                        self.router.load[g.replica] -= 1
+                        self._finish_sequence(g, rid)
                         by_replica[g.replica].append(rid)
                 for i, ids in by_replica.items():
                     self.replicas[i].send(["abort", ids])
@@ -172,14 +175,23 @@ class DPClient:
                 if ok:
                     self.replicas[i].send(msg)
 
-    def _route(self, g: _Group, hashes: Optional[dict]) -> None:
+    def _route(self, g: _Group) -> None:
         """Send a group to the router's choice (under the lock)."""
-        i = self.router.choose(hashes)
+        i = self.router.choose(g.hashes)
         g.replica = i
         for rid in g.unfinished:
             self._groups[rid] = g
         self.router.load[i] += len(g.unfinished)
+        self.router.note_routed(i, g.routed_hashes(self.router))
         self.replicas[i].send(["add", g.children])
+
+    def _finish_sequence(self, g: _Group, rid: str) -> None:
+        """One sequence of ``g`` ended (finished or aborted; under the lock)."""
+        g.unfinished.discard(rid)
+        self._groups.pop(rid, None)
+        self.router.load[g.replica] -= 1
+        if not g.unfinished:
+            self.router.note_done(g.replica, g.routed_hashes(self.router))
 
     def recv(self, timeout_s: Optional[float]) -> Optional[list]:
         """The next message for AsyncLLM (only one thread may call this)."""
@@ -232,9 +244,7 @@ class DPClient:
                         continue
                     g.started, g.children = True, []  # no retry once anything came back
                     if o.finish_reason is not None and o.request_id in g.unfinished:
-                        g.unfinished.discard(o.request_id)
-                        del self._groups[o.request_id]
-                        self.router.load[i] -= 1
+                        self._finish_sequence(g, o.request_id)
             self._pending.append(msg)
         elif kind == "utility":
             with self._lock:
@@ -267,8 +277,7 @@ class DPClient:
             moved = 0
             for g in {id(g): g for g in self._groups.values() if g.replica == i}.values():
                 if not g.started and any(self.router.alive):
-                    hashes = self.router.request_hashes(g.children[0].prompt_token_ids, g.children[0].cache_salt)
-                    self._route(g, hashes if self.router.wants_hashes() else None)
+                    self._route(g)
                     moved += 1
                 else:
                     failed.extend(g.unfinished)
