@@ -140,7 +140,10 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 def _stop(proc) -> None:
     """SIGTERM the server: it exits 0, and every process it started (replicas, a Ray head
-    and its agents and actors) is gone within a minute."""
+    and its agents and actors) is gone within a minute. A server that already exited (a
+    test took it down) only has its processes checked."""
+    if proc.poll() is not None:
+        return
     procs = _tree(proc.pid)
     proc.send_signal(signal.SIGTERM)
     try:
@@ -162,9 +165,13 @@ def tiny(tiny_model_factory):
     return tiny_model_factory("llama")
 
 
+MP_PROC: dict = {}
+
+
 @pytest.fixture(scope="module")
 def mp_server(tiny, tmp_path_factory):
     proc, base, _ = start_tiny_server(tiny, tmp_path_factory.mktemp("dp-mp"), *SERVER_ARGS)
+    MP_PROC["proc"] = proc
     yield base
     _stop(proc)
 
@@ -275,6 +282,23 @@ def _check_replica_death(base: str, pid_of) -> None:
 
 def test_mp_killed_replica(mp_server):
     _check_replica_death(mp_server, lambda r: r["pid"])
+
+
+def test_mp_last_replica_killed_server_fails(mp_server):
+    """With no replica left the server fails as a one-engine server does: /health 503, then
+    exit status 1 for a supervisor, leaving no process behind."""
+    proc = MP_PROC["proc"]
+    procs = _tree(proc.pid)
+    last = [x for x in _health(mp_server)["replicas"] if x["alive"]]
+    assert len(last) == 1
+    os.kill(last[0]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while httpx.get(mp_server + "/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert proc.wait(30) == 1
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    assert not alive, [(p.pid, p.name()) for p in alive]
 
 
 def test_ray_outputs_equal_one_engine_and_round_robin_spreads(ray_server, reference):
