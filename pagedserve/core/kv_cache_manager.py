@@ -53,9 +53,10 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each request registered in the cache
 
     # -- hashing ---------------------------------------------------------------------------
-    def update_block_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
-        if not self.enable_caching:
+    def update_block_hashes(self, request: Request, force: bool = False) -> None:
+        """Extend ``request.block_hashes`` to cover every full block of its tokens (with
+        prefix caching off only when ``force``: KV transfer names blocks by these hashes)."""
+        if not self.enable_caching and not force:
             return
         B = self.block_size
         hashes = request.block_hashes
@@ -94,12 +95,15 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Optional[list[KVCacheBlock]] = None,
         num_new_computed_tokens: int = 0,
+        register_new: bool = True,
     ) -> Optional[list[KVCacheBlock]]:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (after its computed ones
         and the prefix hit ``new_computed_blocks``).
 
         Either succeeds and returns the newly allocated blocks, or returns None having changed
-        nothing (no ref count, no block table). Block tables only grow.
+        nothing (no ref count, no block table). Block tables only grow. ``register_new=False``
+        leaves the new blocks out of the prefix cache (a KV connector fills them later; they
+        are registered by the request's next allocation).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -118,7 +122,9 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
 
-        if self.enable_caching:
+        if not register_new:
+            self.num_cached_blocks.setdefault(request.request_id, len(blocks) - len(new_blocks))
+        elif self.enable_caching:
             # Register blocks that this step fills completely. Their K/V is written in this
             # step's forward, layer by layer before any attention reads, so a request admitted
             # later in the same step may already hit them.
@@ -129,6 +135,11 @@ class KVCacheManager:
                 self.block_pool.cache_block(blocks[i], request.block_hashes[i])
             self.num_cached_blocks[request.request_id] = max(start, num_full)
         return new_blocks
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """The chained hashes of every full block of the request's tokens (16 bytes each)."""
+        self.update_block_hashes(request, force=True)
+        return request.block_hashes
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request (finished, aborted or preempted)."""

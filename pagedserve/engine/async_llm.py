@@ -258,7 +258,8 @@ class AsyncLLM(CoreUtilityCalls):
         if to_abort:
             self.client.send(["abort", to_abort])
         if self.metrics is not None:
-            self.metrics.observe_stats(self._stats)
+            if core_outputs.scheduler_stats is not None:  # new counters (and this step's KV-load times)
+                self.metrics.observe_stats(core_outputs.scheduler_stats)
             self.metrics.observe_step(core_outputs.num_scheduled_tokens)
             for o in outputs:
                 self.metrics.observe_output(o)

@@ -43,13 +43,15 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], 
     ``recv(timeout_s)`` returns the next message or None after the timeout (0 = poll);
     ``send(message)`` must not block for long. Exceptions from a step propagate.
     """
+    poll = getattr(core, "poll_interval", lambda: 0.0 if core.has_unfinished_requests() else None)
+    last_key = None
     while True:
-        idle = not core.has_unfinished_requests()
-        msg = recv(IDLE_POLL_S if idle else 0.0)
+        wait = poll()
+        msg = recv(IDLE_POLL_S if wait is None else wait)
         if not parent_alive():
             logger.warning("pagedserve engine core: the frontend process is gone; exiting")
             return
-        if msg is None and idle:
+        if msg is None and wait is None:
             continue
         changed = False
         while msg is not None:
@@ -57,10 +59,24 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], 
                 return
             changed |= _handle(core, msg, send)
             msg = recv(0.0)
-        if core.has_unfinished_requests():
-            send(["outputs", core.step()])
+        if core.has_unfinished_requests() or poll() is not None:
+            outputs = core.step()
+            # A step that only polled KV transfers and changed nothing is not worth a message.
+            key = _stats_key(outputs)
+            if outputs.outputs or outputs.num_scheduled_tokens or changed or key != last_key or outputs.scheduler_stats.kv_transfer_seconds:
+                send(["outputs", outputs])
+            last_key = key
         elif changed:
             send(["outputs", EngineCoreOutputs([], time.monotonic(), core.get_stats())])
+
+
+def _stats_key(outputs: EngineCoreOutputs) -> Optional[tuple]:
+    """What a front would see change in a step's stats (blocks, queues, KV-transfer counters)."""
+    s = outputs.scheduler_stats
+    if s is None:
+        return None
+    return (s.num_free_blocks, s.num_waiting, s.num_running, s.kv_transfer_sent_tokens, s.kv_transfer_received_tokens,
+            sum(s.kv_transfer_failures.values()))
 
 
 def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
@@ -152,7 +168,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         core = EngineCore(EngineConfig(**json.loads(args.config_json)))
         send(["ready", core.info])
-        run_busy_loop(core, recv, send, parent_alive=lambda: os.getppid() == parent)
+        try:
+            run_busy_loop(core, recv, send, parent_alive=lambda: os.getppid() == parent)
+        finally:
+            core.shutdown()
         if os.getppid() != parent:  # the front died without cleaning up: remove its socket directory
             _remove_socket_dir(args.input_address)
         return 0
