@@ -136,6 +136,19 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = max(start, num_full)
         return new_blocks
 
+    def cache_loaded_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks up to ``num_tokens`` in the prefix cache (their
+        KV was loaded from outside, see ``allocate_slots(register_new=False)``)."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(blocks), len(request.block_hashes))
+        for i in range(start, end):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, end)
+
     def block_hashes(self, request: Request) -> list[bytes]:
         """The chained hashes of every full block of the request's tokens (16 bytes each)."""
         self.update_block_hashes(request, force=True)

@@ -110,6 +110,7 @@ class RemoteKVMixin:
                 self.connector.request_dropped(rid)
             elif rid not in failed:
                 req.num_computed_tokens = len(kv.req_to_blocks[rid]) * self.config.block_size
+                kv.cache_loaded_blocks(req, req.num_computed_tokens)  # siblings and later requests hit them
                 req.status = RequestStatus.WAITING
                 resumed.append(req)
             elif self.connector.config.kv_load_failure_policy == "recompute":
@@ -136,6 +137,19 @@ class RemoteKVMixin:
                                     first_scheduled_time=r.first_scheduled_time) for r in self.kv_failed]
         self.kv_failed = []
         return outputs
+
+    def _release_loaded_waiting(self) -> bool:
+        """Nothing runs and the head of the waiting queue cannot get blocks: the waiting
+        requests behind it that hold loaded KV give their blocks back (they stay in the prefix
+        cache, so those requests usually hit them again). True when any did."""
+        kv = self.kv_cache_manager
+        freed = False
+        for req in list(self.waiting)[1:]:
+            if req.request_id in kv.req_to_blocks:
+                kv.free(req)
+                req.num_computed_tokens = 0
+                freed = True
+        return freed
 
     def kv_poll_interval(self) -> Optional[float]:
         """Seconds between checks for KV transfers that finished while nothing else runs, or

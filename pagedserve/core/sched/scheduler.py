@@ -219,6 +219,8 @@ class Scheduler(RemoteKVMixin):
                     if num_new <= 0:
                         break
                 if kv.allocate_slots(req, num_new, hit_blocks, num_hit - req.num_computed_tokens) is None:
+                    if not self.running and self.connector is not None and self._release_loaded_waiting():
+                        continue
                     break
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)

@@ -76,6 +76,14 @@ def check_params(params: Any, max_blocks: int, allowed_hosts: Optional[list[str]
     return params
 
 
+def allowed_hosts_of(config: Any) -> Optional[list[str]]:
+    """The peers a decode instance with this :class:`KVTransferConfig` may read from: loopback,
+    its own ``kv_ip`` and ``kv_connector_extra_config["allowed_peer_hosts"]`` (``["*"]`` = any).
+    A client names the peer, so without this list it could make the server connect anywhere."""
+    extra = config.kv_connector_extra_config.get("allowed_peer_hosts", [])
+    return None if "*" in extra else [config.kv_ip, *extra]
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback

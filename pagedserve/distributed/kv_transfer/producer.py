@@ -6,9 +6,10 @@ either way its request id is reported in ``finished_sending`` and the scheduler 
 blocks. The table of holds is guarded by one lock, and a read copies its blocks out under that
 lock, so a hold that ends (and whose blocks may then be reused) can never be read half-way.
 
-Test hook: the environment variable ``PAGEDSERVE_KV_TEST_FAULT`` makes the server misbehave on
-purpose: ``delay=S`` (sleep S seconds before each read reply), ``corrupt`` (flip one byte of
-every reply after its digest is taken), ``silent`` (never answer reads).
+Test hook: when the environment variable ``PAGEDSERVE_KV_TEST_FAULT_FILE`` names a file, each
+read first looks at its content and misbehaves on purpose: ``delay=S`` (sleep S seconds before
+the reply), ``corrupt`` (flip one byte of the reply after its digest is taken), ``silent``
+(never answer); empty or missing = behave.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class KVServer:
         self._finished: list[str] = []
         self._sent_tokens = 0
         self._failures: Counter = Counter()
-        self._fault = os.environ.get("PAGEDSERVE_KV_TEST_FAULT", "")
+        self._fault_file = os.environ.get("PAGEDSERVE_KV_TEST_FAULT_FILE")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedserve-kv-server", daemon=True)
         self._thread.start()
@@ -130,6 +131,15 @@ class KVServer:
             except Exception:  # a bug must not end the server thread silently
                 logger.exception("pagedserve: KV transfer server failed on a message")
 
+    def _fault(self) -> str:
+        if not self._fault_file:
+            return ""
+        try:
+            with open(self._fault_file) as fh:
+                return fh.read().strip()
+        except OSError:
+            return ""
+
     def _reply(self, ident: bytes, msg: list, data=None) -> None:
         self.sock.send_multipart([ident, wire.pack(msg)] + ([data] if data is not None else []), copy=data is None)
 
@@ -156,7 +166,8 @@ class KVServer:
         if (not isinstance(tid, str) or not isinstance(indices, list) or not isinstance(hashes, list) or len(indices) != len(hashes)
                 or not 0 < len(indices) <= wire.MAX_READ_BLOCKS or not all(isinstance(i, int) for i in indices)):
             return self._reply(ident, ["error", "bad_request", "read needs a transfer id and 1-32 block indices with their hashes"])
-        if self._fault == "silent":
+        fault = self._fault()
+        if fault == "silent":
             return
         with self._lock:
             hold = self._holds.get(tid)
@@ -170,8 +181,8 @@ class KVServer:
             self._sent_tokens += len(indices) * self.block_size
         raw = blocks.view(torch.uint8).numpy().reshape(len(indices), -1)
         digests = [wire.digest(raw[i]) for i in range(len(indices))]
-        if self._fault.startswith("delay="):
-            time.sleep(float(self._fault[6:]))
-        if self._fault == "corrupt":
+        if fault.startswith("delay="):
+            time.sleep(float(fault[6:]))
+        if fault == "corrupt":
             raw[0, 0] ^= 0xFF
         self._reply(ident, ["blocks", len(indices), digests], raw)

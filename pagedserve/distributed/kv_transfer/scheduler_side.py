@@ -30,8 +30,7 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
         self.block_size = block_size
         self.block_hashes = block_hashes
         self.max_blocks = max_blocks
-        extra = config.kv_connector_extra_config.get("allowed_peer_hosts", [])
-        self.allowed_hosts: Optional[list[str]] = None if "*" in extra else [config.kv_ip, *extra]
+        self.allowed_hosts = kvp.allowed_hosts_of(config)
         self._meta = KVConnectorMetadata()
         self._loading: dict[tuple[str, str], str] = {}  # (engine id, transfer id) -> the local request loading it
         self._load_key: dict[str, tuple[str, str]] = {}  # local request -> its load's key

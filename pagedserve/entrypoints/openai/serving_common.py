@@ -219,7 +219,7 @@ class OpenAIServing:
         if cfg.kv_transfer_config is None:
             raise RequestError("kv_transfer_params needs a server started with --kv-transfer-config.", param="kv_transfer_params")
         try:
-            kvp.check_params(params, -(-cfg.max_model_len // cfg.block_size))
+            kvp.check_params(params, -(-cfg.max_model_len // cfg.block_size), kvp.allowed_hosts_of(cfg.kv_transfer))
         except kvp.KVParamsError as e:
             raise RequestError(str(e), param="kv_transfer_params") from None
 
