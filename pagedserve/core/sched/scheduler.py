@@ -8,7 +8,8 @@ takes what the budget leaves), then WAITING requests in FCFS order, each after i
 hit. Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, not separate
 code. When a running request cannot get a block, the most recently admitted running request is
 preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new is
-admitted in that step.
+admitted in that step. A decode instance's request whose prompt KV comes from a prefill instance
+waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`).
 
 Bounded step time (``EngineConfig.max_step_ms``, on by default): a :class:`StepCostModel` fits
 the step's wall time against its tokens and attention pairs from the durations ``EngineCore``
@@ -31,6 +32,7 @@ from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRu
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
 from pagedserve.core.sched.remote_kv import RemoteKVMixin
+from pagedserve.core.sched.stop import check_stop
 from pagedserve.core.sched.step_cost import StepCostModel, StepTimeBudget, attention_pairs
 from pagedserve.core.structured_output import StructuredOutputManager
 
@@ -302,7 +304,7 @@ class Scheduler(RemoteKVMixin):
             req.last_token_time = now
             self.stats.num_generation_tokens += 1
             self.kv_cache_manager.update_block_hashes(req)
-            stopped = self._check_stop(req, tok)
+            stopped = check_stop(req, tok, self.config.max_model_len, self.structured_output_manager)
             out = EngineCoreOutput(rid, [tok], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
                                    max(0, req.num_cached_tokens), req.first_scheduled_time, req.error)
             outputs.append(out)
@@ -315,33 +317,11 @@ class Scheduler(RemoteKVMixin):
             stats.kv_transfer_seconds = list(runner_output.kv_connector_output.transfer_seconds)
         return EngineCoreOutputs(outputs, now, stats)
 
-    def _check_stop(self, req: Request, tok: int) -> bool:
-        params = req.sampling_params
-        if req.grammar is not None:
-            state = self.structured_output_manager.accept_token(req.grammar, tok)
-            if state is not None and state != "done":
-                req.error = f"structured output failed: {state}"
-            if req.error is not None:
-                req.status = RequestStatus.FINISHED_ERROR
-                return True
-            if state == "done":
-                req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-                return True
-        if req.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and tok in req.eos_token_ids) or tok in params.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tok if tok in params.stop_token_ids else None
-                return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
-
     def get_stats(self) -> SchedulerStats:
         """A snapshot of the counters (a new object each call)."""
         s = self.stats
         s.num_running = len(self.running)
-        s.num_waiting = len(self.waiting)
+        s.num_waiting = len(self.waiting) + len(self.waiting_for_remote)
         s.num_free_blocks = self.kv_cache_manager.num_free_blocks
         snap = SchedulerStats(**vars(s))
         snap.kv_transfer_failures = dict(s.kv_transfer_failures)
