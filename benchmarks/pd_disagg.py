@@ -77,6 +77,14 @@ class Procs:
             return ""
 
     def stop_all(self) -> None:
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # finish the clean-up (<= 15 s)
+        try:
+            self._stop_all()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _stop_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 try:

@@ -172,7 +172,9 @@ class Proxy:
         self.prefill_http_timeout = httpx.Timeout(prefill_timeout, connect=min(5.0, prefill_timeout))
         # Decode: a read timeout is the longest silence (before the answer, between chunks).
         self.decode_http_timeout = httpx.Timeout(decode_timeout, connect=min(5.0, decode_timeout))
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256))
+        # Idle connections expire before the instances' keep-alive (uvicorn: 5 s) would close them
+        # under a request in flight.
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256, keepalive_expiry=2.0))
         self.counters = {"requests": 0, "prefill_failures": 0, "prefill_fallbacks": 0}
         self._models: dict[tuple, tuple[float, Any]] = {}
 
@@ -369,6 +371,8 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
+    for name in ("httpx", "httpx2", "httpcore"):  # one INFO line per upstream request would bury the log
+        logging.getLogger(name).setLevel(logging.WARNING)
     app = build_app(args.prefill, args.decode, api_key=args.api_key, prefill_timeout=args.prefill_timeout,
                     decode_timeout=args.decode_timeout, on_prefill_failure=args.on_prefill_failure)
     logger.info("pagedserve proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
