@@ -290,7 +290,7 @@ def test_client_disconnect_closes_upstream(fakes, proxy):
     _wait_event(fakes["D1"], "stream closed")
     # While the prefill runs: the prefill request closes and the decode instance is never called.
     fakes["P1"].mode = "slow"
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx.TimeoutException):
         post(proxy.url, {"prompt": "x"}, timeout=0.5)
     _wait_event(fakes["P1"], "disconnected")
     time.sleep(0.2)
@@ -360,3 +360,10 @@ def test_cli_proxy_process(tmp_path):
             proc.wait()
         log.close()
     assert proc.returncode == 0, (tmp_path / "proxy.log").read_text()
+
+
+def test_bad_settings():
+    for kw in (dict(prefill=["localhost:8100"], decode=["http://127.0.0.1:1"]), dict(prefill=[], decode=["http://127.0.0.1:1"]),
+               dict(prefill=[DEAD], decode=[DEAD], prefill_timeout=0), dict(prefill=[DEAD], decode=[DEAD], on_prefill_failure="retry")):
+        with pytest.raises(ValueError):
+            build_app(**kw)

@@ -99,6 +99,9 @@ class UpstreamPool:
     def __init__(self, urls: list[str], down_s: float) -> None:
         if not urls:
             raise ValueError("at least one URL is needed per role")
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"instance URLs must start with http:// or https://, got {bad}")
         self.urls = [u.rstrip("/") for u in urls]
         self.down_s = down_s
         self._next = 0
@@ -120,16 +123,12 @@ class UpstreamPool:
 
 
 class _PrefillFailed(Exception):
-    pass
+    """The prefill phase failed in a way the failure policy handles."""
 
 
 async def _send_bytes(send: Any, status: int, headers: list, body: bytes) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _sse(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 class _Proxied(Response):
@@ -276,7 +275,7 @@ class Proxy:
             except httpx.HTTPError as e:
                 logger.warning("decode instance %s broke off the stream of %s: %s", url, headers["x-request-id"], type(e).__name__)
                 err = error_body(f"the decode instance broke off the stream: {type(e).__name__}", 502, "BadGatewayError")
-                tail = _sse(err) + b"data: [DONE]\n\n"
+                tail = f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         finally:
             await resp.aclose()
