@@ -246,7 +246,10 @@ def report(args: argparse.Namespace, res: dict) -> None:
     dtype_b = logged / lay["values_per_token"] if logged else None
     print(f"\nKV per token: 2 x {lay['layers']} layers x {lay['kv_heads']} kv heads x {lay['head_dim']} head_dim = {lay['values_per_token']} values"
           + (f" x {dtype_b:g} B = {logged} B (the decode instance's start-up line)" if logged else " (dtype bytes: not found in the log)"))
-    print(f"tokens sent (producer): {sent if sent is not None else 'n/a (metric missing)'};  received (consumer): {recv if recv is not None else 'n/a (metric missing)'}")
+    def count(v: float | None) -> str:
+        return f"{v:.0f}" if v is not None else "n/a (metric missing)"
+
+    print(f"tokens sent (producer): {count(sent)};  received (consumer): {count(recv)}")
     for side in ("prefill", "decode"):
         s, n = t[side].get("pagedserve:kv_transfer_time_seconds_sum"), t[side].get("pagedserve:kv_transfer_time_seconds_count")
         if n:
