@@ -195,7 +195,7 @@ def run_pd(args: argparse.Namespace, procs: Procs) -> dict:
         after = {"prefill": metrics(purl), "decode": metrics(durl)}
         delta = {side: {k: v - before[side].get(k, 0.0) for k, v in after[side].items() if k.startswith("pagedserve:kv_transfer")} for side in after}
         proxy_state = httpx.get(xurl + "/health", timeout=10).json()
-        return {"runs": runs, "transfer": delta, "prefill_fallbacks": proxy_state.get("prefill_fallbacks"),
+        return {"runs": runs, "transfer": delta, "proxy": {k: v for k, v in proxy_state.items() if isinstance(v, int)},
                 "bytes_per_token_logged": logged_bytes_per_token(procs, dec)}
     finally:
         procs.stop_all()
@@ -257,7 +257,9 @@ def report(args: argparse.Namespace, res: dict) -> None:
             print(f"transfer time ({side}): {n:.0f} transfers, mean {1e3 * s / n:.1f} ms" + (f", {mb:.1f} MB moved, {mb / s:.1f} MB/s" if mb and s else ""))
         elif s is None:
             print(f"transfer time ({side}): n/a (no pagedserve:kv_transfer_time_seconds)")
-    print(f"prefill fallbacks at the proxy (decode computed the prompt itself): {pd['prefill_fallbacks']}")
+    x = pd["proxy"]
+    print(f"proxy: {x.get('requests')} requests, {x.get('prefill_fallbacks')} prefill fallbacks (the decode instance computed the prompt), "
+          f"{x.get('prefill_without_kv_params')} prefill answers without kv_transfer_params")
 
 
 def main() -> int:

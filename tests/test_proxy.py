@@ -98,6 +98,8 @@ class Fake:
                     self.events.append("disconnected")
                     return Response(status_code=499)
                 await asyncio.sleep(0.05)
+        if self.role == "prefill" and mode == "nokv":
+            return JSONResponse({"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}], "kv_transfer_params": None})
         if self.role == "prefill":
             kv = {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_request_id": request.headers.get("x-request-id"),
                   "remote_block_ids": [3, 4], "remote_host": "127.0.0.1", "remote_port": 14579, "remote_num_tokens": 20}
@@ -232,6 +234,16 @@ def test_prefill_failure_falls_back(fakes, make_proxy, failure):
         while "disconnected" not in fakes["P1"].events:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_prefill_without_kv_params(fakes, make_proxy):
+    px = make_proxy([fakes["P1"].url], [fakes["D1"].url])
+    fakes["P1"].mode = "nokv"  # not a kv_producer: the decode instance computes the prompt, counted
+    r = post(px.url, {"prompt": "x"}, headers={})
+    assert r.status_code == 200 and int(r.headers["content-length"]) == len(r.content)
+    assert "kv_transfer_params" not in fakes["D1"].seen[0]["body"]
+    h = httpx.get(px.url + "/health").json()
+    assert h["prefill_without_kv_params"] == 1 and h["prefill_fallbacks"] == 0
 
 
 def test_prefill_failure_error_policy(fakes, make_proxy):

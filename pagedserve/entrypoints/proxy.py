@@ -127,6 +127,7 @@ class _PrefillFailed(Exception):
 
 
 async def _send_bytes(send: Any, status: int, headers: list, body: bytes) -> None:
+    headers = headers + [(b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -174,7 +175,8 @@ class Proxy:
         # Idle connections expire before the instances' keep-alive (uvicorn: 5 s) would close them
         # under a request in flight.
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256, keepalive_expiry=2.0))
-        self.counters = {"requests": 0, "prefill_failures": 0, "prefill_fallbacks": 0}
+        # prefill_without_kv_params: answers with no kv_transfer_params (is the instance a kv_producer?)
+        self.counters = {"requests": 0, "prefill_failures": 0, "prefill_fallbacks": 0, "prefill_without_kv_params": 0}
         self._models: dict[tuple, tuple[float, Any]] = {}
 
     # -- the two completion routes --------------------------------------------------------
@@ -233,7 +235,10 @@ class Proxy:
             except ValueError:
                 raise _PrefillFailed(f"{url} answered HTTP {r.status_code} with no JSON body") from None
             kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
-            return kv if isinstance(kv, dict) else None
+            if not isinstance(kv, dict):
+                self.counters["prefill_without_kv_params"] += 1
+                return None
+            return kv
         raise _PrefillFailed(f"no prefill instance reachable ({'; '.join(tried)})")
 
     async def _decode(self, path: str, body: dict, headers: dict, stream: bool, send: Any) -> None:
