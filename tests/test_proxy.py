@@ -17,7 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.entrypoints.proxy import PREFILL_KV_PARAMS, build_app
+from pagedserve.entrypoints.proxy import build_app
+from pagedserve.entrypoints.proxy_upstreams import PREFILL_KV_PARAMS
 
 try:
     import httpx
