@@ -386,7 +386,7 @@ def test_prefill_killed_mid_transfer_and_decode_killed(cluster, tmp_path_factory
 
 def test_soak_random_aborts(cluster):
     rng = random.Random(0)
-    cases = [(body(ids(rng.randrange(5, 200), 100 + i), rng.randrange(1, 24)), rng.random() < 0.2) for i in range(120)]
+    cases = [(body(ids(rng.randrange(5, 200), 100 + i), rng.randrange(1, 24)), rng.random() < 0.2) for i in range(240)]
     want = {i: colocated(cluster, b) for i, (b, abort) in enumerate(cases) if not abort}
     got: dict[int, list[str]] = {}
     errors: list = []
@@ -395,10 +395,13 @@ def test_soak_random_aborts(cluster):
         for i in chunk:
             b, abort = cases[i]
             try:
-                if abort:
+                if abort:  # the client leaves: from the proxy at any point, or from D after the prefill
                     try:
-                        kvp = prefill(cluster, b)
-                        httpx.post(cluster.D + "/v1/completions", json=dict(b, kv_transfer_params=kvp), timeout=0.02 + rng.random() * 0.1)
+                        if i % 2:
+                            httpx.post(cluster.proxy + "/v1/completions", json=dict(b, stream=True), timeout=0.01 + rng.random() * 0.1)
+                        else:
+                            kvp = prefill(cluster, b)
+                            httpx.post(cluster.D + "/v1/completions", json=dict(b, kv_transfer_params=kvp), timeout=0.02 + rng.random() * 0.1)
                     except httpx.TimeoutException:
                         pass
                 else:
