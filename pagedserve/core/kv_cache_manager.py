@@ -161,6 +161,16 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(blocks)
 
+    def free_tail(self, request: Request, num_kept: int) -> None:
+        """Release the request's blocks after its first ``num_kept`` (a finished request whose
+        full prompt blocks stay held for a KV transfer)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and len(blocks) > num_kept:
+            tail = blocks[num_kept:]
+            del blocks[num_kept:]
+            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks.get(request.request_id, 0), num_kept)
+            self.block_pool.free_blocks(tail)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

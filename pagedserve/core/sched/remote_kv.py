@@ -86,6 +86,7 @@ class RemoteKVMixin:
             delay, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(req.request_id))
             if delay:
                 self.held_for_transfer[req.request_id] = req
+                self.kv_cache_manager.free_tail(req, len(req.kv_transfer_params_out["remote_block_ids"]))
                 return
         self.kv_cache_manager.free(req)
 
