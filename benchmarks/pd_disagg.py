@@ -26,8 +26,6 @@ after 15 s) on exit, failure, Ctrl-C or SIGTERM. Logs go to ``--log-dir`` (a tem
 """
 from __future__ import annotations
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
