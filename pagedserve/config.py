@@ -189,7 +189,7 @@ class EngineConfig:
     trace_file: Optional[str] = field(default=None, metadata=_flag("write one JSON line per engine step to this file"))
     kv_transfer_config: Optional[dict] = field(default=None, metadata=_flag(
         "prefill/decode disaggregation, as JSON: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., "
-        "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}", type=json.loads))
+        "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}"))
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
