@@ -11,13 +11,104 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 DEFAULT_TOKEN_BUDGET = 2048
 # Step-time target (ms): see benchmarks/README.md, "Issue 15: bounded step time", for the choice.
 SERVING_MAX_STEP_MS = 200.0  # the server's default; offline engines default to off (as vLLM's usage-context defaults)
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+DEFAULT_KV_CONNECTOR = "NetworkConnector"
+
+
+@dataclass
+class KVTransferConfig:
+    """Prefill/decode disaggregation: which KV connector an engine runs and its role, in
+    vLLM's ``--kv-transfer-config`` shape (JSON on the command line).
+
+    Attributes:
+        kv_connector: the connector; "NetworkConnector" (the default: full KV blocks pulled by
+            the decode side over TCP with pyzmq, see ``pagedserve.distributed.kv_transfer``).
+        kv_role: "kv_producer" (a prefill instance: keeps a finished request's blocks for a
+            decode instance to read), "kv_consumer" (a decode instance: loads them), "kv_both".
+        kv_ip: where this instance's transfer socket listens (producer side) and the address
+            it tells consumers; 127.0.0.1 unless set.
+        kv_port: the transfer socket's TCP port (two instances on one host need two ports).
+        engine_id: names this instance to its peers (default: a random id per start).
+        kv_load_failure_policy: what a consumer does when a transfer fails or times out:
+            "recompute" the prompt locally (default) or "fail" the request with an error.
+        kv_lease_s: seconds a producer keeps a finished request's blocks for the consumer to
+            read (freed earlier when the consumer says it has read them).
+        kv_transfer_timeout_s: seconds a consumer waits for a peer's answer before the
+            transfer counts as failed.
+        kv_connector_extra_config: connector-specific options (none used by NetworkConnector).
+    Raises:
+        ValueError: an unknown key, role, policy or connector, or a value out of range.
+    """
+
+    kv_connector: str = DEFAULT_KV_CONNECTOR
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: Optional[str] = None
+    kv_load_failure_policy: str = "recompute"
+    kv_lease_s: float = 30.0
+    kv_transfer_timeout_s: float = 10.0
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector is None:
+            self.kv_connector = DEFAULT_KV_CONNECTOR
+        if self.kv_connector != DEFAULT_KV_CONNECTOR:
+            raise ValueError(f"kv_connector {self.kv_connector!r} is not available; the one connector is {DEFAULT_KV_CONNECTOR!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be recompute or fail, got {self.kv_load_failure_policy!r}")
+        if not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool) or not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_port must be a TCP port (1-65535), got {self.kv_port!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(f"kv_ip must be an address, got {self.kv_ip!r}")
+        for name in ("kv_lease_s", "kv_transfer_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 3600:
+                raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {v!r}")
+        if self.engine_id is None:
+            self.engine_id = uuid.uuid4().hex
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_connector_extra_config must be a JSON object")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_value(cls, value: Any) -> "KVTransferConfig":
+        """From a dict or its JSON text. Raises ValueError for anything else or unknown keys."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if isinstance(value, KVTransferConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 def _flag(help: str, *names: str, **argparse_kwargs: Any) -> Any:
@@ -64,6 +155,9 @@ class EngineConfig:
             None = one per core this process may run on.
         trace_buffer_steps: step records the engine core keeps in its ring buffer for
             ``get_step_trace`` (steps; 0 = none kept; see ``pagedserve.core.trace``).
+        kv_transfer_config: a :class:`KVTransferConfig` as a dict (or JSON text), or None (no
+            disaggregation). Stored as a plain dict with every key filled in (the engine-core
+            process receives the config as JSON).
         trace_file: write one JSON record per step to this file (JSON lines, flushed each
             step; the file is truncated when the engine starts), or None. Written by the
             process that runs the engine core.
@@ -104,6 +198,9 @@ class EngineConfig:
     num_threads: Optional[int] = field(default=None, metadata=_flag("torch CPU threads of the engine (default: one per core)"))
     trace_buffer_steps: int = field(default=1024, metadata=_flag("step records kept for get_step_trace (0 = off)"))
     trace_file: Optional[str] = field(default=None, metadata=_flag("write one JSON line per engine step to this file"))
+    kv_transfer_config: Optional[dict] = field(default=None, metadata=_flag(
+        "prefill/decode disaggregation, as JSON: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., "
+        "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}"))
     # -- data parallelism (the server's front reads these; each replica runs with size 1) --
     data_parallel_size: int = field(default=1, metadata=_flag("engine replicas behind the server", "--data-parallel-size", "-dp"))
     data_parallel_backend: str = field(default="mp", metadata=_flag(
@@ -150,6 +247,8 @@ class EngineConfig:
             raise ValueError(f"max_step_ms must be a number of milliseconds >= 0 (0 = off), got {self.max_step_ms!r}")
         if self.max_step_ms is not None:
             self.max_step_ms = float(self.max_step_ms)
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = dataclasses.asdict(KVTransferConfig.from_value(self.kv_transfer_config))
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -176,6 +275,11 @@ class EngineConfig:
                 f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len})"
             )
+
+    @property
+    def kv_transfer(self) -> Optional[KVTransferConfig]:
+        """The parsed ``kv_transfer_config`` (None without disaggregation)."""
+        return KVTransferConfig(**self.kv_transfer_config) if self.kv_transfer_config is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

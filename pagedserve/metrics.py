@@ -6,7 +6,8 @@ apps in one process (tests) do not collide. The engine thread of
 
 * ``observe_stats(stats)`` after every step: gauges (running / waiting requests, KV cache
   usage) and counters that follow the engine's running totals (prompt and generation tokens,
-  preemptions, prefix cache queries / hits in tokens).
+  preemptions, prefix cache queries / hits in tokens, KV-transfer tokens sent / received and
+  failures by reason), and the step's KV-load times.
 * ``observe_output(output)`` for every ``RequestOutput``: time to first token, inter-token
   latency, end-to-end latency and ``request_success{finished_reason}`` when it finishes.
 * ``observe_abort(request_id)`` when a live request is aborted (``finished_reason="abort"``).
@@ -100,6 +101,11 @@ class EngineMetrics:
             self._request_success.labels(model_name=model_name, engine=self.engine, finished_reason=reason)
         self.replica_up = lab(Gauge(PREFIX + "engine_replica_up", "1 while the engine replica is in rotation.", L, registry=r))
         self.replica_up.set(1)
+        # Prefill/decode disaggregation (zero on an instance without a KV connector).
+        self.kv_transfer_sent_tokens = lab(Counter(PREFIX + "kv_transfer_sent_tokens", "Tokens whose KV this instance sent to a decode instance.", L, registry=r))
+        self.kv_transfer_received_tokens = lab(Counter(PREFIX + "kv_transfer_received_tokens", "Tokens whose KV this instance loaded from a prefill instance.", L, registry=r))
+        self.kv_transfer_time = lab(Histogram(PREFIX + "kv_transfer_time_seconds", "Histogram of the wall time of KV loads from a prefill instance in seconds.", L, registry=r, buckets=TTFT_BUCKETS))
+        self._kv_transfer_failures = Counter(PREFIX + "kv_transfer_failures", "KV transfers that failed, by reason.", ["model_name", "engine", "reason"], registry=r)
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
@@ -117,12 +123,22 @@ class EngineMetrics:
                 ("num_preemptions", self.num_preemptions),
                 ("num_prompt_tokens", self.prompt_tokens),
                 ("num_generation_tokens", self.generation_tokens),
+                ("kv_transfer_sent_tokens", self.kv_transfer_sent_tokens),
+                ("kv_transfer_received_tokens", self.kv_transfer_received_tokens),
             ):
                 value = getattr(stats, key)
                 delta = value - self._totals.get(key, 0)
                 if delta > 0:
                     counter.inc(delta)
                 self._totals[key] = value
+            for reason, value in stats.kv_transfer_failures.items():
+                key = "kv_failures:" + reason
+                delta = value - self._totals.get(key, 0)
+                if delta > 0:
+                    self._kv_transfer_failures.labels(model_name=self.model_name, engine=self.engine, reason=reason).inc(delta)
+                self._totals[key] = value
+        for seconds in stats.kv_transfer_seconds:
+            self.kv_transfer_time.observe(seconds)
 
     def observe_output(self, out: RequestOutput) -> None:
         m = out.metrics

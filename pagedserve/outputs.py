@@ -59,6 +59,8 @@ class RequestOutput:
 
     Attributes:
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        kv_transfer_params: a prefill instance's ``do_remote_decode`` request, finished: where
+            a decode instance reads its KV (see ``pagedserve.distributed.kv_transfer``).
     """
 
     request_id: str
@@ -69,3 +71,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     extra: dict = field(default_factory=dict)
+    kv_transfer_params: Optional[dict] = None

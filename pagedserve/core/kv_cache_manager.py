@@ -53,9 +53,10 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each request registered in the cache
 
     # -- hashing ---------------------------------------------------------------------------
-    def update_block_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
-        if not self.enable_caching:
+    def update_block_hashes(self, request: Request, force: bool = False) -> None:
+        """Extend ``request.block_hashes`` to cover every full block of its tokens (with
+        prefix caching off only when ``force``: KV transfer names blocks by these hashes)."""
+        if not self.enable_caching and not force:
             return
         B = self.block_size
         hashes = request.block_hashes
@@ -94,12 +95,15 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Optional[list[KVCacheBlock]] = None,
         num_new_computed_tokens: int = 0,
+        register_new: bool = True,
     ) -> Optional[list[KVCacheBlock]]:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (after its computed ones
         and the prefix hit ``new_computed_blocks``).
 
         Either succeeds and returns the newly allocated blocks, or returns None having changed
-        nothing (no ref count, no block table). Block tables only grow.
+        nothing (no ref count, no block table). Block tables only grow. ``register_new=False``
+        leaves the new blocks out of the prefix cache (a KV connector fills them later; they
+        are registered by the request's next allocation).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -118,7 +122,9 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
 
-        if self.enable_caching:
+        if not register_new:
+            self.num_cached_blocks.setdefault(request.request_id, len(blocks) - len(new_blocks))
+        elif self.enable_caching:
             # Register blocks that this step fills completely. Their K/V is written in this
             # step's forward, layer by layer before any attention reads, so a request admitted
             # later in the same step may already hit them.
@@ -130,12 +136,40 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = max(start, num_full)
         return new_blocks
 
+    def cache_loaded_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks up to ``num_tokens`` in the prefix cache (their
+        KV was loaded from outside, see ``allocate_slots(register_new=False)``)."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(blocks), len(request.block_hashes))
+        for i in range(start, end):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, end)
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """The chained hashes of every full block of the request's tokens (16 bytes each)."""
+        self.update_block_hashes(request, force=True)
+        return request.block_hashes
+
     def free(self, request: Request) -> None:
         """Release all blocks of a request (finished, aborted or preempted)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(blocks)
+
+    def free_tail(self, request: Request, num_kept: int) -> None:
+        """Release the request's blocks after its first ``num_kept`` (a finished request whose
+        full prompt blocks stay held for a KV transfer)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and len(blocks) > num_kept:
+            tail = blocks[num_kept:]
+            del blocks[num_kept:]
+            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks.get(request.request_id, 0), num_kept)
+            self.block_pool.free_blocks(tail)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -31,6 +31,36 @@ class ModelRunnerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    kv_connector_output: Optional["KVConnectorOutput"] = None
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker side of a KV connector finished since the last step.
+
+    Attributes:
+        finished_sending: producer: requests whose held blocks may be freed (the consumer read
+            them and said so, or the lease ran out).
+        finished_recving: consumer: requests whose blocks were loaded completely and checked.
+        failed_recving: consumer: request id -> reason ("timeout", "handshake", "digest",
+            "peer_error", "aborted", ...) for loads that ended without every block.
+        sent_tokens, received_tokens: tokens whose KV was sent / received in this interval.
+        transfer_seconds: wall time of each completed load (consumer), seconds.
+        failures: reason -> count of failed transfers in this interval (either side).
+    """
+
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_recving: dict[str, str] = field(default_factory=dict)
+    sent_tokens: int = 0
+    received_tokens: int = 0
+    transfer_seconds: list[float] = field(default_factory=list)
+    failures: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed_recving or self.sent_tokens
+                    or self.received_tokens or self.transfer_seconds or self.failures)
 
 
 @dataclass
@@ -48,6 +78,8 @@ class EngineCoreRequest:
         cache_salt: requests with different salts never share prefix-cache blocks.
         deadline: ``time.monotonic()`` after which the request is finished as "timeout"
             (its blocks freed), or None.
+        kv_transfer_params: prefill/decode disaggregation parameters (see
+            ``pagedserve.distributed.kv_transfer``), or None.
     """
 
     request_id: str
@@ -57,6 +89,7 @@ class EngineCoreRequest:
     arrival_time: float
     cache_salt: Optional[str] = None
     deadline: Optional[float] = None
+    kv_transfer_params: Optional[dict] = None
 
 
 @dataclass
@@ -72,6 +105,8 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         first_scheduled_time: ``time.monotonic()`` of the request's first scheduling; sent
             with every output (a float), so the frontend needs no extra event.
+        kv_transfer_params: on the final output of a prefill instance's request, where a
+            decode instance can read its KV (``do_remote_prefill``, ``remote_host``, ...).
     """
 
     request_id: str
@@ -82,6 +117,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: Optional[float] = None
     error: Optional[str] = None
+    kv_transfer_params: Optional[dict] = None
 
 
 @dataclass
@@ -98,6 +134,10 @@ class SchedulerStats:
             request holds).
         num_prompt_tokens, num_generation_tokens: cumulative, counted when each request's
             prefill completes (cached tokens included) and per sampled token.
+        kv_transfer_sent_tokens, kv_transfer_received_tokens: cumulative tokens whose KV this
+            instance sent / received over its KV connector.
+        kv_transfer_failures: cumulative failed transfers by reason.
+        kv_transfer_seconds: wall times (s) of the loads completed in the last step only.
     """
 
     num_running: int = 0
@@ -109,6 +149,10 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    kv_transfer_sent_tokens: int = 0
+    kv_transfer_received_tokens: int = 0
+    kv_transfer_failures: dict[str, int] = field(default_factory=dict)
+    kv_transfer_seconds: list[float] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

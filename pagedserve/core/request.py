@@ -12,12 +12,13 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    WAITING_FOR_REMOTE_KVS = 3  # holds blocks that a KV connector is filling; not scheduled until they arrive
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6  # the request could not go on (its grammar failed); ``Request.error`` says why
-    FINISHED_TIMEOUT = 7  # past its deadline
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # the request could not go on (its grammar failed, its KV transfer failed); ``Request.error`` says why
+    FINISHED_TIMEOUT = 8  # past its deadline
 
     @property
     def finished(self) -> bool:
@@ -50,6 +51,8 @@ class Request:
         block_hashes: one hash per *full* block of ``all_token_ids`` (prefix caching), extended
             as tokens are appended (filled by the KV cache manager).
         stop_reason: the stop token id or stop string that ended the request, if any.
+        kv_transfer_params: the connector's parameters from the client (a decode instance:
+            where to read the prompt's KV; a prefill instance: ``do_remote_decode``).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Request:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         deadline: Optional[float] = None,
+        kv_transfer_params: Optional[dict] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -70,6 +74,10 @@ class Request:
         self.eos_token_ids = set(eos_token_ids)
         self.cache_salt = cache_salt
         self.deadline = deadline  # time.monotonic() past which it finishes as "timeout"
+        # Prefill/decode disaggregation (see pagedserve.distributed.kv_transfer): what the
+        # client sent, and what the connector hands back when the request finishes.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params_out: Optional[dict] = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0

@@ -286,13 +286,9 @@ class AsyncLLM(CoreUtilityCalls):
         if to_abort:
             self.client.send(["abort", to_abort])
         if self.metrics is not None:
-            if self.data_parallel_size > 1:
-                metrics = self.metrics.for_engine(core_outputs.engine_index)
-                stats = self._engine_stats.get(core_outputs.engine_index)
-            else:
-                metrics, stats = self.metrics, self._stats
-            if stats is not None:
-                metrics.observe_stats(stats)
+            metrics = self.metrics.for_engine(core_outputs.engine_index) if self.data_parallel_size > 1 else self.metrics
+            if core_outputs.scheduler_stats is not None:  # new counters (and this step's KV-load times)
+                metrics.observe_stats(core_outputs.scheduler_stats)
             metrics.observe_step(core_outputs.num_scheduled_tokens)
             for o in outputs:
                 metrics.observe_output(o)

@@ -67,7 +67,13 @@ class EngineCore:
         hf_config = self.worker.hf_config
         grammars = StructuredOutputManager(lambda: load_tokenizer(tokenizer_dir), hf_config.vocab_size,
                                            lambda tok: load_eos_token_ids(self.worker.model_dir, hf_config, tok))
-        self.scheduler = Scheduler(self.config, kv, grammars)
+        connector = None
+        if self.config.kv_transfer_config is not None:
+            from pagedserve.distributed.kv_transfer.scheduler_side import NetworkConnectorScheduler
+
+            connector = NetworkConnectorScheduler(self.config.kv_transfer, self.config.block_size, kv.block_hashes,
+                                                  -(-self.config.max_model_len // self.config.block_size))
+        self.scheduler = Scheduler(self.config, kv, grammars, connector)
         tracer = StepTracer(self.config.trace_buffer_steps, self.config.trace_file)
         self.tracer: Optional[StepTracer] = tracer if tracer.enabled else None
         self.info = EngineCoreInfo(
@@ -87,7 +93,7 @@ class EngineCore:
         """Queue a validated request. Raises ValueError when its id is in use."""
         self.scheduler.add_request(
             Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids, req.arrival_time, req.cache_salt,
-                    req.deadline)
+                    req.deadline, req.kv_transfer_params)
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -98,6 +104,19 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def poll_interval(self) -> Optional[float]:
+        """How soon the busy loop should step again when no command arrives: 0 while requests
+        can run, a short interval while only KV transfers are outstanding (their completions
+        arrive with a step), None when idle."""
+        s = self.scheduler
+        if s.waiting or s.running:
+            return 0.0
+        return s.kv_poll_interval()
+
+    def shutdown(self) -> None:
+        """Stop the worker's background threads (the KV connector's), in bounded time."""
+        self.worker.shutdown()
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and update once; outputs of the requests that progressed."""

@@ -193,6 +193,8 @@ class ThreadClient:
             logger.exception("pagedserve engine core thread crashed")
             self._error = e
             self._outbox.put(["error", type(e).__name__, str(e)])
+        finally:
+            self.core.shutdown()
 
     @property
     def pid(self) -> int:

@@ -47,13 +47,15 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], 
     """
     if kv_events:
         core.enable_kv_events()
+    poll = getattr(core, "poll_interval", lambda: 0.0 if core.has_unfinished_requests() else None)
+    last_key = None
     while True:
-        idle = not core.has_unfinished_requests()
-        msg = recv(IDLE_POLL_S if idle else 0.0)
+        wait = poll()
+        msg = recv(IDLE_POLL_S if wait is None else wait)
         if not parent_alive():
             logger.warning("pagedserve engine core: the frontend process is gone; exiting")
             return
-        if msg is None and idle:
+        if msg is None and wait is None:
             continue
         changed = False
         while msg is not None:
@@ -61,15 +63,33 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], 
                 return
             changed |= _handle(core, msg, send)
             msg = recv(0.0)
-        if core.has_unfinished_requests():
+        if core.has_unfinished_requests() or poll() is not None:
             out = core.step()
+            if kv_events:
+                out.kv_events = core.take_kv_events()
+            # A step that only polled KV transfers and changed nothing is not worth a message.
+            key = _stats_key(out)
+            worth = (out.outputs or out.num_scheduled_tokens or changed or key != last_key or out.scheduler_stats.kv_transfer_seconds
+                     or out.kv_events)
+            last_key = key
+            if not worth:
+                continue
         elif changed:
             out = EngineCoreOutputs([], time.monotonic(), core.get_stats())
+            if kv_events:
+                out.kv_events = core.take_kv_events()
         else:
             continue
-        if kv_events:
-            out.kv_events = core.take_kv_events()
         send(["outputs", out])
+
+
+def _stats_key(outputs: EngineCoreOutputs) -> Optional[tuple]:
+    """What a front would see change in a step's stats (blocks, queues, KV-transfer counters)."""
+    s = outputs.scheduler_stats
+    if s is None:
+        return None
+    return (s.num_free_blocks, s.num_waiting, s.num_running, s.kv_transfer_sent_tokens, s.kv_transfer_received_tokens,
+            sum(s.kv_transfer_failures.values()))
 
 
 def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
@@ -151,7 +171,10 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
 
         core = EngineCore(EngineConfig(**config))
         send(["ready", core.info])
-        run_busy_loop(core, recv, send, parent_alive=parent_alive, kv_events=kv_events)
+        try:
+            run_busy_loop(core, recv, send, parent_alive=parent_alive, kv_events=kv_events)
+        finally:
+            core.shutdown()
         return 0
     except BaseException as e:  # start-up error or a crashed step: tell the frontend, exit non-zero
         logger.error("pagedserve engine core failed:\n%s", traceback.format_exc())

@@ -42,8 +42,22 @@ DEATH_CHECK_INTERVAL_S = 0.1
 
 
 def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """The server's counters: every field summed over the replicas."""
-    return SchedulerStats(**{f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(SchedulerStats)})
+    """The server's counters over the replicas: numbers summed, counts by key summed, per-step
+    lists joined."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SchedulerStats):
+        values = [getattr(s, f.name) for s in stats]
+        if values and isinstance(values[0], dict):
+            merged: dict = {}
+            for v in values:
+                for k, x in v.items():
+                    merged[k] = merged.get(k, 0) + x
+            out[f.name] = merged
+        elif values and isinstance(values[0], list):
+            out[f.name] = [x for v in values for x in v]
+        else:
+            out[f.name] = sum(values)
+    return SchedulerStats(**out)
 
 
 @dataclass
@@ -288,8 +302,9 @@ class DPClient:
                     call.waiting.discard(i)
                     if not call.waiting:
                         self._finish_utility(call_id, None if call.results else reason)
-            s = self.replica_stats[i]
-            self.replica_stats[i] = dataclasses.replace(s, num_running=0, num_waiting=0, num_free_blocks=s.num_total_blocks)
+            s = self.replica_stats[i]  # its gauges to zero, its counters kept, no per-step values
+            per_step = {f.name: [] for f in dataclasses.fields(s) if isinstance(getattr(s, f.name), list)}
+            self.replica_stats[i] = dataclasses.replace(s, num_running=0, num_waiting=0, num_free_blocks=s.num_total_blocks, **per_step)
         if moved:
             logger.warning("pagedserve: %d requests that had produced nothing yet were sent to another replica", moved)
         if failed:

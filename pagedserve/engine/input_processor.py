@@ -190,9 +190,11 @@ class InputProcessor:
 
     def make_request(self, request_id: Optional[str], prompt_text: Optional[str], prompt_token_ids: list[int],
                      params: SamplingParams, arrival_time: Optional[float] = None,
-                     cache_salt: Optional[str] = None, timeout_s: Optional[float] = None) -> ProcessedRequest:
+                     cache_salt: Optional[str] = None, timeout_s: Optional[float] = None,
+                     kv_transfer_params: Optional[dict] = None) -> ProcessedRequest:
         """Fan out checked token ids and params (``check_params`` passed, ``max_tokens`` set)
-        into the core's requests."""
+        into the core's requests (each child carries ``kv_transfer_params``: siblings of one
+        remote prefill share its load)."""
         if request_id is None:
             request_id = str(self._counter)
             self._counter += 1
@@ -208,5 +210,6 @@ class InputProcessor:
                 if params.seed is not None:
                     child.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt, deadline))
+            children.append(EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt, deadline,
+                                              kv_transfer_params))
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, children)

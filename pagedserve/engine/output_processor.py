@@ -33,6 +33,7 @@ class SequenceState:
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
+    kv_transfer_params: Optional[dict] = None  # a prefill instance's, from the core's last output
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
@@ -148,6 +149,8 @@ class OutputProcessor:
         while the core still runs it (the caller aborts it there)."""
         seq.num_cached_tokens = out.num_cached_tokens
         seq.first_scheduled_time = out.first_scheduled_time
+        if out.kv_transfer_params is not None:
+            seq.kv_transfer_params = out.kv_transfer_params
         if out.new_token_ids:
             seq.output_token_ids.extend(out.new_token_ids)
             if seq.first_token_time is None:
@@ -205,4 +208,5 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids, outputs=outs,
             finished=finished, num_cached_tokens=s0.num_cached_tokens, metrics=metrics,
+            kv_transfer_params=s0.kv_transfer_params if finished else None,
         )

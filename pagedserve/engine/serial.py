@@ -16,8 +16,11 @@ from typing import Any
 import msgpack
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerStats
+from pagedserve.core.outputs import (
+    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVConnectorOutput, ModelRunnerOutput, SchedulerStats,
+)
 from pagedserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.distributed.kv_transfer.base import HoldSpec, KVConnectorMetadata, LoadSpec, ReleaseSpec
 from pagedserve.engine.core import EngineCoreInfo
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -36,7 +39,8 @@ def register(cls: type) -> type:
 
 
 for _cls in (EngineConfig, EngineCoreInfo, EngineCoreRequest, SamplingParams, EngineCoreOutput, EngineCoreOutputs, SchedulerStats,
-             SchedulerOutput, NewRequestData, CachedRequestData, ModelRunnerOutput, StructuredOutputsParams):
+             SchedulerOutput, NewRequestData, CachedRequestData, ModelRunnerOutput, StructuredOutputsParams, KVConnectorOutput,
+             LoadSpec, HoldSpec, ReleaseSpec, KVConnectorMetadata):
     register(_cls)
 
 

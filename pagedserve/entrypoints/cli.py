@@ -1,4 +1,4 @@
-"""The ``pagedserve`` command: generate, chat, serve, bench, explain."""
+"""The ``pagedserve`` command: generate, chat, serve, proxy, bench, explain."""
 from __future__ import annotations
 
 import argparse
@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(s)
     EngineConfig.add_cli_args(s)
     s.set_defaults(func=cmd_serve)
+
+    from pagedserve.entrypoints.proxy import add_proxy_args, cmd_proxy
+
+    x = sub.add_parser("proxy", parents=[common], help="prefill/decode disaggregation proxy in front of kv_producer and kv_consumer instances (experimental)")
+    add_proxy_args(x)
+    x.set_defaults(func=cmd_proxy)
 
     from pagedserve.bench.cli import add_bench_parser
 

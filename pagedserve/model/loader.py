@@ -225,3 +225,26 @@ def cpu_has_bf16() -> bool:
         return "avx512_bf16" in flags or "amx_bf16" in flags
     except OSError:
         return False
+
+
+def model_fingerprint(model_dir: str, sample_bytes: int = 1 << 20) -> str:
+    """A short content id of a model folder (hex): its config.json and, per weight file, name,
+    size and the first and last ``sample_bytes``. Two copies of one checkpoint agree wherever
+    they live, so two instances can share KV blocks (prefix-cache hash seed, KV transfer);
+    different weights of one shape do not."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    cfg = os.path.join(model_dir, "config.json")
+    if os.path.exists(cfg):
+        with open(cfg, "rb") as fh:
+            h.update(fh.read())
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        size = os.path.getsize(path)
+        h.update(f"\x00{os.path.basename(path)}\x00{size}\x00".encode())
+        with open(path, "rb") as fh:
+            h.update(fh.read(sample_bytes))
+            if size > 2 * sample_bytes:
+                fh.seek(size - sample_bytes)
+                h.update(fh.read(sample_bytes))
+    return h.hexdigest()

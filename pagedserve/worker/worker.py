@@ -5,7 +5,6 @@ shape: the worker sizes the cache itself and reports the number of blocks to the
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -101,14 +100,19 @@ class Worker:
         self.model = self._load_model(config.max_model_len or self.max_positions)
         self.kv_spec = self._size_kv_cache()
         self.model_runner: Optional[ModelRunner] = None
+        self._model_identity: Optional[str] = None
+        self.kv_connector = None  # prefill/decode disaggregation (initialize_cache)
         logger.info("pagedserve worker: %s (%s) on %s, %s backend, %d torch threads, loaded in %.1fs", self.hf_config.model_type,
                     str(self.dtype).replace("torch.", ""), self.device, self.model.backend.name, torch.get_num_threads(),
                     time.monotonic() - t0)
 
     @property
     def model_identity(self) -> str:
-        """Folded into the prefix-cache hash seed: a cache never serves another model's KV."""
-        return f"{os.path.abspath(self.model_dir)}|{self.dtype}"
+        """Folded into the prefix-cache hash seed: a cache never serves another model's KV, and
+        two instances of one checkpoint (wherever it lives) name blocks alike (KV transfer)."""
+        if self._model_identity is None:
+            self._model_identity = f"{loader.model_fingerprint(self.model_dir)}|{self.dtype}"
+        return self._model_identity
 
     def _max_positions(self) -> int:
         cfg = self.config
@@ -180,6 +184,27 @@ class Worker:
         resolved ``config`` (its max_num_seqs and max_model_len)."""
         self.model_runner = ModelRunner(self.model, self.kv_spec.num_blocks, config.block_size, self.device, self.dtype,
                                         config.max_num_seqs, config.max_model_len)
+        if config.kv_transfer_config is not None:
+            from pagedserve.core.kv_cache_manager import hash_seed
+            from pagedserve.distributed.kv_transfer.wire import kv_layout
+            from pagedserve.distributed.kv_transfer.worker_side import NetworkConnectorWorker
+
+            kv = self.model_runner.kv_cache
+            layout = kv_layout(self.model_identity.split("|")[0], str(self.dtype).replace("torch.", ""), config.block_size,
+                               kv.shape[0], kv.shape[3], kv.shape[5], hash_seed(self.model_identity))
+            self.kv_connector = NetworkConnectorWorker(config.kv_transfer, kv, layout)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        connector = self.kv_connector
+        if connector is None:
+            return self.model_runner.execute_model(scheduler_output)
+        connector.start_load_kv(scheduler_output.kv_connector_metadata, scheduler_output.finished_req_ids)
+        out = self.model_runner.execute_model(scheduler_output)
+        out.kv_connector_output = connector.get_finished()
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads and sockets (bounded time)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None

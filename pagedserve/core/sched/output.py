@@ -11,7 +11,7 @@ prefill/decode split. Nothing here holds a ``Request``; the module is torch-free
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -84,6 +84,8 @@ class SchedulerOutput:
         grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32
             as little-endian bytes: bit t of row i set = token t allowed; None when no
             constrained request samples.
+        kv_connector_metadata: what the KV connector's scheduler side planned this step
+            (``pagedserve.distributed.kv_transfer.base.KVConnectorMetadata``), or None.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -94,6 +96,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Optional[bytes] = None
+    kv_connector_metadata: Optional[Any] = None
 
     @property
     def is_empty(self) -> bool:

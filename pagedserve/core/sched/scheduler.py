@@ -8,7 +8,8 @@ takes what the budget leaves), then WAITING requests in FCFS order, each after i
 hit. Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, not separate
 code. When a running request cannot get a block, the most recently admitted running request is
 preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new is
-admitted in that step.
+admitted in that step. A decode instance's request whose prompt KV comes from a prefill instance
+waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`).
 
 Bounded step time (``EngineConfig.max_step_ms``, on by default): a :class:`StepCostModel` fits
 the step's wall time against its tokens and attention pairs from the durations ``EngineCore``
@@ -30,11 +31,13 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
+from pagedserve.core.sched.remote_kv import RemoteKVMixin
+from pagedserve.core.sched.stop import check_stop
 from pagedserve.core.sched.step_cost import StepCostModel, StepTimeBudget, attention_pairs
 from pagedserve.core.structured_output import StructuredOutputManager
 
 
-class Scheduler:
+class Scheduler(RemoteKVMixin):
     """Decides who runs each step; owns the request queues and the KV cache manager.
 
     Args:
@@ -42,12 +45,14 @@ class Scheduler:
             ``max_num_batched_tokens`` set, see ``EngineConfig.resolved``).
         kv_cache_manager: the block tables and prefix cache.
         structured_output_manager: grammars of constrained requests (None: none are accepted).
+        kv_connector: the scheduler side of a KV connector (prefill/decode disaggregation,
+            see :mod:`pagedserve.core.sched.remote_kv`), or None.
     Raises:
         ValueError: when the config is not resolved.
     """
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
-                 structured_output_manager: Optional[StructuredOutputManager] = None) -> None:
+                 structured_output_manager: Optional[StructuredOutputManager] = None, kv_connector=None) -> None:
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             raise ValueError("Scheduler needs a resolved EngineConfig (max_model_len and max_num_batched_tokens set)")
         self.config = config
@@ -70,12 +75,13 @@ class Scheduler:
         self.step_cost = StepCostModel() if config.max_step_ms and config.enable_chunked_prefill else None
         self.last_step_features = (0, 0)
         self.last_predicted_ms: Optional[float] = None
+        self._init_remote_kv(kv_connector)
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError when its id is already in use or its structured
         output constraint does not compile."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or self._id_in_use_remotely(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
@@ -96,6 +102,10 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished():
                 continue
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._finish_waiting_for_remote(req, status)
+                done.append(req)
+                continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             else:
@@ -109,16 +119,16 @@ class Scheduler:
         req.finished_time = time.monotonic()
         if req.deadline is not None:
             self.num_with_deadline -= 1
-        self.kv_cache_manager.free(req)
+        self._hold_or_free(req)
         del self.requests[req.request_id]
         self.num_block_ids_on_worker.pop(req.request_id, None)
         self.finished_req_ids.append(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     # -- one step -------------------------------------------------------------------------
     def _chunk(self, num_tokens: int, budget: int) -> int:
@@ -192,7 +202,16 @@ class Scheduler:
         if not out.preempted_req_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                if req.request_id in kv.req_to_blocks:  # its remote KV arrived: it holds the loaded blocks
+                    hit_blocks, num_hit = [], req.num_computed_tokens
+                else:
+                    hit_blocks, num_hit = kv.get_computed_blocks(req)
+                    if self.connector is not None and req.kv_transfer_params is not None:
+                        remote = self._try_remote_admission(req, hit_blocks, num_hit)
+                        if remote is not None:
+                            if remote:
+                                continue
+                            break
                 num_remaining = req.num_tokens - num_hit
                 if not self.config.enable_chunked_prefill and num_remaining > budget:
                     break
@@ -201,7 +220,9 @@ class Scheduler:
                     num_new = limit.prefill_chunk(min(num_new, budget - decodes_left), num_hit)
                     if num_new <= 0:
                         break
-                if kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
+                if kv.allocate_slots(req, num_new, hit_blocks, num_hit - req.num_computed_tokens) is None:
+                    if not self.running and self.connector is not None and self._release_loaded_waiting():
+                        continue
                     break
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
@@ -245,6 +266,8 @@ class Scheduler:
             self.last_step_features = (out.total_num_scheduled_tokens, pairs)
             self.last_predicted_ms = self.step_cost.predict(out.total_num_scheduled_tokens, pairs) if scheduled else None
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         constrained = [req for req, _, _ in scheduled if req.grammar is not None and req.num_computed_tokens == req.num_tokens]
         if constrained:  # they sample this step: the worker masks their logits
             out.structured_output_request_ids = [req.request_id for req in constrained]
@@ -266,6 +289,8 @@ class Scheduler:
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason="timeout", num_cached_tokens=max(0, r.num_cached_tokens),
                                     first_scheduled_time=r.first_scheduled_time) for r in self.timed_out]
         self.timed_out = []
+        if self.connector is not None:
+            outputs += self._update_from_kv_output(runner_output.kv_connector_output)
         logprobs = runner_output.logprobs
         for rid, tok in runner_output.sampled.items():
             req = self.scheduled_requests.get(rid)
@@ -279,44 +304,25 @@ class Scheduler:
             req.last_token_time = now
             self.stats.num_generation_tokens += 1
             self.kv_cache_manager.update_block_hashes(req)
-            stopped = self._check_stop(req, tok)
-            outputs.append(
-                EngineCoreOutput(
-                    rid, [tok], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
-                    max(0, req.num_cached_tokens), req.first_scheduled_time, req.error,
-                )
-            )
+            stopped = check_stop(req, tok, self.config.max_model_len, self.structured_output_manager)
+            out = EngineCoreOutput(rid, [tok], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
+                                   max(0, req.num_cached_tokens), req.first_scheduled_time, req.error)
+            outputs.append(out)
             if stopped:
                 self.running.remove(req)
                 self._free(req)
-        return EngineCoreOutputs(outputs, now, self.get_stats())
-
-    def _check_stop(self, req: Request, tok: int) -> bool:
-        params = req.sampling_params
-        if req.grammar is not None:
-            state = self.structured_output_manager.accept_token(req.grammar, tok)
-            if state is not None and state != "done":
-                req.error = f"structured output failed: {state}"
-            if req.error is not None:
-                req.status = RequestStatus.FINISHED_ERROR
-                return True
-            if state == "done":
-                req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-                return True
-        if req.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and tok in req.eos_token_ids) or tok in params.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tok if tok in params.stop_token_ids else None
-                return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+                out.kv_transfer_params = req.kv_transfer_params_out
+        stats = self.get_stats()
+        if runner_output.kv_connector_output is not None:
+            stats.kv_transfer_seconds = list(runner_output.kv_connector_output.transfer_seconds)
+        return EngineCoreOutputs(outputs, now, stats)
 
     def get_stats(self) -> SchedulerStats:
         """A snapshot of the counters (a new object each call)."""
         s = self.stats
         s.num_running = len(self.running)
-        s.num_waiting = len(self.waiting)
+        s.num_waiting = len(self.waiting) + len(self.waiting_for_remote)
         s.num_free_blocks = self.kv_cache_manager.num_free_blocks
-        return SchedulerStats(**vars(s))
+        snap = SchedulerStats(**vars(s))
+        snap.kv_transfer_failures = dict(s.kv_transfer_failures)
+        return snap

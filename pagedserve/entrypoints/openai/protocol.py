@@ -85,6 +85,7 @@ class _SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (vLLM's field)
     timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -220,6 +221,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -343,6 +345,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class DeltaMessage(_DropNone):

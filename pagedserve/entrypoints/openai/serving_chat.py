@@ -89,10 +89,12 @@ class OpenAIServingChat(OpenAIServing):
                         params: SamplingParams, plan: ToolPlan) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in range(params.n)]
         cached = 0
-        async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req))) as stream:
+        kv_params = None
+        async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
             async for _, out in stream:
                 if out.finished:
                     cached = out.num_cached_tokens
+                    kv_params = out.kv_transfer_params
                 for o in out.outputs:
                     choices[o.index].add(o)
         echo = "" if plan.parses_calls else self._echo_text(req, conv)  # echoed text is not a tool's arguments
@@ -109,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
         num_gen = sum(len(ch.token_ids) for ch in choices)
         usage = UsageInfo(prompt_tokens=len(prompt.token_ids), completion_tokens=num_gen, total_tokens=len(prompt.token_ids) + num_gen,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params)
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
                           params: SamplingParams, plan: ToolPlan) -> AsyncIterator[str]:
@@ -135,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
             if echo:
                 for i in range(params.n):
                     yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
-            async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req))) as stream:
+            async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
                 async for _, out in stream:
                     for o in out.outputs:
                         ch = choices[o.index]

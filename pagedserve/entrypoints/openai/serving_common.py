@@ -105,6 +105,8 @@ def raise_if_failed(o: CompletionOutput) -> None:
     """A sequence that finished with "error" fails the whole request, as a 400: it was the
     request's constraint that could not be followed (the engine is fine)."""
     if o.finish_reason == "error":
+        if str(o.stop_reason).startswith("KV transfer"):  # kv_load_failure_policy "fail": not the client's fault
+            raise RequestError(f"{o.stop_reason}; retry the request.", status_code=503, err_type="ServiceUnavailableError")
         raise RequestError(f"{o.stop_reason}. Simplify the schema, regex or grammar.", param=None)
 
 
@@ -154,7 +156,7 @@ UNSUPPORTED_FIELDS = {
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "functions": (None,), "function_call": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "guided_whitespace_pattern": (None,), "logits_processors": (None,),
-    "vllm_xargs": (None,), "kv_transfer_params": (None,), "prompt_embeds": (None,), "mm_processor_kwargs": (None,),
+    "vllm_xargs": (None,), "prompt_embeds": (None,), "mm_processor_kwargs": (None,),
 }
 _ignored_logged: set[str] = set()
 MAX_TIMEOUT_S = 86400.0
@@ -205,7 +207,21 @@ class OpenAIServing:
         check_extra_fields(req)
         if req.timeout is not None and not 0 < req.timeout <= MAX_TIMEOUT_S:
             raise RequestError(f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {req.timeout}.", param="timeout")
+        if req.kv_transfer_params is not None:
+            self.check_kv_transfer_params(req.kv_transfer_params)
         return self.check_model(req.model)
+
+    def check_kv_transfer_params(self, params: dict) -> None:
+        """Refuse ``kv_transfer_params`` on a server without ``--kv-transfer-config``, or malformed."""
+        from pagedserve.distributed.kv_transfer import params as kvp
+
+        cfg = self.llm.config
+        if cfg.kv_transfer_config is None:
+            raise RequestError("kv_transfer_params needs a server started with --kv-transfer-config.", param="kv_transfer_params")
+        try:
+            kvp.check_params(params, -(-cfg.max_model_len // cfg.block_size), kvp.allowed_hosts_of(cfg.kv_transfer))
+        except kvp.KVParamsError as e:
+            raise RequestError(str(e), param="kv_transfer_params") from None
 
     def timeout_of(self, req: Any) -> Optional[float]:
         """The request's deadline in seconds from arrival: its ``timeout``, else the server's."""
@@ -309,12 +325,14 @@ class OpenAIServing:
         return conv, ids
 
     async def run(self, request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
-                  cache_salt: Optional[str], timeout_s: Optional[float] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  cache_salt: Optional[str], timeout_s: Optional[float] = None,
+                  kv_transfer_params: Optional[dict] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt; yield ``(prompt index, delta output)``. However this
         ends (finished, client gone, cancelled, error), no request is left running."""
         rids = [f"{request_id}-{i}" if len(prompts) > 1 else request_id for i in range(len(prompts))]
         make = self.input_processor.make_request
-        gens = [self.llm.generate_processed(make(rid, p.text, p.token_ids, sp, cache_salt=cache_salt, timeout_s=timeout_s))
+        gens = [self.llm.generate_processed(make(rid, p.text, p.token_ids, sp, cache_salt=cache_salt, timeout_s=timeout_s,
+                                                 kv_transfer_params=kv_transfer_params))
                 for rid, p, sp in zip(rids, prompts, params)]
         unfinished = set(rids)
         try:

@@ -74,9 +74,11 @@ class OpenAIServingCompletion(OpenAIServing):
         n = params[0].n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         cached = 0
-        async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req))) as stream:
+        kv_params = None
+        async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
+                kv_params = out.kv_transfer_params or kv_params
                 for o in out.outputs:
                     choices[pi * n + o.index].add(o)
         result = []
@@ -92,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_gen = sum(len(ch.token_ids) for ch in choices)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-        return CompletionResponse(id=request_id, model=model, choices=result, usage=usage)
+        return CompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params)
 
     async def completion_stream(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams]) -> AsyncIterator[str]:
         n = params[0].n
@@ -102,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(p.token_ids) for p in prompts)
         created = int(time.time())
         try:
-            async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req))) as stream:
+            async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
                 async for pi, out in stream:
                     for o in out.outputs:
                         idx = pi * n + o.index

@@ -1,0 +1,64 @@
+"""The NetworkConnector's wire format (pyzmq DEALER -> ROUTER over TCP; msgpack headers of plain
+values, KV blocks as raw bytes; never pickle).
+
+Requests (consumer -> producer), each one msgpack list:
+- ``["hello", layout, expected_engine_id]`` -> ``["ok", layout]`` or ``["error", "handshake", why]``
+- ``["read", transfer_id, block_indices, block_hashes]`` -> ``["blocks", n, digests]`` plus one
+  frame of ``n`` blocks, each ``[layers, 2 (K/V), kv_heads, block_size, head_dim]`` in the
+  pool's dtype, or ``["error", code, why]`` with code "unknown" (not registered yet: retry),
+  "released" (read, expired or never held), "hash_mismatch", "bad_request"
+- ``["done", transfer_id]`` -> ``["ok"]`` (idempotent: a repeated or unknown notice is fine)
+
+``layout`` is :func:`kv_layout`: two instances may exchange blocks only when every entry is
+equal. A digest is xxh3-64 of one block's bytes.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgpack
+import xxhash
+
+PROTOCOL_VERSION = 1
+MAX_READ_BLOCKS = 32  # blocks per read reply (bounds one message: 32 x 16 tokens)
+MAX_HEADER_BYTES = 1 << 20
+
+
+def kv_layout(model: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, hash_seed: bytes) -> dict:
+    """What a peer must match: the model's fingerprint, the KV dtype, block size and shape, and
+    the seed of the chained block hashes."""
+    return {"protocol": PROTOCOL_VERSION, "model": model, "dtype": dtype, "block_size": block_size, "num_layers": num_layers,
+            "num_kv_heads": num_kv_heads, "head_dim": head_dim, "order": "layer,kv,head,token,dim", "hash_seed": hash_seed.hex()}
+
+
+def layout_mismatch(mine: dict, theirs: Any) -> Optional[str]:
+    """A sentence naming what differs, or None when the layouts match."""
+    if not isinstance(theirs, dict):
+        return "the peer sent no KV layout"
+    diffs = [f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} there" for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    return ("KV layouts differ (" + "; ".join(diffs) + ")") if diffs else None
+
+
+def block_bytes(layout: dict, element_size: int) -> int:
+    return 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["block_size"] * layout["head_dim"] * element_size
+
+
+def digest(buf: Any) -> int:
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def pack(msg: list) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list:
+    """Raises ValueError for anything but a non-empty msgpack list of plain values."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(data)} bytes")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack's errors are not one class
+        raise ValueError(f"malformed message: {e}") from None
+    if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
+        raise ValueError("a message is a list that starts with its kind")
+    return msg

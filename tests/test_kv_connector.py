@@ -1,0 +1,136 @@
+"""The KV connector in one process: a producer and a consumer EngineCore (tiny float32 model,
+real pyzmq sockets on loopback) stepped by hand, and the config/params checks."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pagedserve.config import EngineConfig, KVTransferConfig
+from pagedserve.core.outputs import EngineCoreRequest
+from pagedserve.core.request import RequestStatus
+from pagedserve.distributed.kv_transfer import params as kvp
+from pagedserve.sampling_params import SamplingParams
+from server_utils import _free_port
+
+def prompt(rid: str) -> list[int]:
+    """70 tokens (4 full blocks + 6), different per request id (so no test hits another's cache)."""
+    base = 3 + 80 * int(rid[1:])
+    return list(range(base, base + 70))
+
+
+def make_core(model, role, **kv):
+    from pagedserve.engine.core import EngineCore
+
+    return EngineCore(EngineConfig(model=model, dtype="float32", num_threads=1, num_kv_blocks=32,
+                                   kv_transfer_config={"kv_role": role, "kv_port": _free_port(), **kv}))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_factory):
+    model = tiny_model_factory("llama")
+    P = make_core(model, "kv_producer", kv_lease_s=2)
+    D = make_core(model, "kv_consumer", kv_transfer_timeout_s=1, kv_load_failure_policy="fail")
+    yield P, D
+    P.shutdown()
+    D.shutdown()
+
+
+def add(core, rid, max_tokens, params):
+    core.add_request(EngineCoreRequest(rid, prompt(rid), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), [2],
+                                       time.monotonic(), None, None, params))
+
+
+def run(cores, until, timeout=20.0):
+    """Step every core until ``until()``; returns the outputs of each core."""
+    outs = {id(c): [] for c in cores}
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline
+        for c in cores:
+            outs[id(c)] += c.step().outputs
+        time.sleep(0.002)
+    return outs
+
+
+def idle(core):
+    s = core.scheduler
+    return (not s.requests and not s.waiting_for_remote and not s.held_for_transfer and not s.kv_cache_manager.req_to_blocks
+            and s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_total_blocks)
+
+
+def prefill(P, D, rid):
+    add(P, rid, 1, {"do_remote_decode": True})
+    outs = run([P, D], lambda: not P.scheduler.requests)[id(P)]
+    final = [o for o in outs if o.finish_reason][-1]
+    assert final.kv_transfer_params["remote_num_tokens"] == 64
+    assert rid in P.scheduler.held_for_transfer  # kept for the reader
+    return final.kv_transfer_params
+
+
+def test_load_then_decode_and_hold_released(pair):
+    P, D = pair
+    params = prefill(P, D, "p0")
+    add(D, "d0", 4, params)
+    D.step()
+    assert D.scheduler.waiting_for_remote["d0"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert D.get_stats().num_waiting == 1
+    outs = run([P, D], lambda: idle(P) and idle(D))[id(D)]
+    assert sum(len(o.new_token_ids) for o in outs if o.request_id == "d0") == 4
+    assert D.get_stats().kv_transfer_received_tokens >= 64 and P.get_stats().kv_transfer_sent_tokens >= 64
+
+
+def test_abort_while_loading_frees_after_the_load_reports(pair):
+    P, D = pair
+    params = prefill(P, D, "p1")
+    add(D, "d1", 4, params)
+    D.step()
+    D.abort_requests(["d1"])
+    assert "d1" in D.scheduler.waiting_for_remote  # blocks kept: the cancelled load may still write them
+    with pytest.raises(ValueError, match="in use"):
+        add(D, "d1", 4, None)
+    run([P, D], lambda: idle(P) and idle(D))
+
+
+def test_fail_policy_ends_the_request_with_an_error(pair, tmp_path, monkeypatch):
+    P, D = pair
+    params = dict(prefill(P, D, "p2"), remote_port=_free_port())  # nobody listens there
+    add(D, "d2", 4, params)
+    outs = run([D], lambda: not D.scheduler.requests)[id(D)]
+    (final,) = [o for o in outs if o.request_id == "d2"]
+    assert final.finish_reason == "error" and "KV transfer" in final.error and "timeout" in final.error
+    assert D.get_stats().kv_transfer_failures["timeout"] >= 1
+    run([P, D], lambda: idle(P) and idle(D), timeout=10)  # P's hold goes at its 2 s lease
+    assert P.get_stats().kv_transfer_failures["lease_expired"] >= 1
+
+
+def test_bad_port_and_config_errors(tiny_model_factory):
+    port = _free_port()
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(ValueError, match="cannot listen"):
+            make_core(tiny_model_factory("llama"), "kv_producer", kv_port=port)
+    finally:
+        s.close(0)
+        ctx.term()
+    for bad, match in (({"kv_role": "prefill"}, "kv_role"), ({"kv_port": 0}, "kv_port"), ({"kv_lease_s": -1}, "kv_lease_s"),
+                       ({"kv_connector": "NixlConnector"}, "not available"), ({"nope": 1}, "unknown key"),
+                       ({"kv_load_failure_policy": "retry"}, "recompute or fail")):
+        with pytest.raises(ValueError, match=match):
+            KVTransferConfig.from_value(bad)
+    with pytest.raises(ValueError, match="JSON"):
+        EngineConfig(kv_transfer_config="{not json")
+
+
+def test_params_checks():
+    good = kvp.producer_params("e", "127.0.0.1", 5000, "t", [1, 2], 32)
+    assert kvp.check_params(good, 4, ["127.0.0.1"]) is good
+    for bad in ({**good, "remote_port": "80"}, {**good, "remote_block_ids": [1, -2]}, {**good, "remote_block_ids": list(range(5))},
+                {**good, "remote_host": "example.com"}, {**good, "remote_engine_id": ""}, {**good, "do_remote_decode": "yes"}, [1]):
+        with pytest.raises(kvp.KVParamsError):
+            kvp.check_params(bad, 4, ["127.0.0.1"])
+    assert kvp.check_params({**good, "remote_host": "example.com"}, 4, None)  # "*" allows any host
