@@ -78,7 +78,7 @@ class TPExecutor:
         t0 = time.monotonic()
         try:
             self._launcher.start(f"tcp://{host}:{port}", n)
-            self._wait_all("hello", START_TIMEOUT_S)
+            self._pids = self._wait_all("hello", START_TIMEOUT_S)
             store = create_store(host, n)
             self._broadcast(["init", rank_config, host, store.port])
             group = TPGroup(store, 0, n, device_for_rank(config.device, 0), host)
@@ -118,8 +118,8 @@ class TPExecutor:
             raise RuntimeError(f"tensor-parallel step failed: {self._worker_error(1.0) or e}") from e
 
     def worker_pids(self) -> dict[int, int]:
-        """Process ids of ranks 1..N-1."""
-        return self._launcher.pids()
+        """Process ids of ranks 1..N-1 (as each reported at start)."""
+        return dict(self._pids)
 
     def shutdown(self) -> None:
         """Stop every rank (a shutdown message, then a kill after a few seconds) and, with the

@@ -37,9 +37,6 @@ class MpLauncher:
             if rc is not None:
                 raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with status {rc}")
 
-    def pids(self) -> dict[int, int]:
-        return {r: p.pid for r, p in self.procs.items()}
-
     def stop(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the ranks to exit (after their shutdown message), then kill them."""
         deadline = time.monotonic() + timeout_s
@@ -96,9 +93,6 @@ class RayLauncher:
         except Exception as e:  # the actor died (RayActorError) or raised
             status = f"{type(e).__name__}: {e}"
         raise RuntimeError(f"tensor-parallel worker rank {rank} (Ray actor) stopped: {status}")
-
-    def pids(self) -> dict[int, int]:
-        return {r: self.ray.get(a.pid.remote(), timeout=30) for r, a in self.actors.items()}
 
     def stop(self, timeout_s: float) -> None:
         ray = self.ray

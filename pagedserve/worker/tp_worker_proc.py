@@ -128,9 +128,6 @@ class RayWorker:
     def run(self, control_address: str, rank: int, world_size: int) -> int:
         return run_worker(control_address, rank, world_size, None)
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 if __name__ == "__main__":
     sys.exit(main())
