@@ -59,6 +59,11 @@ class TPExecutor:
 
         n = config.tensor_parallel_size
         verify_tp_size(loader.load_config(loader.resolve_model(config.model)), n)
+        if device_for_rank(config.device, 0).type == "cuda":
+            import torch
+
+            if n > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs (one per rank), {torch.cuda.device_count()} visible")
         self.world_size = n
         threads = default_threads(config.num_threads, n)
         rank_config = dataclasses.replace(config, num_threads=threads)
@@ -92,12 +97,14 @@ class TPExecutor:
         logger.info("pagedserve: tensor parallel x%d (%s backend), %d torch threads per rank, started in %.1fs", n,
                     config.distributed_executor_backend, threads, time.monotonic() - t0)
 
-    # -- the Worker's interface -----------------------------------------------------------
-    def __getattr__(self, name: str):
-        # model_dir, hf_config, dtype, device, model_identity, kv_spec, model_runner: rank 0's.
-        if name in ("model_dir", "hf_config", "dtype", "device", "model_identity", "kv_spec", "model_runner", "model"):
-            return getattr(self.__dict__["worker"], name)
-        raise AttributeError(name)
+    # -- the Worker's interface (rank 0's values) -------------------------------------------
+    model_dir = property(lambda self: self.worker.model_dir)
+    hf_config = property(lambda self: self.worker.hf_config)
+    dtype = property(lambda self: self.worker.dtype)
+    device = property(lambda self: self.worker.device)
+    model_identity = property(lambda self: self.worker.model_identity)
+    kv_spec = property(lambda self: self.worker.kv_spec)
+    model_runner = property(lambda self: self.worker.model_runner)
 
     def initialize_cache(self, config: EngineConfig) -> None:
         num_blocks = self.worker.kv_spec.num_blocks

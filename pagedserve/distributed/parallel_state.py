@@ -50,6 +50,7 @@ class TPGroup:
         # A prefix per group: a store could be shared by several groups.
         store = dist.PrefixStore("tp/", store)
         if device.type == "cuda":
+            torch.cuda.set_device(device)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)

@@ -8,6 +8,10 @@ gathers the flat batch (``input_ids``, ``positions``, ``slot_mapping``) and the 
 (decodes, then prefill chunks) from the rows with NumPy, runs the model, computes logits only
 for the last scheduled token of each request whose chunk reaches the end of its known tokens,
 samples, and appends the sampled tokens to the rows.
+
+Under tensor parallelism every rank runs this same code on the same message: the model's
+collectives pair the ranks' forwards, rank 0 gets the full logits, samples and broadcasts the
+token ids, and the other ranks append those (their output is empty).
 """
 from __future__ import annotations
 

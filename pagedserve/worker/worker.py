@@ -74,7 +74,8 @@ class KVCacheSpec:
 
     Attributes:
         num_blocks: blocks in the pool.
-        block_bytes: bytes of K and V of one block, all layers.
+        block_bytes: bytes of K and V of one block, all layers (all tensor-parallel ranks
+            together: each holds 1/N).
         max_model_len: the model's context (capped by sliding window and the pool), tokens.
     """
 
