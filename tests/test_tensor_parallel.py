@@ -144,19 +144,39 @@ def test_ray_backend_equals_tp1(tiny_model_factory):
         ray.shutdown()
 
 
-def test_killed_worker_fails_the_engine(tiny_model_factory):
+@pytest.mark.parametrize("when", ["between_steps", "mid_step"])
+def test_killed_worker_fails_the_engine(tiny_model_factory, when):
+    """SIGKILL of rank 1 while the engine is idle (caught before the next step is sent) or
+    inside a step (rank 0's collective fails): the step raises, naming the rank, in bounded time."""
     tp = LLM(tiny_model_factory("llama"), num_threads=2, tensor_parallel_size=2, **TINY_KW)
+    executor = tp.llm_engine.core.worker
     try:
-        assert _tokens(tp, TINY_PROMPTS[:1]) is not None
-        (pid,) = tp.llm_engine.core.worker.worker_pids().values()
-        os.kill(pid, signal.SIGKILL)
-        assert not _wait_gone([pid], 10)
+        _tokens(tp, TINY_PROMPTS[:1])
+        (pid,) = executor.worker_pids().values()
+
+        def kill() -> None:
+            os.kill(pid, signal.SIGKILL)
+            assert not _wait_gone([pid], 10)
+
+        if when == "between_steps":
+            kill()
+        else:  # after the step was sent to rank 1, before rank 0's forward
+            real = executor.worker.execute_model
+            executor.worker.execute_model = lambda so: (kill(), real(so))[1]
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1"):
+        expected = "tensor-parallel worker rank 1" if when == "between_steps" else "tensor-parallel step failed: .*rank 1"
+        with pytest.raises(RuntimeError, match=expected):
             _tokens(tp, TINY_PROMPTS[:1])
         assert time.monotonic() - t0 < 30
     finally:
         tp.llm_engine.core.shutdown()
+
+
+@pytest.mark.skipif("kv_transfer_config" not in EngineConfig.__dataclass_fields__, reason="no kv_transfer_config in this branch")
+def test_tp_with_kv_transfer_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=3, kv_transfer_config={"kv_connector": "NetworkConnector", "kv_role": "kv_producer",
+                                                                 "kv_ip": "127.0.0.1", "kv_port": 14579})
 
 
 def test_serve_tp2_and_core_death_stops_workers(tiny_model_factory, tmp_path):
