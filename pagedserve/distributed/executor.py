@@ -68,6 +68,7 @@ class TPExecutor:
         threads = default_threads(config.num_threads, n)
         rank_config = dataclasses.replace(config, num_threads=threads)
         host = config.distributed_host or DEFAULT_HOST
+        self._launcher = make_launcher(config.distributed_executor_backend, threads)
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -76,7 +77,6 @@ class TPExecutor:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self._launcher = make_launcher(config.distributed_executor_backend, threads)
         self._finalizer = weakref.finalize(self, _stop, self._launcher, self._sock, self._ctx)
         self._idents = [f"rank{r}".encode() for r in range(1, n)]
         self.worker: Optional[Worker] = None

@@ -56,8 +56,10 @@ class RayLauncher:
     Ray kills the actors if this process (their owner) dies."""
 
     def __init__(self, threads_per_rank: int) -> None:
-        import ray
-
+        try:
+            import ray
+        except ImportError as e:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedserve[ray]' (ray==2.60.0)") from e
         self.ray = ray
         self.threads = threads_per_rank
         self.owns_ray = False
@@ -96,6 +98,10 @@ class RayLauncher:
 
     def stop(self, timeout_s: float) -> None:
         ray = self.ray
+        if not ray.is_initialized():  # shut down already (e.g. by Ray's own exit handler)
+            self.actors.clear()
+            self.runs.clear()
+            return
         if self.runs:
             ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=timeout_s)
         for actor in self.actors.values():
