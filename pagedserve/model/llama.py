@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         attn0 = self.layers[0].self_attn
         q, kv = attn0.q_size, attn0.kv_size
-        inter = self.config.intermediate_size
+        inter = self.layers[0].mlp.intermediate_size  # this rank's share under tensor parallelism
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model.") :]

@@ -19,7 +19,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.distributed.parallel_state import TPGroup
-from pagedserve.distributed.tensor_parallel import shard_model
+from pagedserve.distributed.tensor_parallel import shard_checkpoint, shard_shapes
 from pagedserve.model import loader
 from pagedserve.model.backends import select_backend
 from pagedserve.model.layers import RotaryEmbedding
@@ -147,11 +147,14 @@ class Worker:
     def _load_model(self, max_positions: int) -> LlamaForCausalLM:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.hf_config, max_positions)
+            if self.tp is not None:  # this rank's shapes: it never holds the whole model
+                shard_shapes(model, self.tp)
         model = model.to_empty(device=self.device)
-        model.load_weights(loader.iterate_safetensors_weights(self.model_dir))
-        model = model.to(self.dtype)
+        weights = loader.iterate_safetensors_weights(self.model_dir)
         if self.tp is not None:
-            shard_model(model, self.tp)
+            weights = shard_checkpoint(weights, self.hf_config, self.tp)
+        model.load_weights(weights)
+        model = model.to(self.dtype)
         # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
         model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
         if packing_available(self.device, self.dtype):
