@@ -222,7 +222,7 @@ class EngineConfig:
             positive(name, allow_none=False)
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
-        if self.tensor_parallel_size > 1 and getattr(self, "kv_transfer_config", None) is not None:
+        if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
             raise ValueError("tensor_parallel_size > 1 together with kv_transfer_config (prefill/decode disaggregation) is not supported")
         if not isinstance(self.trace_buffer_steps, int) or isinstance(self.trace_buffer_steps, bool) or self.trace_buffer_steps < 0:
             raise ValueError(f"trace_buffer_steps must be >= 0, got {self.trace_buffer_steps}")

@@ -174,11 +174,10 @@ def test_killed_worker_fails_the_engine(tiny_model_factory, when):
         tp.llm_engine.core.shutdown()
 
 
-@pytest.mark.skipif("kv_transfer_config" not in EngineConfig.__dataclass_fields__, reason="no kv_transfer_config in this branch")
 def test_tp_with_kv_transfer_refused():
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(tensor_parallel_size=3, kv_transfer_config={"kv_connector": "NetworkConnector", "kv_role": "kv_producer",
-                                                                 "kv_ip": "127.0.0.1", "kv_port": 14579})
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 together with kv_transfer_config"):
+        EngineConfig(tensor_parallel_size=3, kv_transfer_config={"kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": 14579})
+    EngineConfig(tensor_parallel_size=1, kv_transfer_config={"kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": 14579})
 
 
 def test_serve_tp2_and_core_death_stops_workers(tiny_model_factory, tmp_path):
