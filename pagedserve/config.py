@@ -198,7 +198,7 @@ class EngineConfig:
     trace_file: Optional[str] = field(default=None, metadata=_flag("write one JSON line per engine step to this file"))
     kv_transfer_config: Optional[dict] = field(default=None, metadata=_flag(
         "prefill/decode disaggregation, as JSON: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., "
-        "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}", type=json.loads))
+        "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}"))
     # -- tensor parallelism --
     tensor_parallel_size: int = field(default=1, metadata=_flag("ranks the model is sharded over", "--tensor-parallel-size", "-tp"))
     distributed_executor_backend: str = field(default="mp", metadata=_flag("how tensor-parallel ranks run", choices=["mp", "ray"]))
