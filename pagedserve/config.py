@@ -161,6 +161,15 @@ class EngineConfig:
         trace_file: write one JSON record per step to this file (JSON lines, flushed each
             step; the file is truncated when the engine starts), or None. Written by the
             process that runs the engine core.
+        tensor_parallel_size: ranks the model is sharded over (Megatron-style: attention heads,
+            KV heads and the KV cache, MLP width, vocabulary); it must divide the query and KV
+            head counts and the MLP width. 1 = the engine runs the model in its own process.
+        distributed_executor_backend: how ranks 1..N-1 run: "mp" (subprocesses of the engine
+            core) or "ray" (Ray actors; the running Ray instance, else ``ray.init()``, which
+            honours ``RAY_ADDRESS``). Rank 0 is always the engine core's process.
+        distributed_host: address the tensor-parallel rendezvous (torch.distributed store,
+            gloo) and control sockets bind to; None = 127.0.0.1 (set this node's address for
+            Ray workers on other nodes).
         data_parallel_size, data_parallel_backend, ray_address, threads_per_replica,
             pin_replica_cores, router: data parallelism of the server (``AsyncLLM``): N engine
             replicas behind one front, see ``pagedserve.engine.dp_client``. Backend "mp"
@@ -201,6 +210,11 @@ class EngineConfig:
     kv_transfer_config: Optional[dict] = field(default=None, metadata=_flag(
         "prefill/decode disaggregation, as JSON: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., "
         "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}"))
+    # -- tensor parallelism --
+    tensor_parallel_size: int = field(default=1, metadata=_flag("ranks the model is sharded over", "--tensor-parallel-size", "-tp"))
+    distributed_executor_backend: str = field(default="mp", metadata=_flag("how tensor-parallel ranks run", choices=["mp", "ray"]))
+    distributed_host: Optional[str] = field(default=None, metadata=_flag(
+        "address the tensor-parallel rendezvous and control sockets bind to (default 127.0.0.1)"))
     # -- data parallelism (the server's front reads these; each replica runs with size 1) --
     data_parallel_size: int = field(default=1, metadata=_flag("engine replicas behind the server", "--data-parallel-size", "-dp"))
     data_parallel_backend: str = field(default="mp", metadata=_flag(
@@ -227,8 +241,12 @@ class EngineConfig:
 
         for name in ("max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             positive(name)
-        for name in ("block_size", "max_num_seqs", "data_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "data_parallel_size"):
             positive(name, allow_none=False)
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
+        if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
+            raise ValueError("tensor_parallel_size > 1 together with kv_transfer_config (prefill/decode disaggregation) is not supported")
         positive("threads_per_replica")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}")

@@ -54,14 +54,19 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         from pagedserve.model.loader import load_eos_token_ids, load_tokenizer
-        from pagedserve.worker.worker import Worker  # the only torch import of the core path
+        from pagedserve.distributed.executor import create_executor  # the only torch import of the core path
 
         t0 = time.monotonic()
-        self.worker = Worker(config)
-        spec = self.worker.kv_spec
-        self.config = config.resolved(spec.max_model_len)
-        self.config.verify_token_budget()
-        self.worker.initialize_cache(self.config)
+        # The in-process Worker itself, or a tensor-parallel executor with the same interface.
+        self.worker = create_executor(config)
+        try:
+            spec = self.worker.kv_spec
+            self.config = config.resolved(spec.max_model_len)
+            self.config.verify_token_budget()
+            self.worker.initialize_cache(self.config)
+        except BaseException:
+            self.worker.shutdown()
+            raise
         kv = KVCacheManager(spec.num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.worker.model_identity)
         tokenizer_dir = config.tokenizer or self.worker.model_dir
         hf_config = self.worker.hf_config
@@ -115,7 +120,8 @@ class EngineCore:
         return s.kv_poll_interval()
 
     def shutdown(self) -> None:
-        """Stop the worker's background threads (the KV connector's), in bounded time."""
+        """Stop the worker's background threads (the KV connector's) or, with tensor
+        parallelism, its worker processes, in bounded time."""
         self.worker.shutdown()
 
     def step(self) -> EngineCoreOutputs:

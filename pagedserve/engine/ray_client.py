@@ -54,7 +54,10 @@ def init_ray(address: Optional[str], num_cpus: int) -> bool:
     # Ray's C++ failure-signal handler takes SIGTERM from the server's drain and aborts the
     # process at exit (status -6 after a clean shutdown); it is read when ray is first imported.
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--data-parallel-backend ray needs the ray package: pip install 'pagedserve[ray]'") from None
 
     if ray.is_initialized():
         return False
@@ -200,7 +203,8 @@ class RayCluster:
     ``remove_placement_group`` when the thread that called ``ray.init`` has exited (the server
     starts its engine on a loading thread that ends once it is up).
 
-    Raises (from the constructor): RuntimeError when the cluster cannot place the replicas.
+    Raises (from the constructor): ValueError when ray is not installed; RuntimeError when
+    the cluster cannot place the replicas.
     """
 
     def __init__(self, address: Optional[str], num_replicas: int, threads: int) -> None:

@@ -11,6 +11,8 @@ carried between layers beside the hidden states (vLLM's layout: each layer start
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,21 +134,31 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, positions, state, self.rotary_emb, kv_cache, attn_metadata, backend)
         return backend.add_rms_norm(hidden, residual, self.norm)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[n, vocab_size]`` for the selected hidden states ``[n, hidden_size]``."""
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits ``[n, vocab_size]`` for the selected hidden states ``[n, hidden_size]``. Under
+        tensor parallelism (``tp`` set by ``pagedserve.distributed.tensor_parallel``) every rank
+        must call it; rank 0 gets the logits, the other ranks None."""
         if self._packed_logits_weight is not None:
-            return packed_or_small_linear(hidden, self._packed_logits_weight, None, self.config.vocab_size, self._logits_small_plan)
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+            logits = packed_or_small_linear(hidden, self._packed_logits_weight, None, self._logits_rows, self._logits_small_plan)
+        else:
+            weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+            logits = F.linear(hidden, weight)
+        if self.tp is None:
+            return logits
+        full = self.tp.gather_last_dim(logits)  # vocab shards are zero-padded: drop the padding
+        return None if full is None else full[:, : self.config.vocab_size]
 
+    tp = None  # a pagedserve.distributed.parallel_state.TPGroup when the weights are sharded
     _packed_logits_weight = None
     _logits_small_plan = None
+    _logits_rows = 0
 
     def pack_for_cpu(self) -> None:
         """Pre-pack every projection (and the logits weight) for oneDNN; bf16 on CPU only, after
         the weights are loaded. See :mod:`pagedserve.model.packed_linear`."""
         logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self._packed_logits_weight = pack_weight(logits_weight)
+        self._logits_rows = logits_weight.shape[0]
         plans: dict = {}
         self._logits_small_plan = prepare_small_gemm(self._packed_logits_weight, logits_weight.shape[0], logits_weight.shape[1], None, plans)
         pack_linears(self.layers, plans)
@@ -172,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         attn0 = self.layers[0].self_attn
         q, kv = attn0.q_size, attn0.kv_size
-        inter = self.config.intermediate_size
+        inter = self.layers[0].mlp.intermediate_size  # this rank's share under tensor parallelism
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model.") :]

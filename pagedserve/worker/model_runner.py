@@ -8,6 +8,10 @@ gathers the flat batch (``input_ids``, ``positions``, ``slot_mapping``) and the 
 (decodes, then prefill chunks) from the rows with NumPy, runs the model, computes logits only
 for the last scheduled token of each request whose chunk reaches the end of its known tokens,
 samples, and appends the sampled tokens to the rows.
+
+Under tensor parallelism every rank runs this same code on the same message: the model's
+collectives pair the ranks' forwards, rank 0 gets the full logits, samples and broadcasts the
+token ids, and the other ranks append those (their output is empty).
 """
 from __future__ import annotations
 
@@ -133,10 +137,16 @@ class ModelRunner:
         sample_rows = rows[samples]
         sample_ids = [order[i] for i in np.flatnonzero(samples).tolist()]
         logits = self.model.compute_logits(hidden[torch.from_numpy(ends[samples] - 1).to(dev)])
+        if logits is None:  # a tensor-parallel rank > 0: rank 0 samples and sends the tokens
+            tokens = self.model.tp.broadcast(torch.empty(len(sample_rows), dtype=torch.int64, device=dev)).cpu().numpy()
+            batch.append_sampled(sample_rows, tokens)
+            return out
         if so.grammar_bitmask is not None:  # structured output: forbid what the grammars forbid
             position = {rid: i for i, rid in enumerate(sample_ids)}
             apply_grammar_bitmask(logits, [position[rid] for rid in so.structured_output_request_ids], so.grammar_bitmask)
         res = self.sampler(logits, batch.sampling_metadata(sample_rows))
+        if self.model.tp is not None:
+            self.model.tp.broadcast(res.sampled_token_ids.to(torch.int64).contiguous())
         tokens = res.sampled_token_ids.cpu().numpy()
         batch.append_sampled(sample_rows, tokens)
         out.sampled = dict(zip(sample_ids, tokens.tolist()))

@@ -1,6 +1,10 @@
 """Worker: resolves the device, loads the model, sizes and allocates the KV cache, and runs
 :class:`SchedulerOutput`s through its :class:`ModelRunner` (nano-vllm's ``ModelRunner.__init__``
 shape: the worker sizes the cache itself and reports the number of blocks to the core).
+
+With tensor parallelism one Worker runs per rank, each given the group: it shards the loaded
+weights for its rank (``pagedserve.distributed.tensor_parallel``) and sizes a cache of its own KV
+heads; the executor (``pagedserve.distributed.executor``) makes every rank agree on num_blocks.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
+from pagedserve.distributed.parallel_state import TPGroup
+from pagedserve.distributed.tensor_parallel import shard_checkpoint, shard_shapes
 from pagedserve.model import loader
 from pagedserve.model.backends import select_backend
 from pagedserve.model.layers import RotaryEmbedding
@@ -68,7 +74,8 @@ class KVCacheSpec:
 
     Attributes:
         num_blocks: blocks in the pool.
-        block_bytes: bytes of K and V of one block, all layers.
+        block_bytes: bytes of K and V of one block, all layers (all tensor-parallel ranks
+            together: each holds 1/N).
         max_model_len: the model's context (capped by sliding window and the pool), tokens.
     """
 
@@ -80,18 +87,23 @@ class KVCacheSpec:
 class Worker:
     """Owns the device, the model and the KV cache.
 
+    Args:
+        config: the engine's config (``num_threads``: this process's torch threads).
+        tp: this rank's tensor-parallel group, or None for a single worker.
     Raises:
         ValueError: invalid configuration (max_model_len larger than the model's context or
-            than the KV cache holds, a budget below one block, an unsupported model).
+            than the KV cache holds, a budget below one block, an unsupported model, head
+            counts that the tensor-parallel size does not divide).
         FileNotFoundError: the model path does not exist.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: Optional[TPGroup] = None) -> None:
         t0 = time.monotonic()
         self.config = config
+        self.tp = tp
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
+        self.device = tp.device if tp is not None else resolve_device(config.device)
         self.model_dir = loader.resolve_model(config.model)
         self.hf_config = loader.load_config(self.model_dir)
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
@@ -135,8 +147,13 @@ class Worker:
     def _load_model(self, max_positions: int) -> LlamaForCausalLM:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.hf_config, max_positions)
+            if self.tp is not None:  # this rank's shapes: it never holds the whole model
+                shard_shapes(model, self.tp)
         model = model.to_empty(device=self.device)
-        model.load_weights(loader.iterate_safetensors_weights(self.model_dir))
+        weights = loader.iterate_safetensors_weights(self.model_dir)
+        if self.tp is not None:
+            weights = shard_checkpoint(weights, self.hf_config, self.tp)
+        model.load_weights(weights)
         model = model.to(self.dtype)
         # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
         model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
@@ -155,11 +172,13 @@ class Worker:
     def _size_kv_cache(self) -> KVCacheSpec:
         cfg = self.config
         B = cfg.block_size
-        block_bytes = kv_cache_bytes_per_block(self.hf_config, B, self.dtype)
+        block_bytes = kv_cache_bytes_per_block(self.hf_config, B, self.dtype)  # all KV heads (every rank's share)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:
             budget = cfg.kv_cache_memory_bytes or self._default_kv_budget()
+            if self.tp is not None and self.device.type == "cuda":
+                budget *= self.tp.world_size  # a GPU's budget holds its rank's 1/N of each block
             num_blocks = budget // block_bytes
             if cfg.kv_cache_memory_bytes is None:
                 # A default budget never needs more than every sequence at full length.
@@ -167,6 +186,15 @@ class Worker:
                 num_blocks = min(num_blocks, cfg.max_num_seqs * -(-max_len // B))
             if num_blocks < 1:
                 raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({block_bytes} bytes)")
+        return self.kv_spec_for(num_blocks, block_bytes)
+
+    def kv_spec_for(self, num_blocks: int, block_bytes: Optional[int] = None) -> KVCacheSpec:
+        """The spec of a pool of ``num_blocks`` blocks (a tensor-parallel executor lowers rank
+        0's to the smallest any rank can hold). Raises ValueError when max_model_len does not fit."""
+        cfg = self.config
+        B = cfg.block_size
+        if block_bytes is None:
+            block_bytes = self.kv_spec.block_bytes
         capacity = num_blocks * B
         if cfg.max_model_len is None:
             max_model_len = min(self.max_positions, capacity)
@@ -179,9 +207,11 @@ class Worker:
             max_model_len = cfg.max_model_len
         return KVCacheSpec(num_blocks, block_bytes, max_model_len)
 
-    def initialize_cache(self, config: EngineConfig) -> None:
-        """Allocate the KV pool of ``kv_spec.num_blocks`` blocks and the input batch for the
-        resolved ``config`` (its max_num_seqs and max_model_len)."""
+    def initialize_cache(self, config: EngineConfig, num_blocks: Optional[int] = None) -> None:
+        """Allocate the KV pool of ``num_blocks`` (default ``kv_spec.num_blocks``) blocks and the
+        input batch for the resolved ``config`` (its max_num_seqs and max_model_len)."""
+        if num_blocks is not None:
+            self.kv_spec.num_blocks = num_blocks
         self.model_runner = ModelRunner(self.model, self.kv_spec.num_blocks, config.block_size, self.device, self.dtype,
                                         config.max_num_seqs, config.max_model_len)
         if config.kv_transfer_config is not None:
@@ -195,6 +225,7 @@ class Worker:
             self.kv_connector = NetworkConnectorWorker(config.kv_transfer, kv, layout)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Tensor-parallel ranks > 0 return an empty output (rank 0 samples)."""
         connector = self.kv_connector
         if connector is None:
             return self.model_runner.execute_model(scheduler_output)

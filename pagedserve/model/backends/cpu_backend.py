@@ -137,6 +137,7 @@ class CpuBackend(TorchBackend):
         eps = model.norm.eps
         ok = (
             self.fused_rope
+            and model.tp is None  # the C step has no all-reduce between layers
             and model._packed_logits_weight is not None
             and not attn.qk_norm
             and matmul.get_small_gemm_lib() is not None

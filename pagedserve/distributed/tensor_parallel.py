@@ -1,0 +1,140 @@
+"""Shard a Llama-family model for rank ``r`` of ``N`` tensor-parallel ranks (Megatron-LM's
+layout, Shoeybi et al. 2019; the size of gpt-fast's ``tp.py``, applied while loading so that no
+rank ever holds the whole model):
+
+- column-parallel: the fused ``qkv_proj`` keeps this rank's query heads and KV heads (and their
+  bias rows), ``gate_up_proj`` this rank's share of the gate rows and of the up rows;
+- row-parallel: ``o_proj`` and ``down_proj`` keep the matching input columns, their bias stays on
+  rank 0 only, and a forward hook sums the partial outputs (one all-reduce after attention and
+  one after the MLP);
+- vocab-parallel embedding and LM head: each rank holds ``ceil(V / N)`` rows of the (tied or
+  untied) vocabulary matrix, zero-padded at the end; a lookup is the local rows' embedding
+  (zero for other ranks' ids) all-reduced; logits are the local columns gathered on rank 0.
+
+Two steps: :func:`shard_shapes` on the model built on the meta device (per-rank shapes and head
+counts, so the KV cache each rank allocates holds its own KV heads only), then
+:func:`shard_checkpoint` slices each checkpoint tensor as it streams into ``load_weights``.
+Packing for oneDNN (``pack_for_cpu``) comes after, on the sharded weights.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.distributed.parallel_state import TPGroup
+
+
+def verify_tp_size(hf_config, tp_size: int) -> None:
+    """Raises ValueError unless ``tp_size`` divides the model's query heads, KV heads and MLP
+    width (KV heads are sharded, never replicated)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    inter = hf_config.intermediate_size
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp_size!r}")
+    if heads % tp_size or kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must divide the model's {heads} query heads and {kv_heads} KV heads "
+            f"(possible sizes: {[n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0 and inter % n == 0]})"
+        )
+    if inter % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's intermediate_size ({inter})")
+
+
+def _resize(linear: nn.Linear, out_features: Optional[int] = None, in_features: Optional[int] = None, keep_bias: bool = True) -> None:
+    """Give ``linear`` (on the meta device) a weight ``[out, in]`` and a bias only if ``keep_bias``."""
+    out_features = out_features or linear.out_features
+    in_features = in_features or linear.in_features
+    w = linear.weight
+    linear.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=w.dtype, device=w.device), requires_grad=False)
+    b = linear.bias
+    linear.bias = nn.Parameter(torch.empty(out_features, dtype=b.dtype, device=b.device), requires_grad=False) if b is not None and keep_bias else None
+    linear.out_features, linear.in_features = out_features, in_features
+
+
+def _all_reduce_hook(group: TPGroup):
+    def hook(_module, _inputs, output):
+        group.all_reduce(output)
+
+    return hook
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[rank * shard, (rank + 1) * shard)`` of a ``[vocab, hidden]`` embedding (zero rows
+    past ``vocab``), ``shard = ceil(vocab / N)``. ``forward(ids [T]) -> [T, hidden]`` (all-reduced)."""
+
+    def __init__(self, vocab: int, hidden: int, group: TPGroup) -> None:
+        super().__init__()
+        self.shard = -(-vocab // group.world_size)
+        self.start = group.rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.group.all_reduce(out)
+
+
+def shard_shapes(model: nn.Module, group: TPGroup) -> None:
+    """Give ``model`` (a :class:`pagedserve.model.llama.LlamaForCausalLM` just built, on the meta
+    device) rank ``group.rank``'s parameter shapes and head counts, the all-reduce hooks, and
+    ``model.tp = group``. Load it with :func:`shard_checkpoint`'s tensors.
+
+    Raises:
+        ValueError: the head counts or MLP width do not divide by the group size.
+    """
+    n, keep_row_bias = group.world_size, group.rank == 0
+    verify_tp_size(model.config, n)
+    for layer in model.layers:
+        attn = layer.self_attn
+        attn.num_heads, attn.num_kv_heads = attn.num_heads // n, attn.num_kv_heads // n
+        attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        _resize(attn.qkv_proj, out_features=attn.q_size + 2 * attn.kv_size)
+        _resize(attn.o_proj, in_features=attn.q_size, keep_bias=keep_row_bias)
+        attn.register_forward_hook(_all_reduce_hook(group))
+        mlp = layer.mlp
+        mlp.intermediate_size //= n
+        _resize(mlp.gate_up_proj, out_features=2 * mlp.intermediate_size)
+        _resize(mlp.down_proj, in_features=mlp.intermediate_size, keep_bias=keep_row_bias)
+        mlp.register_forward_hook(_all_reduce_hook(group))
+    vocab, hidden = model.embed_tokens.weight.shape
+    model.embed_tokens = VocabParallelEmbedding(vocab, hidden, group)
+    if not model.tie_word_embeddings:
+        _resize(model.lm_head, out_features=model.embed_tokens.shard)
+    model.tp = group
+
+
+def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, group: TPGroup) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank ``group.rank``'s slice of each ``(HF name, tensor)`` of a checkpoint, for a model
+    shaped by :func:`shard_shapes`: q/k/v and gate/up rows, o/down columns (their bias on rank 0
+    only), embedding / LM head rows zero-padded to the shard size; other tensors whole."""
+    n, r = group.world_size, group.rank
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    q_rows, kv_rows, part = heads * head_dim // n, kv_heads * head_dim // n, hf_config.intermediate_size // n
+    shard = -(-hf_config.vocab_size // n)
+    rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "gate_proj": part, "up_proj": part}
+    cols = {"o_proj": q_rows, "down_proj": part}
+    for name, t in weights:
+        parts = name.split(".")
+        module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if module in rows:
+            t = t[r * rows[module] : (r + 1) * rows[module]]
+        elif module in cols:
+            if kind == "bias":
+                if r != 0:
+                    continue
+            else:
+                t = t[:, r * cols[module] : (r + 1) * cols[module]]
+        elif module in ("embed_tokens", "lm_head"):
+            local = t[r * shard : (r + 1) * shard]
+            t = torch.zeros(shard, t.shape[1], dtype=t.dtype)
+            t[: local.shape[0]] = local
+        yield name, t
