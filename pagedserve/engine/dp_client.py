@@ -106,7 +106,8 @@ class DPClient:
             if self.backend == "mp":
                 from pagedserve.engine.core_client import MPClient
 
-                plan = plan_cpus(n, threads) if config.pin_replica_cores else None
+                # A tensor-parallel replica's ranks are its subprocesses and would share its cores.
+                plan = plan_cpus(n, threads) if config.pin_replica_cores and config.tensor_parallel_size == 1 else None
                 for i in range(n):
                     self.cpus[i] = plan[i] if plan else None
                     self.replicas.append(MPClient(replica_cfg, log_level, kv_events=kv_events, cpus=self.cpus[i],
