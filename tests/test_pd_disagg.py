@@ -21,6 +21,7 @@ import msgpack
 import pytest
 import zmq
 
+from pagedserve.distributed.kv_transfer.wire import kv_layout
 from server_utils import _free_port, start_tiny_server
 
 T = 60  # seconds: the bound on every HTTP call here
@@ -69,7 +70,8 @@ class Cluster:
                                 "--max-num-batched-tokens", "32")
         finally:
             del os.environ["PAGEDSERVE_KV_TEST_FAULT_FILE"]
-        self.D = self.start(tmp_path_factory, model, "d", {"kv_role": "kv_consumer", "kv_port": self.d_port, "kv_transfer_timeout_s": 2},
+        self.D = self.start(tmp_path_factory, model, "d", {"kv_role": "kv_consumer", "kv_port": self.d_port, "kv_transfer_timeout_s": 2,
+                                                     "kv_connector_extra_config": {"peer_down_s": 0.1}},
                             "--num-kv-blocks", "48")
         self.C = self.start(tmp_path_factory, model, "c", None)
         self.proxy = self.start_proxy(tmp_path_factory)
@@ -315,8 +317,11 @@ def test_duplicated_reordered_and_forged_notices(cluster):
         sock.send(b"\xc1 not msgpack")
         assert sock.poll(5000) and msgpack.unpackb(sock.recv_multipart()[0])[1] == "bad_request"
         # A consumer with another block size is refused in the handshake.
-        hello = ask(["hello", {"block_size": 32}, kvp["remote_engine_id"]])
-        assert hello[0] == "error" and hello[1] == "handshake" and "block_size" in hello[2]
+        assert ask(["hello", {"block_size": 32, 1: 2}, kvp["remote_engine_id"]])[1] == "handshake"  # not a layout at all
+        theirs = kv_layout("another-model", "float32", 32, 2, 2, 32, b"seed")
+        hello = ask(["hello", theirs, kvp["remote_engine_id"]])
+        assert hello[0] == "error" and hello[1] == "handshake" and "block_size: producer 16, consumer 32" in hello[2], hello
+        assert "hash_seed differs" in hello[2] and "model differs" in hello[2]  # told that, not the values
     finally:
         sock.close(0)
         ctx.term()
@@ -333,7 +338,8 @@ def test_mismatched_peer_and_bad_params(cluster):
     assert text_of(httpx.post(cluster.D + "/v1/completions", json=dict(b, kv_transfer_params=kvp), timeout=T)) == colocated(cluster, b)
     assert metrics(cluster.D)["pagedserve:kv_transfer_failures_total[handshake]"] == before + 1
     for bad in ({"do_remote_prefill": True}, {"do_remote_prefill": True, **{k: v for k, v in kvp.items() if k != "do_remote_prefill"}, "remote_host": "10.1.2.3"},
-                "not an object", {"do_remote_prefill": True, **kvp, "remote_block_ids": list(range(10_000))}):
+                "not an object", {"do_remote_prefill": True, **kvp, "remote_block_ids": list(range(10_000))},
+                {"x": 2**64}, {**kvp, "remote_block_ids": [2**70]}, {**kvp, "remote_num_tokens": 10**30}, {"x": {"y": [1]}}):
         r = httpx.post(cluster.D + "/v1/completions", json=dict(b, kv_transfer_params=bad), timeout=T)
         assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
     r = httpx.post(cluster.C + "/v1/completions", json=dict(b, kv_transfer_params={"do_remote_decode": True}), timeout=T)
@@ -416,3 +422,21 @@ def test_soak_random_aborts(cluster):
         t.join(240)
     assert not errors, errors[:3]
     assert got == want
+
+
+def test_refused_or_batched_requests_hold_nothing_past_their_answer(cluster):
+    # The decode instance refuses what the prefill accepted (max_tokens beyond its 768-token
+    # context): its front releases the prefill's hold at once, long before the 3 s lease.
+    b = body(ids(100, 15))
+    kvp = prefill(cluster, b)
+    r = httpx.post(cluster.D + "/v1/completions", json=dict(b, max_tokens=2000, kv_transfer_params=kvp), timeout=T)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    wait_idle(cluster.P, 2.0)
+    # A prefill of several prompts holds nothing (one kv_transfer_params cannot name several holds).
+    r = httpx.post(cluster.P + "/v1/completions", timeout=T,
+                   json=dict(body([ids(40, 16), ids(40, 17)], 1), kv_transfer_params={"do_remote_decode": True}))
+    assert r.status_code == 200 and r.json()["kv_transfer_params"] is None
+    wait_idle(cluster.P, 2.0)
+    # Through the proxy such a request is computed by the decode instance, correctly.
+    batch = body([ids(40, 18), ids(50, 19)])
+    assert pd(cluster, batch) == colocated(cluster, batch)

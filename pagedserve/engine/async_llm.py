@@ -166,6 +166,7 @@ class AsyncLLM(CoreUtilityCalls):
         except BaseException:
             with self._lock:
                 self._streams.pop(req.request_id, None)
+                self._not_started.discard(req.request_id)
                 self.output_processor.abort_requests([req.request_id])
             raise
         finished = False
@@ -223,6 +224,11 @@ class AsyncLLM(CoreUtilityCalls):
             self.client.send(["abort", child_ids])
             if metrics is not None:
                 metrics.observe_abort(request_id)
+
+    def release_kv_transfer(self, params: dict) -> None:
+        """A refused request named a prefill instance's KV hold: have the core release it."""
+        if not self._stopped and self._error is None:
+            self.client.send(["release_kv", params])
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core and the output thread; live requests end with EngineDeadError."""

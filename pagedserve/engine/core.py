@@ -119,6 +119,12 @@ class EngineCore:
             return 0.0
         return s.kv_poll_interval()
 
+    def release_kv_transfer(self, params: dict) -> None:
+        """The front refused a request whose ``kv_transfer_params`` name a prefill instance's
+        hold: release it now (no-op without a KV connector or for other params)."""
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.release_remote(params)
+
     def shutdown(self) -> None:
         """Stop the worker's background threads (the KV connector's) or, with tensor
         parallelism, its worker processes, in bounded time."""

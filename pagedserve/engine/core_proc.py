@@ -3,6 +3,7 @@
 
 Messages in (lists): ``["add", [EngineCoreRequest, ...]]`` (the ``n`` sequences of one request
 together), ``["abort", [ids]]``,
+``["release_kv", kv_transfer_params]`` (a refused request's prefill hold),
 ``["utility", call_id, name, args]`` (``reset_prefix_cache``, ``get_stats``, ``get_step_trace``
 with args ``[since_step, limit]`` or ``get_block_map``; ``args`` may be left out), ``["shutdown"]``.
 Messages out: ``["ready", EngineCoreInfo]`` once loaded, ``["outputs", EngineCoreOutputs]`` after
@@ -105,6 +106,9 @@ def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
         return True
     if kind == "abort":
         core.abort_requests(msg[1])
+        return True
+    if kind == "release_kv":
+        core.release_kv_transfer(msg[1])
         return True
     if kind == "utility":
         call_id, name = msg[1], msg[2]

@@ -24,8 +24,11 @@ from pagedserve.distributed.kv_transfer import wire
 from pagedserve.distributed.kv_transfer.base import LoadSpec, ReleaseSpec
 
 logger = logging.getLogger("pagedserve")
-MAX_PARALLEL_LOADS = 4
+MAX_PARALLEL_LOADS = 8
 RETRY_S = 0.005
+UNKNOWN_RETRY_S = 3.0  # a hold is registered with the producer's next step: wait at most this for it
+PEER_DOWN_S = 5.0  # default: after a peer timed out, loads from it fail at once for this long
+RELEASE_TIMEOUT_S = 1.0
 
 
 class _Fail(Exception):
@@ -37,13 +40,16 @@ class _Fail(Exception):
 class KVLoader:
     """Pulls blocks into ``kv_cache`` (``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``)."""
 
-    def __init__(self, kv_cache: torch.Tensor, layout: dict, timeout_s: float) -> None:
+    def __init__(self, kv_cache: torch.Tensor, layout: dict, timeout_s: float, peer_down_s: float = PEER_DOWN_S) -> None:
         self.kv = kv_cache
         self.layout = layout
         self.block_size = layout["block_size"]
         self.timeout_ms = int(timeout_s * 1000)
         self.ctx = zmq.Context()
         self.pool = ThreadPoolExecutor(MAX_PARALLEL_LOADS, thread_name_prefix="pagedserve-kv-load")
+        self.release_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-kv-release")  # never delays a load
+        self._down_until: dict[tuple[str, int], float] = {}
+        self.peer_down_s = peer_down_s
         self._lock = threading.Lock()
         self._active: set[str] = set()
         self._cancelled: set[str] = set()
@@ -61,7 +67,7 @@ class KVLoader:
         self.pool.submit(self._load, spec)
 
     def release(self, spec: ReleaseSpec) -> None:
-        self.pool.submit(self._release, spec)
+        self.release_pool.submit(self._release, spec)
 
     def cancel(self, req_ids: list[str]) -> None:
         with self._lock:
@@ -83,12 +89,19 @@ class KVLoader:
         with self._lock:
             self._cancelled.update(self._active)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.release_pool.shutdown(wait=True, cancel_futures=True)
         self.ctx.term()
 
     # -- the loads ---------------------------------------------------------------------------
+    def _peer_down(self, host: str, port: int) -> bool:
+        with self._lock:
+            return self._down_until.get((host, port), 0.0) > time.monotonic()
+
     def _socket(self, host: str, port: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
         sock.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
         return sock
 
@@ -103,6 +116,8 @@ class KVLoader:
         t0 = time.monotonic()
         sock = self._socket(spec.host, spec.port)
         try:
+            if self._peer_down(spec.host, spec.port):
+                raise _Fail("peer_down", f"{spec.host}:{spec.port} timed out less than {self.peer_down_s:g} s ago")
             self._pull(sock, spec)
             dt = time.monotonic() - t0
             with self._lock:
@@ -111,15 +126,18 @@ class KVLoader:
                 self._seconds.append(dt)
         except Exception as e:  # every failure is the request's, never the engine's
             reason = e.reason if isinstance(e, _Fail) else "error"
+            if reason == "timeout":
+                with self._lock:
+                    self._down_until[(spec.host, spec.port)] = time.monotonic() + self.peer_down_s
             if reason != "aborted":
                 logger.warning("pagedserve: KV load for %s from %s:%d failed: %s", spec.req_id, spec.host, spec.port, e)
             with self._lock:
                 self._failed[spec.req_id] = reason
                 self._failures[reason] += 1
         finally:
-            try:
-                if not self._closed:  # the producer may free its hold now, whatever happened
-                    self._ask(sock, ["done", spec.transfer_id], time.monotonic() + min(1.0, self.timeout_ms / 1000))
+            try:  # the producer may free its hold now, whatever happened
+                if not self._closed and not self._peer_down(spec.host, spec.port):
+                    self._ask(sock, ["done", spec.transfer_id], time.monotonic() + min(RELEASE_TIMEOUT_S, self.timeout_ms / 1000))
             except Exception:
                 pass
             sock.close(linger=0)
@@ -138,14 +156,16 @@ class KVLoader:
         step = wire.MAX_READ_BLOCKS
         for lo in range(0, len(spec.block_indices), step):
             idx, hashes = spec.block_indices[lo:lo + step], spec.block_hashes[lo:lo + step]
-            deadline = time.monotonic() + self.timeout_ms / 1000
+            started = time.monotonic()
+            deadline = started + self.timeout_ms / 1000
             while True:
                 with self._lock:
                     if spec.req_id in self._cancelled or self._closed:
                         raise _Fail("aborted")
                 frames = self._ask(sock, ["read", spec.transfer_id, idx, hashes], deadline)
                 head = wire.unpack(frames[0])
-                if head[0] == "error" and len(head) > 1 and head[1] == "unknown" and time.monotonic() < deadline:
+                if (head[0] == "error" and len(head) > 1 and head[1] == "unknown"
+                        and time.monotonic() < min(deadline, started + UNKNOWN_RETRY_S)):
                     time.sleep(RETRY_S)  # the producer registers its hold with its next step
                     continue
                 break
@@ -162,9 +182,11 @@ class KVLoader:
             self.kv[:, :, local] = data.permute(1, 2, 0, 3, 4, 5).to(self.kv.device)
 
     def _release(self, spec: ReleaseSpec) -> None:
+        if self._closed or self._peer_down(spec.host, spec.port):
+            return  # its lease frees it
         sock = self._socket(spec.host, spec.port)
         try:
-            self._ask(sock, ["done", spec.transfer_id], time.monotonic() + self.timeout_ms / 1000)
+            self._ask(sock, ["done", spec.transfer_id], time.monotonic() + RELEASE_TIMEOUT_S)
         except Exception as e:
             logger.info("pagedserve: could not release KV hold %s at %s:%d (its lease frees it): %s", spec.transfer_id, spec.host, spec.port, e)
         finally:

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_PARAMS_LEN = 64  # keys and string lengths are small; block lists are capped separately
+MAX_INT = 2**31 - 1  # block ids, ports, token counts: anything larger is not a real value
 
 
 class KVParamsError(ValueError):
@@ -53,6 +54,8 @@ def check_params(params: Any, max_blocks: int, allowed_hosts: Optional[list[str]
         raise KVParamsError("kv_transfer_params must be a JSON object")
     if len(params) > MAX_PARAMS_LEN:
         raise KVParamsError(f"kv_transfer_params has {len(params)} keys; at most {MAX_PARAMS_LEN}")
+    for key, value in params.items():
+        _check_plain(value, key, max_blocks + MAX_PARAMS_LEN)
     for key in ("do_remote_prefill", "do_remote_decode"):
         if params.get(key) not in (None, True, False):
             raise KVParamsError(f"kv_transfer_params.{key} must be true or false")
@@ -74,6 +77,26 @@ def check_params(params: Any, max_blocks: int, allowed_hosts: Optional[list[str]
         raise KVParamsError(f"kv_transfer_params.remote_host {host!r} is not an allowed KV peer "
                             "(kv_connector_extra_config.allowed_peer_hosts)")
     return params
+
+
+def _check_plain(value: Any, key: str, max_len: int, depth: int = 0) -> None:
+    """Only JSON scalars (ints in [-2^31, 2^31), strings of at most 1024 characters) and short
+    lists of them: anything else would not even cross to the engine core."""
+    if value is None or isinstance(value, (bool, float)):
+        return
+    if isinstance(value, int):
+        if not -MAX_INT - 1 <= value <= MAX_INT:
+            raise KVParamsError(f"kv_transfer_params.{key}: {value} is out of range")
+        return
+    if isinstance(value, str):
+        if len(value) > 1024:
+            raise KVParamsError(f"kv_transfer_params.{key} is longer than 1024 characters")
+        return
+    if isinstance(value, list) and depth == 0 and len(value) <= max_len:
+        for v in value:
+            _check_plain(v, key, max_len, 1)
+        return
+    raise KVParamsError(f"kv_transfer_params.{key} must be a number, a string, true/false/null or a short list of them")
 
 
 def allowed_hosts_of(config: Any) -> Optional[list[str]]:

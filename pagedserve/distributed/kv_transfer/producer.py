@@ -55,8 +55,10 @@ class KVServer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if ":" in host:
+            self.sock.setsockopt(zmq.IPV6, 1)
         try:
-            self.sock.bind(f"tcp://{host}:{port}")
+            self.sock.bind(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
             self.sock.close()
             self.ctx.term()
@@ -128,8 +130,8 @@ class KVServer:
                 if self._stop.is_set():
                     return
                 logger.exception("pagedserve: KV transfer server")
-            except Exception:  # a bug must not end the server thread silently
-                logger.exception("pagedserve: KV transfer server failed on a message")
+            except Exception as e:  # a bad message must not end the server thread (nor flood the log)
+                logger.debug("pagedserve: KV transfer server: a message failed: %r", e)
 
     def _fault(self) -> str:
         if not self._fault_file:

@@ -66,7 +66,8 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
         num_external = num_blocks * B - num_computed_tokens
         if num_external <= 0:
             self._consumed.add(request.request_id)
-            self._meta.releases.append(ReleaseSpec(key[0], params["remote_host"], params["remote_port"], key[1]))
+            if params["remote_block_ids"]:  # the producer holds something: let it go now
+                self._meta.releases.append(ReleaseSpec(key[0], params["remote_host"], params["remote_port"], key[1]))
             return 0
         return num_external
 
@@ -90,7 +91,9 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
         if key is None:
             return []
         self._loading.pop(key, None)
-        return self._waiters.pop(key, [])
+        waiters = self._waiters.pop(key, [])
+        self._consumed.update(waiters)  # the hold is gone: they use the cache or compute
+        return waiters
 
     def request_dropped(self, request_id: str) -> None:
         self._consumed.discard(request_id)
@@ -103,7 +106,23 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
         self._consumed.discard(request_id)
 
     # -- producer ----------------------------------------------------------------------------
+    def release_remote(self, params: Any) -> None:
+        """A request carrying ``params`` will never load them (refused, aborted or finished
+        before admission): tell the producer to drop its hold now instead of at its lease."""
+        if not self.config.is_consumer or not kvp.wants_remote_prefill(params):
+            return
+        try:
+            kvp.check_params(params, self.max_blocks, self.allowed_hosts)
+        except kvp.KVParamsError:
+            return
+        if not params["remote_block_ids"] or (params["remote_engine_id"], params["remote_request_id"]) in self._loading:
+            return  # nothing held, or a sibling is reading it (its load ends the hold)
+        self._meta.releases.append(ReleaseSpec(params["remote_engine_id"], params["remote_host"], params["remote_port"],
+                                               params["remote_request_id"]))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        if request.request_id not in self._consumed:
+            self.release_remote(request.kv_transfer_params)
         self.forget(request.request_id)
         if not self.config.is_producer or not kvp.wants_remote_decode(request.kv_transfer_params):
             return False, None
@@ -113,7 +132,8 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
         num_blocks = min(request.num_prompt_tokens // B, len(block_ids))
         transfer_id = uuid.uuid4().hex
         cfg = self.config
-        out = kvp.producer_params(cfg.engine_id, cfg.kv_ip, cfg.kv_port, transfer_id, block_ids[:num_blocks], num_blocks * B)
+        host = cfg.kv_connector_extra_config.get("advertise_host") or cfg.kv_ip
+        out = kvp.producer_params(cfg.engine_id, host, cfg.kv_port, transfer_id, block_ids[:num_blocks], num_blocks * B)
         if num_blocks == 0:  # shorter than one block: the decode instance computes it all
             return False, out
         hashes = self.block_hashes(request)[:num_blocks]

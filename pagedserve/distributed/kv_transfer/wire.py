@@ -31,11 +31,16 @@ def kv_layout(model: str, dtype: str, block_size: int, num_layers: int, num_kv_h
             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "order": "layer,kv,head,token,dim", "hash_seed": hash_seed.hex()}
 
 
-def layout_mismatch(mine: dict, theirs: Any) -> Optional[str]:
-    """A sentence naming what differs, or None when the layouts match."""
-    if not isinstance(theirs, dict):
-        return "the peer sent no KV layout"
-    diffs = [f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} there" for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+SHOWN_KEYS = ("protocol", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "order")
+
+
+def layout_mismatch(producer: dict, consumer: Any) -> Optional[str]:
+    """A sentence naming what differs (values only of the shape keys: the model fingerprint
+    and hash seed are not told to a stranger), or None when the layouts match."""
+    if not isinstance(consumer, dict) or not all(isinstance(k, str) for k in consumer) or set(consumer) != set(producer):
+        return "the peer's KV layout is not this protocol's"
+    diffs = [f"{k}: producer {producer[k]!r}, consumer {consumer[k]!r}" if k in SHOWN_KEYS else f"{k} differs"
+             for k in producer if producer[k] != consumer[k]]
     return ("KV layouts differ (" + "; ".join(diffs) + ")") if diffs else None
 
 

@@ -9,7 +9,7 @@ import torch
 from pagedserve.config import KVTransferConfig
 from pagedserve.core.outputs import KVConnectorOutput
 from pagedserve.distributed.kv_transfer.base import KVConnectorMetadata, KVConnectorWorker
-from pagedserve.distributed.kv_transfer.consumer import KVLoader
+from pagedserve.distributed.kv_transfer.consumer import PEER_DOWN_S, KVLoader
 from pagedserve.distributed.kv_transfer.producer import KVServer
 
 
@@ -24,7 +24,8 @@ class NetworkConnectorWorker(KVConnectorWorker):
 
     def __init__(self, config: KVTransferConfig, kv_cache: torch.Tensor, layout: dict) -> None:
         self.server = KVServer(kv_cache, layout, config.engine_id, config.kv_ip, config.kv_port) if config.is_producer else None
-        self.loader = KVLoader(kv_cache, layout, config.kv_transfer_timeout_s) if config.is_consumer else None
+        peer_down_s = float(config.kv_connector_extra_config.get("peer_down_s", PEER_DOWN_S))
+        self.loader = KVLoader(kv_cache, layout, config.kv_transfer_timeout_s, peer_down_s) if config.is_consumer else None
 
     def start_load_kv(self, metadata: Optional[KVConnectorMetadata], finished_req_ids: list[str]) -> None:
         if self.loader is not None and finished_req_ids:

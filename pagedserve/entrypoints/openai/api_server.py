@@ -141,8 +141,12 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        with llm.admission():  # 503 at once when too many requests wait to start
-            model, prompts, params = await off_loop(completions.prepare_completion, req)
+        try:
+            with llm.admission():  # 503 at once when too many requests wait to start
+                model, prompts, params = await off_loop(completions.prepare_completion, req)
+        except RequestError:
+            completions.release_unused_kv(req)
+            raise
         request_id = random_id("cmpl")
         completions.log_request(request_id, req, [len(p.token_ids) for p in prompts], params)
         if req.stream:
@@ -151,8 +155,12 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        with llm.admission():
-            model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
+        try:
+            with llm.admission():
+                model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
+        except RequestError:
+            chats.release_unused_kv(req)
+            raise
         request_id = random_id("chatcmpl")
         chats.log_request(request_id, req, [len(prompt.token_ids)], [params])
         if req.stream:

@@ -223,6 +223,21 @@ class OpenAIServing:
         except kvp.KVParamsError as e:
             raise RequestError(str(e), param="kv_transfer_params") from None
 
+    def release_unused_kv(self, req: Any) -> None:
+        """The request was refused before reaching the engine: a prefill instance may hold its
+        prompt's KV for it; ask the engine to release that hold now (not at its lease)."""
+        from pagedserve.distributed.kv_transfer import params as kvp
+
+        params = getattr(req, "kv_transfer_params", None)
+        cfg = self.llm.config
+        if cfg.kv_transfer_config is None or not isinstance(params, dict) or not kvp.wants_remote_prefill(params):
+            return
+        try:
+            kvp.check_params(params, -(-cfg.max_model_len // cfg.block_size), kvp.allowed_hosts_of(cfg.kv_transfer))
+        except kvp.KVParamsError:
+            return  # refused for these very params: they name nothing this server may contact
+        self.llm.release_kv_transfer(params)
+
     def timeout_of(self, req: Any) -> Optional[float]:
         """The request's deadline in seconds from arrival: its ``timeout``, else the server's."""
         return req.timeout if req.timeout is not None else self.request_timeout

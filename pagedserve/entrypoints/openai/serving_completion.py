@@ -39,6 +39,16 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.sampling_params(req, resolve(requested, len(p.token_ids), "max_tokens")) for p in prompts]
         return model, prompts, params
 
+    @staticmethod
+    def kv_params_of(req: CompletionRequest, prompts: list[TokenizedPrompt]):
+        """The request's kv_transfer_params; a prefill of several prompts holds nothing (one
+        ``kv_transfer_params`` in the answer cannot name several holds), so the decode side
+        computes them itself."""
+        params = req.kv_transfer_params
+        if len(prompts) > 1 and isinstance(params, dict) and params.get("do_remote_decode") is True:
+            return None
+        return params
+
     def tokenized_prompts(self, prompt) -> list[TokenizedPrompt]:
         """A text, a list of ids, or a list of either, as checked token ids."""
         if isinstance(prompt, str):
@@ -75,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         cached = 0
         kv_params = None
-        async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
+        async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts))) as stream:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
                 kv_params = out.kv_transfer_params or kv_params
@@ -104,7 +114,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(p.token_ids) for p in prompts)
         created = int(time.time())
         try:
-            async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
+            async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts))) as stream:
                 async for pi, out in stream:
                     for o in out.outputs:
                         idx = pi * n + o.index
