@@ -158,6 +158,9 @@ class EngineConfig:
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
         if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
             raise ValueError("tensor_parallel_size > 1 together with kv_transfer_config (prefill/decode disaggregation) is not supported")
+        if self.data_parallel_size > 1 and self.kv_transfer_config is not None:
+            raise ValueError("data_parallel_size > 1 together with kv_transfer_config is not supported: the replicas would share one "
+                             "kv_port; run one instance per role and list several behind `pagedserve proxy`")
         positive("threads_per_replica")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}")

@@ -124,6 +124,11 @@ def test_bad_port_and_config_errors(tiny_model_factory):
             KVTransferConfig.from_value(bad)
     with pytest.raises(ValueError, match="JSON"):
         EngineConfig(kv_transfer_config="{not json")
+    with pytest.raises(ValueError, match="kv_port"):
+        EngineConfig(data_parallel_size=2, kv_transfer_config={"kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match="advertise_host"):
+        KVTransferConfig.from_value({"kv_ip": "0.0.0.0"})
+    assert KVTransferConfig.from_value({"kv_ip": "0.0.0.0", "kv_connector_extra_config": {"advertise_host": "10.0.0.5"}})
 
 
 def test_params_checks():
