@@ -10,8 +10,9 @@ msgpack (``pagedserve.engine.serial``) to cross a process boundary.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -186,3 +187,22 @@ class EngineCoreOutputs:
     num_scheduled_tokens: int = 0
     kv_events: Optional[list] = None
     engine_index: int = 0
+
+
+def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """The server's counters over the replicas: numbers summed, counts by key summed, per-step
+    lists joined."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SchedulerStats):
+        values = [getattr(s, f.name) for s in stats]
+        if values and isinstance(values[0], dict):
+            merged: dict = {}
+            for v in values:
+                for k, x in v.items():
+                    merged[k] = merged.get(k, 0) + x
+            out[f.name] = merged
+        elif values and isinstance(values[0], list):
+            out[f.name] = [x for v in values for x in v]
+        else:
+            out[f.name] = sum(values)
+    return SchedulerStats(**out)

@@ -282,7 +282,7 @@ class AsyncLLM(CoreUtilityCalls):
             outputs, to_abort = self.output_processor.process_outputs(core_outputs)
             if core_outputs.scheduler_stats is not None:
                 if self.data_parallel_size > 1:
-                    from pagedserve.engine.dp_client import sum_stats
+                    from pagedserve.core.outputs import sum_stats
 
                     self._engine_stats[core_outputs.engine_index] = core_outputs.scheduler_stats
                     self._stats = sum_stats(list(self._engine_stats.values()))

@@ -41,25 +41,6 @@ BROADCAST_UTILITIES = ("reset_prefix_cache",)
 DEATH_CHECK_INTERVAL_S = 0.1
 
 
-def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """The server's counters over the replicas: numbers summed, counts by key summed, per-step
-    lists joined."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(SchedulerStats):
-        values = [getattr(s, f.name) for s in stats]
-        if values and isinstance(values[0], dict):
-            merged: dict = {}
-            for v in values:
-                for k, x in v.items():
-                    merged[k] = merged.get(k, 0) + x
-            out[f.name] = merged
-        elif values and isinstance(values[0], list):
-            out[f.name] = [x for v in values for x in v]
-        else:
-            out[f.name] = sum(values)
-    return SchedulerStats(**out)
-
-
 @dataclass
 class _Group:
     """The sequences of one request (they go to one replica together)."""
