@@ -225,11 +225,6 @@ class AsyncLLM(CoreUtilityCalls):
             if metrics is not None:
                 metrics.observe_abort(request_id)
 
-    def release_kv_transfer(self, params: dict) -> None:
-        """A refused request named a prefill instance's KV hold: have the core release it."""
-        if not self._stopped and self._error is None:
-            self.client.send(["release_kv", params])
-
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core and the output thread; live requests end with EngineDeadError."""
         self._stopped = True

@@ -3,7 +3,7 @@
 and awaits the core's answer, which the output thread resolves between two steps.
 
 The class is a mixin: it uses the host's ``client``, ``_lock``, ``_call_ids``,
-``_utility_calls`` and ``_check_alive``.
+``_utility_calls``, ``_check_alive``, ``_stopped`` and ``_error``.
 """
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ class CoreUtilityCalls:
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call_utility("reset_prefix_cache")
+
+    def release_kv_transfer(self, params: dict) -> None:
+        """A refused request named a prefill instance's KV hold: have the core release it (a
+        one-way command, ``["release_kv", params]``; nothing to await)."""
+        if not self._stopped and self._error is None:
+            self.client.send(["release_kv", params])
 
     async def get_step_trace(self, since_step: Optional[int] = None, limit: Optional[int] = None) -> list[dict[str, Any]]:
         """The engine core's step records with ``step >= since_step`` (every buffered one when

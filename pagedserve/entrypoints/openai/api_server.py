@@ -29,6 +29,7 @@ from fastapi_offline import FastAPIOffline
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai import serving_kv
 from pagedserve.entrypoints.openai import dashboard
 from pagedserve.entrypoints.openai.http_common import (
     SSE_HEADERS, APIKeyMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers, run_until_disconnect,
@@ -145,7 +146,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             with llm.admission():  # 503 at once when too many requests wait to start
                 model, prompts, params = await off_loop(completions.prepare_completion, req)
         except RequestError:
-            completions.release_unused_kv(req)
+            serving_kv.release_unused_kv(llm, req.kv_transfer_params)
             raise
         request_id = random_id("cmpl")
         completions.log_request(request_id, req, [len(p.token_ids) for p in prompts], params)
@@ -159,7 +160,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             with llm.admission():
                 model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
         except RequestError:
-            chats.release_unused_kv(req)
+            serving_kv.release_unused_kv(llm, req.kv_transfer_params)
             raise
         request_id = random_id("chatcmpl")
         chats.log_request(request_id, req, [len(prompt.token_ids)], [params])

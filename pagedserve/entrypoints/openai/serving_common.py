@@ -16,6 +16,7 @@ from functools import lru_cache
 from typing import Any, AsyncIterator, Optional, Union
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.entrypoints.openai import serving_kv
 from pagedserve.engine.input_processor import RequestError, check_text, param_of
 from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
 from pagedserve.entrypoints.openai.token_strings import TokenStrings
@@ -208,35 +209,8 @@ class OpenAIServing:
         if req.timeout is not None and not 0 < req.timeout <= MAX_TIMEOUT_S:
             raise RequestError(f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {req.timeout}.", param="timeout")
         if req.kv_transfer_params is not None:
-            self.check_kv_transfer_params(req.kv_transfer_params)
+            serving_kv.check_kv_transfer_params(self.llm.config, req.kv_transfer_params)
         return self.check_model(req.model)
-
-    def check_kv_transfer_params(self, params: dict) -> None:
-        """Refuse ``kv_transfer_params`` on a server without ``--kv-transfer-config``, or malformed."""
-        from pagedserve.distributed.kv_transfer import params as kvp
-
-        cfg = self.llm.config
-        if cfg.kv_transfer_config is None:
-            raise RequestError("kv_transfer_params needs a server started with --kv-transfer-config.", param="kv_transfer_params")
-        try:
-            kvp.check_params(params, -(-cfg.max_model_len // cfg.block_size), kvp.allowed_hosts_of(cfg.kv_transfer))
-        except kvp.KVParamsError as e:
-            raise RequestError(str(e), param="kv_transfer_params") from None
-
-    def release_unused_kv(self, req: Any) -> None:
-        """The request was refused before reaching the engine: a prefill instance may hold its
-        prompt's KV for it; ask the engine to release that hold now (not at its lease)."""
-        from pagedserve.distributed.kv_transfer import params as kvp
-
-        params = getattr(req, "kv_transfer_params", None)
-        cfg = self.llm.config
-        if cfg.kv_transfer_config is None or not isinstance(params, dict) or not kvp.wants_remote_prefill(params):
-            return
-        try:
-            kvp.check_params(params, -(-cfg.max_model_len // cfg.block_size), kvp.allowed_hosts_of(cfg.kv_transfer))
-        except kvp.KVParamsError:
-            return  # refused for these very params: they name nothing this server may contact
-        self.llm.release_kv_transfer(params)
 
     def timeout_of(self, req: Any) -> Optional[float]:
         """The request's deadline in seconds from arrival: its ``timeout``, else the server's."""
