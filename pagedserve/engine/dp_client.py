@@ -209,7 +209,9 @@ class DPClient:
                 msg = self.replicas[i].recv(0)
                 if msg is not None:
                     self._on_message(i, msg)
-        if not self._pending and time.monotonic() - self._last_check >= DEATH_CHECK_INTERVAL_S:
+        # Every 0.1 s even while other replicas keep sending (a busy one would otherwise hide a
+        # dead one for as long as it streams).
+        if time.monotonic() - self._last_check >= DEATH_CHECK_INTERVAL_S:
             self._last_check = time.monotonic()
             for i, r in enumerate(self.replicas):
                 if self.router.alive[i] and not r.is_alive():
