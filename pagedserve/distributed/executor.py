@@ -23,7 +23,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.distributed.launchers import default_threads, make_launcher
-from pagedserve.distributed.parallel_state import DEFAULT_HOST, TPGroup, create_store
+from pagedserve.distributed.parallel_state import DEFAULT_HOST, TPGroup, create_store, remove_store
 from pagedserve.distributed.tensor_parallel import verify_tp_size
 from pagedserve.worker.worker import Worker
 
@@ -84,11 +84,13 @@ class TPExecutor:
         try:
             self._launcher.start(f"tcp://{host}:{port}", n)
             self._pids = self._wait_all("hello", START_TIMEOUT_S)
-            store = create_store(host, n)
-            self._broadcast(["init", rank_config, host, store.port])
+            store, spec = create_store(config.distributed_host, n)
+            weakref.finalize(self, remove_store, spec)
+            self._broadcast(["init", rank_config, host, spec])
             group = TPGroup(store, 0, n, device_for_rank(config.device, 0), host)
             self.worker = Worker(rank_config, group)
             blocks = self._wait_all("ready", None)
+            remove_store(spec)  # every rank has joined: the group needs its store no more
             num_blocks = min([self.worker.kv_spec.num_blocks, *blocks.values()])
             self.worker.kv_spec = self.worker.kv_spec_for(num_blocks)
         except BaseException:

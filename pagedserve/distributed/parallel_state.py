@@ -2,13 +2,17 @@
 model needs, over torch.distributed (gloo on CPU, NCCL on CUDA).
 
 The group is a process-group object of its own (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` on a
-``TCPStore``), not torch.distributed's global default group, so one process can hold several
-engines (and a user's own default group is left alone). Rank 0 hosts the store; every address
-binds to loopback unless a host is given.
+``FileStore`` when every rank is on this machine, a ``TCPStore`` when ``--distributed-host`` is
+given), not torch.distributed's global default group, so one process can hold several engines
+(and a user's own default group is left alone). Rank 0 hosts the store; gloo binds to loopback
+unless a host is given.
 """
 from __future__ import annotations
 
 import datetime
+import os
+import shutil
+import tempfile
 from typing import Optional
 
 import torch
@@ -20,15 +24,36 @@ DEFAULT_HOST = "127.0.0.1"
 COLLECTIVE_TIMEOUT_S = 300.0
 
 
-def create_store(host: Optional[str], world_size: int, timeout_s: float = 120.0) -> dist.TCPStore:
-    """Rank 0's rendezvous store on ``host`` (default 127.0.0.1) and a free port (``store.port``)."""
-    return dist.TCPStore(host or DEFAULT_HOST, 0, world_size, is_master=True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+def create_store(host: Optional[str], world_size: int, timeout_s: float = 120.0) -> tuple[dist.Store, list]:
+    """Rank 0's rendezvous store and how the other ranks reach it (``["file", path]`` or
+    ``["tcp", host, port]``). With no host (every rank on this machine) it is a ``FileStore`` in
+    a private folder, so nothing listens on the network: torch's ``TCPStore`` master listens on
+    every interface whatever host it is given. With a host (ranks on other nodes), a
+    ``TCPStore`` on a free port."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if host is None:
+        path = os.path.join(tempfile.mkdtemp(prefix="pagedserve-tp-"), "store")
+        store = dist.FileStore(path, world_size)
+        store.set_timeout(timeout)
+        return store, ["file", path]
+    store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    return store, ["tcp", host, store.port]
 
 
-def connect_store(host: str, port: int, world_size: int, timeout_s: float = 120.0) -> dist.TCPStore:
-    """A non-zero rank's client of rank 0's store."""
-    return dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+def connect_store(spec: list, world_size: int, timeout_s: float = 120.0) -> dist.Store:
+    """A non-zero rank's client of rank 0's store (``spec`` from :func:`create_store`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if spec[0] == "file":
+        store = dist.FileStore(spec[1], world_size)
+        store.set_timeout(timeout)
+        return store
+    return dist.TCPStore(spec[1], spec[2], world_size, is_master=False, timeout=timeout)
+
+
+def remove_store(spec: list) -> None:
+    """Delete a file store's private folder (no-op for a TCP store)."""
+    if spec and spec[0] == "file":
+        shutil.rmtree(os.path.dirname(spec[1]), ignore_errors=True)
 
 
 class TPGroup:

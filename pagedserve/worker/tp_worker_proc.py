@@ -4,7 +4,7 @@ by the ``mp`` executor), or :func:`run_worker` inside a Ray actor (the ``ray`` e
 It connects a DEALER socket to rank 0's control socket (ZeroMQ, msgpack through
 :mod:`pagedserve.engine.serial`; never pickle) and follows rank 0's messages:
 
-- out ``["hello", rank, pid]``; in ``["init", EngineConfig, store_host, store_port]``: join the
+- out ``["hello", rank, pid]``; in ``["init", EngineConfig, host, store_spec]`` (``["file", path]`` or ``["tcp", host, port]``): join the
   torch.distributed group, load and shard the model, size the KV cache; out ``["ready", rank,
   num_blocks]`` (the most blocks this rank can hold);
 - in ``["init_cache", EngineConfig, num_blocks]``: allocate the pool rank 0 decided;
@@ -76,11 +76,11 @@ def run_worker(control_address: str, rank: int, world_size: int, parent_pid: Opt
             return 0
         if msg[0] != "init":
             raise RuntimeError(f"expected an init message, got {msg[0]!r}")
-        _, config, host, port = msg
+        _, config, host, store_spec = msg
         from pagedserve.distributed.parallel_state import TPGroup, connect_store
         from pagedserve.worker.worker import Worker
 
-        group = TPGroup(connect_store(host, port, world_size), rank, world_size, device_for_rank(config.device, rank), host)
+        group = TPGroup(connect_store(store_spec, world_size), rank, world_size, device_for_rank(config.device, rank), host)
         worker = Worker(config, group)
         send(["ready", rank, worker.kv_spec.num_blocks])
         while True:
