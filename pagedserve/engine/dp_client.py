@@ -209,8 +209,7 @@ class DPClient:
                 msg = self.replicas[i].recv(0)
                 if msg is not None:
                     self._on_message(i, msg)
-        # Every 0.1 s even while other replicas keep sending (a busy one would otherwise hide a
-        # dead one for as long as it streams).
+        # Every 0.1 s, even while other replicas keep sending (a busy one hid a dead one).
         if time.monotonic() - self._last_check >= DEATH_CHECK_INTERVAL_S:
             self._last_check = time.monotonic()
             for i, r in enumerate(self.replicas):
