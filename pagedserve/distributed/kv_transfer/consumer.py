@@ -79,11 +79,6 @@ class KVLoader:
             self._done, self._failed, self._received_tokens, self._seconds, self._failures = [], {}, 0, [], Counter()
         return out
 
-    @property
-    def num_active(self) -> int:
-        with self._lock:
-            return len(self._active)
-
     def shutdown(self) -> None:
         self._closed = True
         with self._lock:

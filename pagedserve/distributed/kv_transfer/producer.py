@@ -89,11 +89,6 @@ class KVServer:
             self._finished, self._sent_tokens, self._failures = [], 0, Counter()
         return out
 
-    @property
-    def num_holds(self) -> int:
-        with self._lock:
-            return len(self._holds)
-
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(2.0)
