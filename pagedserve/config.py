@@ -35,6 +35,10 @@ class EngineConfig:
         model: HF model directory or .gguf file; None = the default SmolLM2-135M-Instruct.
         dtype: "auto" (bfloat16 on CUDA and on CPUs with AVX-512 BF16, else float32),
             "float32", "bfloat16" or "float16". Weights and KV cache use it.
+        kv_cache_dtype: "auto" (the KV cache in ``dtype``) or "int8": K and V stored as int8
+            with one float32 scale per token and KV head (symmetric, max |x| / 127), dequantized
+            inside attention; about 1.9x the blocks in the same memory for head_dim 64. vLLM's
+            fp8 choices are refused (no fp8 arithmetic on these CPUs).
         block_size: tokens per KV cache block.
         max_model_len: longest sequence (prompt + output, tokens); None = the model's
             max_position_embeddings, lowered to what the KV cache can hold.
@@ -96,6 +100,9 @@ class EngineConfig:
 
     model: Optional[str] = field(default=None, metadata=_flag("HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"))
     dtype: str = field(default="auto", metadata=_flag("weights and KV cache dtype", choices=["auto", "float32", "bfloat16", "float16"]))
+    kv_cache_dtype: str = field(default="auto", metadata=_flag(
+        "KV cache storage: auto (the model's dtype) or int8 (per-token, per-head scales; about half the bytes)",
+        choices=["auto", "int8"]))
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
     max_model_len: Optional[int] = field(default=None, metadata=_flag("longest prompt + output (tokens)"))
     max_num_seqs: int = field(default=64, metadata=_flag("most requests running at once"))
@@ -189,6 +196,9 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            hint = " (fp8 KV caches are not supported here; int8 halves the bytes the same way)" if str(self.kv_cache_dtype).startswith("fp8") else ""
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}{hint}")
 
     # -- values resolved at start-up --------------------------------------------------------
     def resolved(self, max_model_len: int) -> "EngineConfig":

@@ -25,15 +25,18 @@ from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.sampler import Sampler, apply_grammar_bitmask
+from pagedserve.ops import kv_int8
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers."""
+def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V for one block across all layers (int8: values and their scales)."""
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if kv_cache_dtype == kv_int8.KV_INT8:
+        return 2 * config.num_hidden_layers * num_kv_heads * kv_int8.cell_bytes(block_size, head_dim)
     elem = torch.tensor([], dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * num_kv_heads * head_dim * elem
 
@@ -42,14 +45,16 @@ class ModelRunner:
     """Runs the model over a paged KV cache.
 
     Args:
-        model: a loaded LlamaForCausalLM (weights on ``device``, in the KV dtype).
+        model: a loaded LlamaForCausalLM (weights on ``device``, in ``dtype``).
         num_blocks: KV cache pool size (blocks); the cache is
-            ``num_layers x [2, num_blocks, num_kv_heads, block_size, head_dim]``.
+            ``num_layers x [2, num_blocks, num_kv_heads, block_size, head_dim]`` in ``dtype``, or
+            with ``kv_cache_dtype="int8"`` ``num_layers x [2, num_blocks, num_kv_heads,
+            cell_bytes]`` int8 (:mod:`pagedserve.ops.kv_int8`).
         max_num_reqs, max_model_len: size of the input batch (rows, tokens per row).
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 max_num_reqs: int, max_model_len: int) -> None:
+                 max_num_reqs: int, max_model_len: int, kv_cache_dtype: str = "auto") -> None:
         cfg = model.config
         self.model = model
         self.device = device
@@ -57,10 +62,15 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         attn = model.layers[0].self_attn
-        shape = (cfg.num_hidden_layers, 2, num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
+        if kv_cache_dtype == kv_int8.KV_INT8:
+            shape = (cfg.num_hidden_layers, *kv_int8.cache_shape(num_blocks, attn.num_kv_heads, block_size, attn.head_dim))
+            kv_dtype = torch.int8
+        else:
+            shape = (cfg.num_hidden_layers, 2, num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
+            kv_dtype = dtype
         # Zero-filled: stale block-table entries read slots that are masked out, and masking
         # needs them finite. (2 MiB pages for the pool: slower, see benchmarks/README.md.)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(model.backend.argmax)
         self.requests: dict[str, CachedRequestState] = {}

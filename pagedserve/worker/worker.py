@@ -172,7 +172,7 @@ class Worker:
     def _size_kv_cache(self) -> KVCacheSpec:
         cfg = self.config
         B = cfg.block_size
-        block_bytes = kv_cache_bytes_per_block(self.hf_config, B, self.dtype)  # all KV heads (every rank's share)
+        block_bytes = kv_cache_bytes_per_block(self.hf_config, B, self.dtype, cfg.kv_cache_dtype)  # all KV heads (every rank's share)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:
@@ -213,15 +213,16 @@ class Worker:
         if num_blocks is not None:
             self.kv_spec.num_blocks = num_blocks
         self.model_runner = ModelRunner(self.model, self.kv_spec.num_blocks, config.block_size, self.device, self.dtype,
-                                        config.max_num_seqs, config.max_model_len)
+                                        config.max_num_seqs, config.max_model_len, config.kv_cache_dtype)
         if config.kv_transfer_config is not None:
             from pagedserve.core.kv_cache_manager import hash_seed
             from pagedserve.distributed.kv_transfer.wire import kv_layout
             from pagedserve.distributed.kv_transfer.worker_side import NetworkConnectorWorker
 
             kv = self.model_runner.kv_cache
-            layout = kv_layout(self.model_identity.split("|")[0], str(self.dtype).replace("torch.", ""), config.block_size,
-                               kv.shape[0], kv.shape[3], kv.shape[5], hash_seed(self.model_identity))
+            attn = self.model.layers[0].self_attn
+            layout = kv_layout(self.model_identity.split("|")[0], str(kv.dtype).replace("torch.", ""), config.block_size,
+                               kv.shape[0], kv.shape[3], attn.head_dim, hash_seed(self.model_identity))
             self.kv_connector = NetworkConnectorWorker(config.kv_transfer, kv, layout)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -38,7 +38,8 @@ class _Fail(Exception):
 
 
 class KVLoader:
-    """Pulls blocks into ``kv_cache`` (``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``)."""
+    """Pulls blocks into ``kv_cache`` (``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``,
+    or ``[layers, 2, num_blocks, kv_heads, cell_bytes]`` int8: a block is whatever follows its index)."""
 
     def __init__(self, kv_cache: torch.Tensor, layout: dict, timeout_s: float, peer_down_s: float = PEER_DOWN_S) -> None:
         self.kv = kv_cache
@@ -145,9 +146,8 @@ class KVLoader:
         head = wire.unpack(self._ask(sock, ["hello", self.layout, spec.engine_id], deadline)[0])
         if head[0] != "ok":
             raise _Fail("handshake", str(head[2] if len(head) > 2 else head))
-        elem = self.kv.element_size()
-        nbytes = wire.block_bytes(self.layout, elem)
-        shape = (self.layout["num_layers"], 2, self.layout["num_kv_heads"], self.block_size, self.layout["head_dim"])
+        nbytes = self.kv[:, :, 0].numel() * self.kv.element_size()  # one block of every layer, K and V
+        shape = (*self.kv.shape[:2], *self.kv.shape[3:])
         step = wire.MAX_READ_BLOCKS
         for lo in range(0, len(spec.block_indices), step):
             idx, hashes = spec.block_indices[lo:lo + step], spec.block_hashes[lo:lo + step]
@@ -174,7 +174,7 @@ class KVLoader:
                     raise _Fail("digest", f"block {idx[i]} arrived with a wrong digest")
             data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.kv.dtype).view(len(idx), *shape)
             local = torch.tensor(spec.local_block_ids[lo:lo + step], dtype=torch.long, device=self.kv.device)
-            self.kv[:, :, local] = data.permute(1, 2, 0, 3, 4, 5).to(self.kv.device)
+            self.kv[:, :, local] = data.movedim(0, 2).to(self.kv.device)
 
     def _release(self, spec: ReleaseSpec) -> None:
         if self._closed or self._peer_down(spec.host, spec.port):

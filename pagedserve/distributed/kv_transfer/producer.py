@@ -174,7 +174,7 @@ class KVServer:
             if any(not 0 <= i < len(hold.block_ids) or hold.block_hashes[i] != h for i, h in zip(indices, hashes)):
                 return self._reply(ident, ["error", "hash_mismatch", "a requested block is not the one held (different prompt or model)"])
             ids = torch.tensor([hold.block_ids[i] for i in indices], dtype=torch.long, device=self.kv.device)
-            blocks = self.kv[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+            blocks = self.kv[:, :, ids].movedim(2, 0).contiguous().cpu()
             self._sent_tokens += len(indices) * self.block_size
         raw = blocks.view(torch.uint8).numpy().reshape(len(indices), -1)
         digests = [wire.digest(raw[i]) for i in range(len(indices))]

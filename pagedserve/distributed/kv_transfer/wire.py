@@ -5,7 +5,7 @@ Requests (consumer -> producer), each one msgpack list:
 - ``["hello", layout, expected_engine_id]`` -> ``["ok", layout]`` or ``["error", "handshake", why]``
 - ``["read", transfer_id, block_indices, block_hashes]`` -> ``["blocks", n, digests]`` plus one
   frame of ``n`` blocks, each ``[layers, 2 (K/V), kv_heads, block_size, head_dim]`` in the
-  pool's dtype, or ``["error", code, why]`` with code "unknown" (not registered yet: retry),
+  pool's dtype (an int8 pool: ``[layers, 2, kv_heads, cell_bytes]``, values and scales), or ``["error", code, why]`` with code "unknown" (not registered yet: retry),
   "released" (read, expired or never held), "hash_mismatch", "bad_request"
 - ``["done", transfer_id]`` -> ``["ok"]`` (idempotent: a repeated or unknown notice is fine)
 
@@ -43,9 +43,6 @@ def layout_mismatch(producer: dict, consumer: Any) -> Optional[str]:
              for k in producer if producer[k] != consumer[k]]
     return ("KV layouts differ (" + "; ".join(diffs) + ")") if diffs else None
 
-
-def block_bytes(layout: dict, element_size: int) -> int:
-    return 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["block_size"] * layout["head_dim"] * element_size
 
 
 def digest(buf: Any) -> int:

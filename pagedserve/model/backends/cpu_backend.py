@@ -3,7 +3,8 @@
 
 - residual add + RMSNorm and SiLU-and-mul: fused C ops (HF's rounding order);
 - decode attention: the paged C kernel, which reads K/V in place through the block tables, one
-  query token at a time, so a row's result does not depend on what else is in the batch;
+  query token at a time, so a row's result does not depend on what else is in the batch (from
+  a bf16/float32 cache or the int8 one of :mod:`pagedserve.ops.kv_int8`);
 - on the kernel's vectorised bf16 path (``prefill_kernel_preferred``) also RoPE + the KV-cache
   write in one C pass and prefill attention in the kernel (every K/V read from the cache);
   elsewhere (float32, other shapes) PyTorch RoPE and SDPA prefill, which are faster there;
@@ -64,7 +65,7 @@ class CpuBackend(TorchBackend):
             return super().begin_forward(model, positions, metadata, kv_caches, dtype)
         attn = model.layers[0].self_attn
         _check_range("positions", positions, model.rotary_emb.cos_cache.shape[0])
-        _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0][0].numel() // (attn.num_kv_heads * attn.head_dim))
+        _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0].shape[1] * metadata.block_size)
         return None
 
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +77,8 @@ class CpuBackend(TorchBackend):
     def rope_and_write_kv(self, qk, v, positions, state, rope: RotaryEmbedding, kv_cache, metadata, num_heads, num_kv_heads, head_dim):
         if not self.fused_rope:
             return super().rope_and_write_kv(qk, v, positions, state, rope, kv_cache, metadata, num_heads, num_kv_heads, head_dim)
-        q = kernels.rope_write_kv(qk, v, positions, metadata.slot_mapping, rope.cos_cache, rope.sin_cache, kv_cache, num_heads)
+        q = kernels.rope_write_kv(qk, v, positions, metadata.slot_mapping, rope.cos_cache, rope.sin_cache, kv_cache, num_heads,
+                                  metadata.block_size)
         return q, None, None
 
     def attention(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -87,7 +89,7 @@ class CpuBackend(TorchBackend):
                 continue
             s, e = g.token_start, g.token_end
             lens = g.seq_lens if g.is_decode else g.token_lens
-            if not kernels.paged_attention_cpu(query[s:e], kv_cache, g.block_tables, g.token_seq, lens, scale, out[s:e]):
+            if not kernels.paged_attention_cpu(query[s:e], kv_cache, g.block_tables, g.token_seq, lens, scale, out[s:e], metadata.block_size):
                 raise RuntimeError("the CPU attention kernel refused the tensors of a step it was chosen for")
         return out
 
@@ -113,12 +115,12 @@ class CpuBackend(TorchBackend):
         attn = model.layers[0].self_attn
         g = groups[0]
         _check_range("positions", positions, model.rotary_emb.cos_cache.shape[0])
-        _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0][0].numel() // (attn.num_kv_heads * attn.head_dim))
+        _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0].shape[1] * metadata.block_size)
         rc = matmul.decode_layers(
             table, hidden, model.norm.weight, positions, metadata.slot_mapping, model.rotary_emb.cos_cache,
             model.rotary_emb.sin_cache, g.block_tables, g.seq_lens, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=model.config.intermediate_size,
-            block_size=kv_caches[0].shape[3], eps=model.norm.eps, scale=attn.scale,
+            block_size=metadata.block_size, eps=model.norm.eps, scale=attn.scale, kv_int8=kv_caches[0].dtype == torch.int8,
         )
         if rc != 0:
             raise RuntimeError(f"decode_layers_bf16 failed with code {rc}")
@@ -141,7 +143,8 @@ class CpuBackend(TorchBackend):
             and model._packed_logits_weight is not None
             and not attn.qk_norm
             and matmul.get_small_gemm_lib() is not None
-            and all(kv.is_contiguous() and kv.dtype == torch.bfloat16 for kv in kv_caches)
+            and all(kv.is_contiguous() and kv.dtype == kv_caches[0].dtype for kv in kv_caches)
+            and kv_caches[0].dtype in (torch.bfloat16, torch.int8)
             and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in model.layers)
         )
         rows = []

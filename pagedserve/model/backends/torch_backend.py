@@ -23,23 +23,37 @@ import torch.nn.functional as F
 from pagedserve.model.attn_metadata import AttentionGroup, AttentionMetadata
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding, rotate_half
 from pagedserve.model.sampler import torch_argmax
+from pagedserve.ops import kv_int8
 
 CAUSAL_TILE = 128  # query rows per SDPA call in long causal prefills
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata) -> None:
     """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots in
-    ``kv_cache [2, num_blocks, num_kv_heads, block_size, head_dim]``."""
+    ``kv_cache [2, num_blocks, num_kv_heads, block_size, head_dim]``, or quantized in the int8
+    cache of :mod:`pagedserve.ops.kv_int8`."""
     blk, off = metadata.slot_block_offset()
+    if kv_cache.dtype == torch.int8:
+        for i, x in ((0, key), (1, value)):
+            values, scales = kv_int8.split(kv_cache[i], metadata.block_size, x.shape[-1])
+            q, scale = kv_int8.quantize(x)
+            values[blk, :, off] = q
+            scales[blk, :, off] = scale
+        return
     kv_cache[0][blk, :, off] = key.to(kv_cache.dtype)
     kv_cache[1][blk, :, off] = value.to(kv_cache.dtype)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """``cache [num_blocks, nkv, B, hd]`` through ``block_tables [n, max_blocks]`` ->
-    ``[n, nkv, max_blocks * B, hd]`` (a copy)."""
-    n, nkv, hd = block_tables.shape[0], cache.shape[1], cache.shape[3]
-    return cache[block_tables].transpose(1, 2).reshape(n, nkv, -1, hd)
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``cache [num_blocks, nkv, B, hd]`` (or its int8 cells, dequantized to ``dtype``) through
+    ``block_tables [n, max_blocks]`` -> ``[n, nkv, max_blocks * B, hd]`` (a copy)."""
+    n, nkv = block_tables.shape[0], cache.shape[1]
+    if cache.dtype == torch.int8:
+        values, scales = kv_int8.split(cache, block_size, head_dim)
+        blocks = kv_int8.dequantize(values[block_tables], scales[block_tables], dtype)
+    else:
+        blocks = cache[block_tables]
+    return blocks.transpose(1, 2).reshape(n, nkv, -1, head_dim)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
@@ -73,10 +87,11 @@ def sdpa_attention(query: torch.Tensor, key: Optional[torch.Tensor], value: Opti
     s, e = g.token_start, g.token_end
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     gqa = k_cache.shape[1] != query.shape[1]
+    bs, hd = metadata.block_size, query.shape[-1]
     if g.is_decode:
         q = query[s:e].unsqueeze(2)  # [n, H, 1, hd]
         o = F.scaled_dot_product_attention(
-            q, _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables),
+            q, _gather(k_cache, g.block_tables, bs, hd, query.dtype), _gather(v_cache, g.block_tables, bs, hd, query.dtype),
             attn_mask=g.decode_mask(metadata.block_size), scale=scale, enable_gqa=gqa,
         )
         out[s:e] = o.squeeze(2)
@@ -91,8 +106,8 @@ def sdpa_attention(query: torch.Tensor, key: Optional[torch.Tensor], value: Opti
         else:
             total = ctx + qlen
             table = g.block_tables[i : i + 1, : -(-total // metadata.block_size)]
-            k = _gather(k_cache, table)[:, :, :total]
-            v = _gather(v_cache, table)[:, :, :total]
+            k = _gather(k_cache, table, bs, hd, query.dtype)[:, :, :total]
+            v = _gather(v_cache, table, bs, hd, query.dtype)[:, :, :total]
             q_pos = torch.arange(ctx, total, device=query.device)
             mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -137,6 +152,8 @@ class TorchBackend:
         q, k = qk.split([num_heads, num_kv_heads], dim=1)
         v = v.view(T, num_kv_heads, head_dim)
         write_kv_cache(kv_cache, k, v, metadata)
+        if kv_cache.dtype == torch.int8:  # every chunk reads the quantized K/V: chunking and prefix hits change nothing
+            return q.contiguous(), None, None
         return q.contiguous(), k, v
 
     argmax = staticmethod(torch_argmax)

@@ -79,7 +79,7 @@ def _compile(name: str) -> ctypes.CDLL:
 def _declare(name: str, lib: ctypes.CDLL) -> None:
     i64, f32, p, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
     if name == "paged_attention":
-        for fn_name in ("paged_attention_f32", "paged_attention_bf16"):
+        for fn_name in ("paged_attention_f32", "paged_attention_bf16", "paged_attention_q8_f32", "paged_attention_q8_bf16"):
             fn = getattr(lib, fn_name)
             fn.restype = ctypes.c_int
             fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32]
@@ -91,7 +91,7 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
         lib.decode_layer_entries.restype = ctypes.c_int
         lib.decode_layer_entries.argtypes = []
         lib.decode_layers_bf16.restype = ctypes.c_int
-        lib.decode_layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, p, p, i64, p, p]
+        lib.decode_layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, p, p, i64, p, p, i32]
         lib.stream_read.restype = f32
         lib.stream_read.argtypes = [p, i64]
     else:
@@ -101,8 +101,9 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
         lib.silu_mul.argtypes = [p, p, i64, i64, i32]
         lib.argmax_bf16_rows.restype = None
         lib.argmax_bf16_rows.argtypes = [p, i64, i64, i64, p]
-        lib.rope_write_kv.restype = None
-        lib.rope_write_kv.argtypes = [p, i64, p, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i32]
+        for fn in (lib.rope_write_kv, lib.rope_write_kv_q8):
+            fn.restype = None
+            fn.argtypes = [p, i64, p, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i32]
 
 
 def _get(name: str) -> Optional[ctypes.CDLL]:

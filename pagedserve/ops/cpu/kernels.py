@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from pagedserve.ops.kv_int8 import cell_bytes
 from pagedserve.ops.cpu.build import get_fused_lib, get_lib
 
 @functools.lru_cache(maxsize=None)  # asked once per layer per step; the answer never changes
@@ -35,6 +36,7 @@ def paged_attention_cpu(
     token_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    block_size: Optional[int] = None,
 ) -> bool:
     """Attention straight from the paged cache into ``out``, one query token at a time.
 
@@ -47,7 +49,9 @@ def paged_attention_cpu(
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` contiguous, float32 or bfloat16.
-        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``, same dtype.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``, same dtype; or the
+            int8 cache ``[2, num_blocks, num_kv_heads, cell_bytes]`` of
+            :mod:`pagedserve.ops.kv_int8` (then ``block_size`` is required).
         block_tables: ``[num_seqs, max_blocks]`` int64, contiguous.
         token_seq: ``[num_tokens]`` int64 row of ``block_tables`` per token, or None.
         token_lens: ``[num_tokens]`` int64 (tokens attended to, the query's own included).
@@ -59,12 +63,18 @@ def paged_attention_cpu(
     lib = get_lib()
     if lib is None or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if kv_cache.dtype != query.dtype or not (query.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()):
+    int8 = kv_cache.dtype == torch.int8
+    if (kv_cache.dtype != query.dtype and not int8) or not (query.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()):
         return False
     if not (block_tables.is_contiguous() and token_lens.is_contiguous()) or (token_seq is not None and not token_seq.is_contiguous()):
         return False
     n, h, d = query.shape
-    _, _, nkv, bs, kd = kv_cache.shape
+    if int8:
+        if block_size is None or kv_cache.dim() != 4 or kv_cache.shape[3] != cell_bytes(block_size, d):
+            return False
+        nkv, bs, kd = kv_cache.shape[2], block_size, d
+    else:
+        _, _, nkv, bs, kd = kv_cache.shape
     if out.dtype != query.dtype or out.shape != query.shape or kd != d or h % nkv != 0:
         return False
     if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or token_lens.dtype != torch.int64 or token_lens.numel() != n:
@@ -73,7 +83,10 @@ def paged_attention_cpu(
         return False
     if token_seq is None and block_tables.shape[0] < n:
         return False
-    fn = lib.paged_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_attention_f32
+    if int8:
+        fn = lib.paged_attention_q8_bf16 if query.dtype == torch.bfloat16 else lib.paged_attention_q8_f32
+    else:
+        fn = lib.paged_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_attention_f32
     rc = fn(
         query.data_ptr(),
         *_kv_pointers(kv_cache),
@@ -145,25 +158,36 @@ def rope_write_kv(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     num_heads: int,
+    block_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """RoPE (NeoX halves, HF rounding) on Q and K, K and V written to their cache slots.
+    """RoPE (NeoX halves, HF rounding) on Q and K, K and V written to their cache slots
+    (quantized to int8 with their scales when the cache is int8).
 
     Args:
         qk: ``[rows, (num_heads + num_kv_heads) * head_dim]`` view with unit inner stride (rows
             may be strided, e.g. a slice of the fused QKV output); v: ``[rows, num_kv_heads *
             head_dim]`` likewise. positions, slot_mapping: ``[rows]`` int64 contiguous.
         cos, sin: float32 ``[max_positions, head_dim]`` tables.
-        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` contiguous, same dtype.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` contiguous, same dtype,
+            or the int8 cache of :mod:`pagedserve.ops.kv_int8` (``block_size`` required).
     Returns:
         q ``[rows, num_heads, head_dim]`` contiguous, rotated.
     """
     lib = get_fused_lib()
-    _, _, nkv, bs, hd = kv_cache.shape
+    if kv_cache.dtype == torch.int8:
+        nkv = kv_cache.shape[2]
+        hd = v.shape[-1] // nkv
+        bs = block_size
+        assert bs is not None and kv_cache.shape[3] == cell_bytes(bs, hd) and hd <= 512
+        fn = lib.rope_write_kv_q8
+    else:
+        _, _, nkv, bs, hd = kv_cache.shape
+        fn = lib.rope_write_kv
     rows = qk.shape[0]
     assert lib is not None and qk.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.is_contiguous()
     assert positions.is_contiguous() and slot_mapping.is_contiguous() and cos.dtype == torch.float32
     q = torch.empty(rows, num_heads, hd, dtype=qk.dtype)
-    lib.rope_write_kv(
+    fn(
         qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(), slot_mapping.data_ptr(),
         cos.data_ptr(), sin.data_ptr(), q.data_ptr(), *_kv_pointers(kv_cache),
         rows, num_heads, nkv, hd, bs, int(qk.dtype == torch.bfloat16),

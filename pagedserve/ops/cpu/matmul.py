@@ -152,6 +152,7 @@ def decode_layers(
     block_size: int,
     eps: float,
     scale: float,
+    kv_int8: bool = False,
 ) -> int:
     """Every decoder layer and the final RMSNorm of a decode step of ``M <= 16`` sequences, in
     one C call (``decode_step.c``), bf16.
@@ -165,17 +166,19 @@ def decode_layers(
         positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables: ``[M, max_blocks]``
             int64; cos, sin: float32 ``[max_positions, head_dim]``. Positions and slots must be
             in range (the C code does not check).
+        kv_int8: the caches in the table are the int8 layout of :mod:`pagedserve.ops.kv_int8`.
     Returns:
         0 on success; -1 unsupported shape, -2 out of memory, -3 attention failed.
     """
     lib = _get("decode")  # the table was built with it (see small_gemm)
-    attention = ctypes.cast(get_lib().paged_attention_bf16, ctypes.c_void_p).value
+    attn_fn = get_lib().paged_attention_q8_bf16 if kv_int8 else get_lib().paged_attention_bf16
+    attention = ctypes.cast(attn_fn, ctypes.c_void_p).value
     m, hid = hidden.shape
     assert hidden.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous() and positions.is_contiguous()
     return lib.decode_layers_bf16(
         table.data_ptr(), table.shape[0], m, hid, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale,
         hidden.data_ptr(), final_norm.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos.data_ptr(),
-        sin.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), attention,
+        sin.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), attention, int(kv_int8),
     )
 
 

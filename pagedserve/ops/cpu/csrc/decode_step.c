@@ -37,7 +37,8 @@ int decode_layer_entries(void) { return L_ENTRIES; }
 
 /* x: [M, hidden] bf16, the embedded tokens on entry and the final normed hidden states on
  * return. layers: [num_layers, L_ENTRIES] int64 (packed weights, biases or 0, plans, RMSNorm
- * weights, this layer's K and V caches [num_blocks, num_kv_heads, block_size, head_dim]).
+ * weights, this layer's K and V caches [num_blocks, num_kv_heads, block_size, head_dim], or with
+ * kv_int8 the int8 layout of kv_int8.h; `attention` is then paged_attention_q8_bf16).
  * positions, slots, seq_lens: [M] int64; block_tables: [M, max_blocks] int64; cos, sin:
  * float32 [max_positions, head_dim]. Returns 0, -1 for an unsupported shape, -2 when out of
  * memory, -3 when attention fails. */
@@ -45,7 +46,7 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
                        int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t block_size, float eps,
                        float scale, uint16_t* x, const uint16_t* final_norm, const int64_t* positions,
                        const int64_t* slots, const float* cos, const float* sin, const int64_t* block_tables,
-                       int64_t max_blocks, const int64_t* seq_lens, void* attention) {
+                       int64_t max_blocks, const int64_t* seq_lens, void* attention, int kv_int8) {
 #ifdef HAVE_SMALL_GEMM
     if (M < 1 || M > SG_MAX_ROWS || hidden > MAX_DIM || head_dim > 1024) return -1;
     const attention_fn attn = (attention_fn)attention;
@@ -63,8 +64,8 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
         else
             add_rms_norm(d, r, P16(L[L_LN1]), h, M, hidden, eps, 1);
         if (small_gemm_bf16(h, M, hidden, P16(L[L_QKV_W]), P16(L[L_QKV_B]), qkv, qkv_n, L[L_QKV_CHAIN], L[L_QKV_BODY])) { rc = -1; break; }
-        rope_write_kv(qkv, qkv_n, qkv + qs + kvs, qkv_n, positions, slots, cos, sin, q, P16(L[L_K_CACHE]),
-                      P16(L[L_V_CACHE]), M, num_heads, num_kv_heads, head_dim, block_size, 1);
+        rope_write_kv_impl(qkv, qkv_n, qkv + qs + kvs, qkv_n, positions, slots, cos, sin, q, P16(L[L_K_CACHE]),
+                           P16(L[L_V_CACHE]), M, num_heads, num_kv_heads, head_dim, block_size, 1, kv_int8);
         if (attn(q, P16(L[L_K_CACHE]), P16(L[L_V_CACHE]), block_tables, max_blocks, NULL, seq_lens, ao, M, num_heads,
                  num_kv_heads, head_dim, block_size, scale)) { rc = -3; break; }
         if (small_gemm_bf16(ao, M, qs, P16(L[L_O_W]), P16(L[L_O_B]), d, hidden, L[L_O_CHAIN], L[L_O_BODY])) { rc = -1; break; }
@@ -79,7 +80,7 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
 #else
     (void)layers; (void)num_layers; (void)M; (void)hidden; (void)num_heads; (void)num_kv_heads; (void)head_dim;
     (void)inter; (void)block_size; (void)eps; (void)scale; (void)x; (void)final_norm; (void)positions; (void)slots;
-    (void)cos; (void)sin; (void)block_tables; (void)max_blocks; (void)seq_lens; (void)attention;
+    (void)cos; (void)sin; (void)block_tables; (void)max_blocks; (void)seq_lens; (void)attention; (void)kv_int8;
     return -1;
 #endif
 }

@@ -26,6 +26,7 @@
 #endif
 
 #include "bf16.h"
+#include "kv_int8.h"
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -165,17 +166,19 @@ void silu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int i
  * v: [rows, num_kv_heads, head_dim] with row stride v_stride; positions, slots: [rows] int64;
  * cos, sin: float32 [max_positions, head_dim]; q_out: [rows, num_heads, head_dim] contiguous;
  * k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]. */
-void rope_write_kv(const void* qk, int64_t qk_stride, const void* v, int64_t v_stride, const int64_t* positions,
+static inline void rope_write_kv_impl(const void* qk, int64_t qk_stride, const void* v, int64_t v_stride, const int64_t* positions,
                    const int64_t* slots, const float* cos, const float* sin, void* q_out, void* k_cache,
                    void* v_cache, int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   int64_t block_size, int is_bf16) {
+                   int64_t block_size, int is_bf16, int kv_int8) {
     const int64_t half = head_dim / 2;
     const int64_t esize = is_bf16 ? 2 : 4;
+    const int64_t q8_bytes = Q8_BYTES(block_size, head_dim);
 #pragma omp parallel for schedule(static) if (rows * (num_heads + 2 * num_kv_heads) * head_dim >= PAR_MIN_ELEMS)
     for (int64_t t = 0; t < rows; t++) {
         const float* c = cos + positions[t] * head_dim;
         const float* s = sin + positions[t] * head_dim;
         float cr[1024], sr[1024];
+        uint16_t krow[1024]; /* int8 cache: one K row in the storage type before quantization */
         for (int64_t i = 0; i < head_dim; i++) {
             cr[i] = rnd(c[i], is_bf16);
             sr[i] = rnd(s[i], is_bf16);
@@ -185,9 +188,13 @@ void rope_write_kv(const void* qk, int64_t qk_stride, const void* v, int64_t v_s
             const int64_t src = t * qk_stride + h * head_dim;
             char* dst_base;
             int64_t dst;
+            int vec_done = 0;
             if (h < num_heads) {
                 dst_base = (char*)q_out;
                 dst = (t * num_heads + h) * head_dim;
+            } else if (kv_int8) {
+                dst_base = (char*)krow; /* float32 rows need 4 bytes a value: krow holds 2048 bytes */
+                dst = 0;
             } else {
                 dst_base = (char*)k_cache;
                 dst = ((blk * num_kv_heads + (h - num_heads)) * block_size + off) * head_dim;
@@ -204,22 +211,55 @@ void rope_write_kv(const void* qk, int64_t qk_stride, const void* v, int64_t v_s
                     st16(o16 + i, _mm512_add_ps(rnd16(_mm512_mul_ps(x1, c1)), rnd16(_mm512_mul_ps(neg_x2, s1))));
                     st16(o16 + half + i, _mm512_add_ps(rnd16(_mm512_mul_ps(x2, c2)), rnd16(_mm512_mul_ps(x1, s2))));
                 }
-                continue;
+                vec_done = 1;
             }
 #endif
-            for (int64_t i = 0; i < head_dim; i++) {
+            for (int64_t i = 0; i < head_dim && !vec_done; i++) {
                 const float x = load(qk, src + i, is_bf16);
                 const float rot = i < half ? -load(qk, src + i + half, is_bf16) : load(qk, src + i - half, is_bf16);
                 const float a = rnd(x * cr[i], is_bf16);
                 const float b = rnd(rot * sr[i], is_bf16);
                 store(dst_base, dst + i, a + b, is_bf16);
             }
+            if (kv_int8 && h >= num_heads) {
+                float kf[512];
+                char* cell = (char*)k_cache + (blk * num_kv_heads + (h - num_heads)) * q8_bytes;
+                for (int64_t i = 0; i < head_dim; i++) kf[i] = load(krow, i, is_bf16);
+                quantize_row_q8(kf, head_dim, (int8_t*)cell + off * head_dim, (float*)(cell + block_size * head_dim) + off);
+            }
         }
         for (int64_t h = 0; h < num_kv_heads; h++) {
+            if (kv_int8) {
+                float vf[512];
+                char* cell = (char*)v_cache + (blk * num_kv_heads + h) * q8_bytes;
+                for (int64_t i = 0; i < head_dim; i++) vf[i] = load(v, t * v_stride + h * head_dim + i, is_bf16);
+                quantize_row_q8(vf, head_dim, (int8_t*)cell + off * head_dim, (float*)(cell + block_size * head_dim) + off);
+                continue;
+            }
             const int64_t dst = ((blk * num_kv_heads + h) * block_size + off) * head_dim;
             memcpy((char*)v_cache + dst * esize, (const char*)v + (t * v_stride + h * head_dim) * esize, head_dim * esize);
         }
     }
+}
+
+/* qk, v, positions, slots, cos, sin, q_out as rope_write_kv_impl; k_cache, v_cache: [num_blocks,
+ * num_kv_heads, block_size, head_dim] in the storage type. */
+void rope_write_kv(const void* qk, int64_t qk_stride, const void* v, int64_t v_stride, const int64_t* positions,
+                   const int64_t* slots, const float* cos, const float* sin, void* q_out, void* k_cache,
+                   void* v_cache, int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t block_size, int is_bf16) {
+    rope_write_kv_impl(qk, qk_stride, v, v_stride, positions, slots, cos, sin, q_out, k_cache, v_cache, rows,
+                       num_heads, num_kv_heads, head_dim, block_size, is_bf16, 0);
+}
+
+/* The same with an int8 cache (kv_int8.h): k_cache, v_cache [num_blocks, num_kv_heads,
+ * Q8_BYTES(block_size, head_dim)] bytes; head_dim <= 512. */
+void rope_write_kv_q8(const void* qk, int64_t qk_stride, const void* v, int64_t v_stride, const int64_t* positions,
+                      const int64_t* slots, const float* cos, const float* sin, void* q_out, void* k_cache,
+                      void* v_cache, int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, int is_bf16) {
+    rope_write_kv_impl(qk, qk_stride, v, v_stride, positions, slots, cos, sin, q_out, k_cache, v_cache, rows,
+                       num_heads, num_kv_heads, head_dim, block_size, is_bf16, 1);
 }
 
 /* Index of the largest value of each bf16 row (the first one on ties, as torch.max(dim) and

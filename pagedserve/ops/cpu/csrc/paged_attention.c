@@ -33,6 +33,7 @@
 #endif
 
 #include "bf16.h"
+#include "kv_int8.h"
 
 /* Row of head_dim elements -> float32. */
 static inline void load_row(const void* src, int is_bf16, int64_t d, float* dst) {
@@ -246,6 +247,75 @@ static inline __attribute__((always_inline)) void decode_task_bf16(
             _mm256_storeu_si256((__m256i*)(out + g * NV * 16 + v * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + v * 16)));
     }
 }
+
+/* The same task over an int8 cache (kv_int8.h), for bf16 queries and outputs: K rows widened to
+ * fp32 (16 at a time, through an L1 buffer) against the query in fp32, the score times the
+ * row's scale; softmax in fp32; P.V with each probability times its V row's scale, kept in fp32
+ * (no bf16 rounding of P). Twice the arithmetic of the bf16 task for half its bytes. */
+static inline __attribute__((always_inline)) void decode_task_q8(
+    const uint16_t* q, const char* kc, const char* vc, const int64_t* table, int64_t n, int64_t block_size,
+    int64_t block_stride, int64_t head_off, const int G, float scale, uint16_t* out, float* scores, const int NV) {
+    const int64_t hd = NV * 16;
+    const int64_t cell_bytes = Q8_BYTES(block_size, hd);
+    __m512 qf[4][8];
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++)
+            qf[g][v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(q + g * hd + v * 16))), 16));
+    float kbuf[16 * 128];
+    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+        const char* cell = kc + table[t0 / block_size] * block_stride + head_off;
+        const int8_t* kv = (const int8_t*)cell;
+        const float* ks = (const float*)(cell + block_size * hd);
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        if (t0 + PF_DIST * block_size < n) prefetch_block((const uint16_t*)(kc + table[t0 / block_size + PF_DIST] * block_stride + head_off), cell_bytes);
+        int64_t o = 0;
+        for (; o + 16 <= len; o += 16) {
+            for (int r = 0; r < 16; r++)
+                for (int v = 0; v < NV; v++)
+                    _mm512_storeu_ps(kbuf + r * hd + v * 16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(kv + (o + r) * hd + v * 16)))));
+            const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(ks + o), _mm512_set1_ps(scale));
+            for (int g = 0; g < G; g++) {
+                __m512 a[16];
+                for (int r = 0; r < 16; r++) {
+                    a[r] = _mm512_mul_ps(_mm512_loadu_ps(kbuf + r * hd), qf[g][0]);
+                    for (int v = 1; v < NV; v++) a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(kbuf + r * hd + v * 16), qf[g][v], a[r]);
+                }
+                _mm512_storeu_ps(scores + g * n + t0 + o, _mm512_mul_ps(hsum16(a), sv));
+            }
+        }
+        for (; o < len; o++) {
+            __m512 kr[8];
+            for (int v = 0; v < NV; v++) kr[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(kv + o * hd + v * 16))));
+            for (int g = 0; g < G; g++) {
+                __m512 acc = _mm512_mul_ps(kr[0], qf[g][0]);
+                for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(kr[v], qf[g][v], acc);
+                scores[g * n + t0 + o] = _mm512_reduce_add_ps(acc) * (ks[o] * scale);
+            }
+        }
+    }
+    softmax_rows(scores, G, n);
+    __m512 acc[4][8];
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+        const char* cell = vc + table[t0 / block_size] * block_stride + head_off;
+        const int8_t* vv = (const int8_t*)cell;
+        const float* vs = (const float*)(cell + block_size * hd);
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        if (t0 + PF_DIST * block_size < n) prefetch_block((const uint16_t*)(vc + table[t0 / block_size + PF_DIST] * block_stride + head_off), cell_bytes);
+        for (int64_t o = 0; o < len; o++) {
+            __m512 vr[8];
+            for (int v = 0; v < NV; v++) vr[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(vv + o * hd + v * 16))));
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * n + t0 + o] * vs[o]);
+                for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, vr[v], acc[g][v]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++)
+            _mm256_storeu_si256((__m256i*)(out + g * hd + v * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][v]));
+}
 #define HAVE_BF16_FAST_PATH 1
 static inline int fast_path_shape(int64_t group, int64_t head_dim) {
     return group <= 4 && (head_dim == 64 || head_dim == 128);
@@ -259,11 +329,12 @@ static inline int fast_path_shape(int64_t group, int64_t head_dim) {
 static int paged_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, void* out,
                            int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int is_bf16) {
+                           int64_t block_size, float scale, int is_bf16, int kv_int8) {
     const int64_t group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
     const int64_t esize = is_bf16 ? 2 : 4;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;  /* elements */
+    const int64_t q8_bytes = Q8_BYTES(block_size, head_dim);  /* int8 cache: one (block, KV head) */
     const char* kc = (const char*)k_cache;
     const char* vc = (const char*)v_cache;
     int64_t max_n = 1;
@@ -285,6 +356,28 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
             const int64_t n = token_lens[t];
             const int64_t* table = block_tables + (token_seq ? token_seq[t] : t) * max_blocks;
 #ifdef HAVE_BF16_FAST_PATH
+            if (kv_int8 && is_bf16 && fast_path_shape(group, head_dim)) {
+                const uint16_t* qp = (const uint16_t*)q + (t * num_heads + kh * group) * head_dim;
+                uint16_t* op = (uint16_t*)out + (t * num_heads + kh * group) * head_dim;
+#define TASK(G_, NV_) decode_task_q8(qp, kc, vc, table, n, block_size, num_kv_heads * q8_bytes, kh * q8_bytes, G_, scale, op, scores, NV_)
+                if (head_dim == 64) {
+                    switch (group) {
+                        case 1: TASK(1, 4); break;
+                        case 2: TASK(2, 4); break;
+                        case 3: TASK(3, 4); break;
+                        default: TASK(4, 4); break;
+                    }
+                } else {
+                    switch (group) {
+                        case 1: TASK(1, 8); break;
+                        case 2: TASK(2, 8); break;
+                        case 3: TASK(3, 8); break;
+                        default: TASK(4, 8); break;
+                    }
+                }
+#undef TASK
+                continue;
+            }
             if (is_bf16 && fast_path_shape(group, head_dim)) {
                 const uint16_t* qp = (const uint16_t*)q + (t * num_heads + kh * group) * head_dim;
                 uint16_t* op = (uint16_t*)out + (t * num_heads + kh * group) * head_dim;
@@ -317,19 +410,27 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
                 for (int64_t d = 0; d < head_dim; d++) { qf[g][d] *= scale; acc[g][d] = 0.f; }
             }
             for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-                const char* kb = kc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
+                const char* kb = kv_int8 ? kc + (table[t0 / block_size] * num_kv_heads + kh) * q8_bytes
+                                         : kc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
                 const int64_t len = n - t0 < block_size ? n - t0 : block_size;
                 for (int64_t o = 0; o < len; o++) {
-                    load_row(kb + o * head_dim * esize, is_bf16, head_dim, row);
+                    if (kv_int8)
+                        dequantize_row_q8((const int8_t*)kb + o * head_dim, ((const float*)(kb + block_size * head_dim))[o], head_dim, row);
+                    else
+                        load_row(kb + o * head_dim * esize, is_bf16, head_dim, row);
                     for (int64_t g = 0; g < group; g++) scores[g * n + t0 + o] = dot(qf[g], row, head_dim);
                 }
             }
             softmax_rows(scores, group, n);
             for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-                const char* vb = vc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
+                const char* vb = kv_int8 ? vc + (table[t0 / block_size] * num_kv_heads + kh) * q8_bytes
+                                         : vc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
                 const int64_t len = n - t0 < block_size ? n - t0 : block_size;
                 for (int64_t o = 0; o < len; o++) {
-                    load_row(vb + o * head_dim * esize, is_bf16, head_dim, row);
+                    if (kv_int8)
+                        dequantize_row_q8((const int8_t*)vb + o * head_dim, ((const float*)(vb + block_size * head_dim))[o], head_dim, row);
+                    else
+                        load_row(vb + o * head_dim * esize, is_bf16, head_dim, row);
                     for (int64_t g = 0; g < group; g++) axpy(scores[g * n + t0 + o], row, acc[g], head_dim);
                 }
             }
@@ -353,7 +454,7 @@ int paged_attention_f32(const float* q, const float* k_cache, const float* v_cac
                         int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                         int64_t block_size, float scale) {
     return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, 0);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0);
 }
 
 int paged_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -361,7 +462,25 @@ int paged_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint1
                          const int64_t* token_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
     return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, 1);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 1, 0);
+}
+
+/* The same over an int8 cache (kv_int8.h): k_cache, v_cache [num_blocks, num_kv_heads,
+ * Q8_BYTES(block_size, head_dim)] bytes; q and out float32 (f32) or bfloat16 (bf16). */
+int paged_attention_q8_f32(const float* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                           int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, float* out,
+                           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale) {
+    return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 0, 1);
+}
+
+int paged_attention_q8_bf16(const uint16_t* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                            int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, uint16_t* out,
+                            int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, float scale) {
+    return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 1, 1);
 }
 
 /* 1 when bf16 attention with this GQA group size and head_dim runs the vectorised bf16 path
