@@ -75,11 +75,20 @@ class Server:
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM, up to ``grace_s`` to exit, then SIGKILL to the process group it leads."""
+        """SIGTERM, up to ``grace_s`` to exit, then SIGKILL to the process group it leads.
+
+        Raises:
+            KeyboardInterrupt: SIGINT or SIGTERM arrived meanwhile (after the clean-up).
+        """
         p = self.proc
         if p is None:
             return
-        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # finish the clean-up
+        interrupted: list[int] = []  # an interrupt during the clean-up is raised after it
+
+        def defer(signum: int, _frame: Any) -> None:
+            interrupted.append(signum)
+
+        old = {s: signal.signal(s, defer) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             if p.poll() is None:
                 try:
@@ -99,6 +108,8 @@ class Server:
             for s, h in old.items():
                 signal.signal(s, h)
             self.proc = None
+        if interrupted:
+            raise KeyboardInterrupt(f"signal {interrupted[0]} while stopping {self.name}")
 
 
 def model_name(url: str) -> str:

@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -237,7 +238,14 @@ def _summary(rounds: list[dict]) -> dict:
     return out
 
 
+def _terminate(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through every Server's stop()
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _terminate)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
+        signal.signal(signal.SIGINT, _terminate)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", required=True, choices=["w1-http", "1b"])
     ap.add_argument("--model", default=None, help="pagedserve model (default: SmolLM2 for w1-http, ~/.cache/pagedserve-bench/llama-1b-shapes for 1b)")
