@@ -1,8 +1,8 @@
 """Helpers of benchmarks/vs_llama_server.py: a server child process started and stopped in
 bounded time, and one closed-loop HTTP load client shared by every OpenAI-compatible server.
 
-The client sends every request of a run to ``/v1/completions`` (non-streaming: the server's
-own per-token streaming cost stays out of a throughput figure), at most ``concurrency`` in
+The client sends every request of a run to ``/v1/completions`` (non-streaming by default: the
+servers' per-token streaming cost stays out of a throughput figure), at most ``concurrency`` in
 flight, and times the run from the first send to the last response. Each response's
 ``usage.completion_tokens`` must equal the tokens asked for (EOS is ignored), else the run
 fails: a short answer would inflate nothing but would make the two servers' work differ.
@@ -10,6 +10,7 @@ fails: a short answer would inflate nothing but would make the two servers' work
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -143,25 +144,51 @@ class LoadResult:
         }
 
 
-def completion_body(model: str, prompt: Prompt, max_tokens: int) -> dict:
+def completion_body(model: str, prompt: Prompt, max_tokens: int, stream: bool = False) -> dict:
     """Greedy, EOS ignored, exactly ``max_tokens`` tokens: the keys both servers read
     (llama-server maps ``max_tokens`` to ``n_predict`` and reads ``ignore_eos`` too)."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": False}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
-async def _run(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int, concurrency: int, timeout_s: float) -> LoadResult:
+async def _streamed(client: httpx.AsyncClient, url: str, body: dict, i: int) -> dict:
+    """A streamed completion folded into the non-streamed shape: the last ``usage`` and
+    ``finish_reason`` the stream carried."""
+    usage, finish = None, None
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"request {i}: HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
+        async for line in r.aiter_lines():
+            line = line.strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            data = json.loads(line[5:])
+            usage = data.get("usage") or usage
+            for c in data.get("choices") or []:
+                finish = c.get("finish_reason") or finish
+    return {"usage": usage, "choices": [{"finish_reason": finish}]}
+
+
+async def _run(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int, concurrency: int, timeout_s: float, stream: bool) -> LoadResult:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
 
         async def one(i: int, prompt: Prompt) -> tuple[float, float, dict]:
+            body = completion_body(model, prompt, max_tokens, stream)
             async with sem:
                 t0 = time.perf_counter()
-                r = await client.post(url + "/v1/completions", json=completion_body(model, prompt, max_tokens))
+                if stream:
+                    data = await _streamed(client, url + "/v1/completions", body, i)
+                else:
+                    r = await client.post(url + "/v1/completions", json=body)
+                    if r.status_code != 200:
+                        raise RuntimeError(f"request {i}: HTTP {r.status_code}: {r.text[:500]}")
+                    data = r.json()
                 t1 = time.perf_counter()
-            if r.status_code != 200:
-                raise RuntimeError(f"request {i}: HTTP {r.status_code}: {r.text[:500]}")
-            return t0, t1, r.json()
+            return t0, t1, data
 
         done = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     res = LoadResult(elapsed_s=max(t1 for _, t1, _ in done) - min(t0 for t0, _, _ in done))
@@ -176,12 +203,14 @@ async def _run(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int,
     return res
 
 
-def run_load(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int, concurrency: int, timeout_s: float = 3600.0) -> LoadResult:
-    """Send ``prompts`` to ``url``'s ``/v1/completions``, ``concurrency`` at a time.
+def run_load(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int, concurrency: int, timeout_s: float = 3600.0,
+             stream: bool = False) -> LoadResult:
+    """Send ``prompts`` to ``url``'s ``/v1/completions``, ``concurrency`` at a time (streamed
+    with ``stream_options.include_usage`` if ``stream``).
 
     Raises:
         RuntimeError: a request failed or did not return exactly ``max_tokens`` tokens.
     """
     if concurrency < 1 or not prompts:
         raise ValueError("need at least one prompt and a concurrency of at least 1")
-    return asyncio.run(_run(url, model, prompts, max_tokens, concurrency, timeout_s))
+    return asyncio.run(_run(url, model, prompts, max_tokens, concurrency, timeout_s, stream))

@@ -3,11 +3,11 @@
 This box's speed drifts from minute to minute (see "Batch-1 decode and the bandwidth ceiling"
 in benchmarks/README.md), so every figure here is measured next to its peer: each round runs
 pagedserve, then llama.cpp, then (below) the offline or batch-1 figures, one process at a time
-(each server is started, warmed up with one short request, measured, and stopped before the
-next starts). The same token-id prompts (W1's: windows of real English text, 64-512 tokens,
+(each server is started, warmed up with N short requests at once, measured, and stopped before
+the next starts). The same token-id prompts (W1's: windows of real English text, 64-512 tokens,
 tokenized with SmolLM2's tokenizer, seed 0) go to both servers through one closed-loop client
-(benchmarks/bench_procs.py): ``/v1/completions``, non-streaming, greedy, EOS ignored,
-``max_tokens`` = the output length, N requests in flight; output tok/s = completion tokens /
+(benchmarks/bench_procs.py): ``/v1/completions``, non-streaming (``--stream`` streams), greedy,
+EOS ignored, ``max_tokens`` = the output length, N requests in flight; output tok/s = completion tokens /
 (last response - first send). Every response must report exactly the output length.
 
 Scenarios:
@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, "-m", "pagedserve.entrypoints.cli"]
 LLAMACPP_CACHE = os.environ.get("LLAMACPP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve-llamacpp"))
 MODEL_1B = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve-bench", "llama-1b-shapes")
-WARMUP_TEXT = "Warm-up request, not measured: the quick brown fox jumps over the lazy dog."
+WARMUP_TEXT = "the quick brown fox jumps over the lazy dog."
 
 
 def _loadavg() -> Optional[float]:
@@ -101,8 +101,10 @@ def measure_http(server: Server, prompts: list, args: argparse.Namespace) -> dic
     with server:
         server.wait_ready(args.start_timeout)
         name = model_name(server.url)
-        run_load(server.url, name, [WARMUP_TEXT], min(8, args.output_len), 1)
-        res = run_load(server.url, name, prompts, args.output_len, args.concurrency).as_dict()
+        # Warm-up at the run's batch size (short distinct prompts, no prefix W1 shares).
+        warm = [f"Warm-up request {i}, not measured: {WARMUP_TEXT}" for i in range(args.concurrency)]
+        run_load(server.url, name, warm, min(8, args.output_len), args.concurrency, stream=args.stream)
+        res = run_load(server.url, name, prompts, args.output_len, args.concurrency, stream=args.stream).as_dict()
     res["loadavg_1min_after"] = _loadavg()
     return res
 
@@ -196,7 +198,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
         _print_round(r, sent_prompt_tokens)
         rounds.append(r)
     return {"scenario": args.scenario, "model": model_dir, "gguf": gguf, "threads": args.threads, "num_requests": len(requests),
-            "concurrency": args.concurrency, "output_len": args.output_len, "prompt_format": args.prompt_format,
+            "concurrency": args.concurrency, "output_len": args.output_len, "prompt_format": args.prompt_format, "stream": args.stream,
             "sent_prompt_tokens": sent_prompt_tokens, "model_flops_params": flops.as_dict(), "rounds": rounds,
             "summary": _summary(rounds)}
 
@@ -254,13 +256,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="threads of each engine (default: 2)")
     ap.add_argument("--num-prompts", type=int, default=32, help="W1's size (the requests are built as for this many)")
-    ap.add_argument("--num-requests", type=int, default=None, help="how many of them are sent (default: all for w1-http, 16 for 1b)")
+    ap.add_argument("--num-requests", type=int, default=None, help="how many of them are sent, the first ones (default: all for w1-http, 16 for 1b)")
     ap.add_argument("--concurrency", type=int, default=None, help="clients in flight = llama-server slots (default: --num-requests)")
     ap.add_argument("--min-input-len", type=int, default=64)
     ap.add_argument("--max-input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-format", choices=["ids", "text"], default="ids", help="send token ids (default; the same prompt tokens to both) or their text")
+    ap.add_argument("--stream", action="store_true", help="stream the responses (stream_options.include_usage), as bench serve does")
     ap.add_argument("--batch1-input-len", type=int, default=512, help="1b: prompt of the batch-1 prefill (llama-bench -p)")
     ap.add_argument("--iters", type=int, default=3, help="1b: batch-1 iterations (bench latency --num-iters, llama-bench -r)")
     ap.add_argument("--no-offline", action="store_true", help="w1-http: skip the offline bench throughput run")
@@ -271,7 +274,7 @@ def main() -> int:
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     if args.num_requests is None:
-        args.num_requests = 16 if args.scenario == "1b" else args.num_prompts
+        args.num_requests = min(16, args.num_prompts) if args.scenario == "1b" else args.num_prompts
     if not 1 <= args.num_requests <= args.num_prompts:
         raise SystemExit("--num-requests must be in 1..--num-prompts")
     if args.scenario == "w1-http" and args.num_requests != args.num_prompts and not args.no_offline:
