@@ -169,6 +169,9 @@ def run_rounds(args: argparse.Namespace) -> dict:
     log_dir = tempfile.mkdtemp(prefix="vs_llama_server-")
     print(f"logs: {log_dir}")
     rounds: list[dict[str, Any]] = []
+    out = {"scenario": args.scenario, "model": model_dir, "gguf": gguf, "threads": args.threads, "num_requests": len(requests),
+           "concurrency": args.concurrency, "output_len": args.output_len, "prompt_format": args.prompt_format, "stream": args.stream,
+           "sent_prompt_tokens": sent_prompt_tokens, "model_flops_params": flops.as_dict(), "log_dir": log_dir, "rounds": rounds}
     for i in range(args.rounds):
         r: dict[str, Any] = {"round": i + 1, "loadavg_1min_before": _loadavg()}
         r["pagedserve_http"] = measure_http(pagedserve_server(args, model, log_dir), prompts, args)
@@ -197,10 +200,11 @@ def run_rounds(args: argparse.Namespace) -> dict:
             r[k]["mfu"] = http_mfu(r[k], flops, peak)
         _print_round(r, sent_prompt_tokens)
         rounds.append(r)
-    return {"scenario": args.scenario, "model": model_dir, "gguf": gguf, "threads": args.threads, "num_requests": len(requests),
-            "concurrency": args.concurrency, "output_len": args.output_len, "prompt_format": args.prompt_format, "stream": args.stream,
-            "sent_prompt_tokens": sent_prompt_tokens, "model_flops_params": flops.as_dict(), "rounds": rounds,
-            "summary": _summary(rounds)}
+        out["summary"] = _summary(rounds)
+        if args.output_json:  # after every round: a failure later keeps the rounds done
+            with open(args.output_json, "w") as fh:
+                json.dump(out, fh, indent=2)
+    return out
 
 
 def _print_round(r: dict, sent: int) -> None:
@@ -286,8 +290,6 @@ def main() -> int:
     med = out["summary"]["median"]
     print("median over rounds: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items() if v is not None) + f" ({time.time() - t0:.0f} s in all)")
     if args.output_json:
-        with open(args.output_json, "w") as fh:
-            json.dump(out, fh, indent=2)
         print(f"results: {args.output_json}")
     return 0
 
