@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server and llama-bench from the llama-cpp-python sdist, and convert HF
+# model dirs to BF16 GGUF with the same sources' convert_hf_to_gguf.py, for
+# benchmarks/vs_llama_server.py and benchmarks/compare_llamacpp.py.
+#
+# Usage (from the repository root):
+#   benchmarks/llamacpp_setup.sh build                 # llama-server + llama-bench (~15 min on 2 cores; skipped if built)
+#   benchmarks/llamacpp_setup.sh convert HF_DIR OUT.gguf   # BF16 GGUF of an HF LlamaForCausalLM dir
+#   benchmarks/llamacpp_setup.sh smollm2 [OUT.gguf]    # BF16 GGUF of pagedserve's default model (SmolLM2)
+#   benchmarks/llamacpp_setup.sh paths                 # print where things are
+#
+# Environment: LLAMACPP_CACHE (default ~/.cache/pagedserve-llamacpp), LLAMACPP_SDIST (a
+# llama_cpp_python-$VERSION.tar.gz already downloaded; otherwise `pip download` fetches it),
+# PYTHON (default .venv/bin/python of this checkout, else /work/main/.venv/bin/python; needs
+# torch, transformers, safetensors, numpy, sentencepiece-free tokenizers), JOBS (default 2).
+# The build runs under `nice -n 10`. The converter's `gguf` package comes from the sdist's
+# vendor/llama.cpp/gguf-py via PYTHONPATH; the only other download is a sentencepiece wheel
+# (pip, pinned) into $LLAMACPP_CACHE/pydeps, which the converter imports.
+set -euo pipefail
+
+VERSION=0.3.36
+CACHE=${LLAMACPP_CACHE:-$HOME/.cache/pagedserve-llamacpp}
+SRC=$CACHE/llama_cpp_python-$VERSION
+LLAMA=$SRC/vendor/llama.cpp
+BUILD=$CACHE/build
+BIN=$CACHE/bin
+PYDEPS=$CACHE/pydeps
+SENTENCEPIECE=0.2.3
+JOBS=${JOBS:-2}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=/work/main/.venv/bin/python; fi
+fi
+
+unpack() {
+  [[ -f $LLAMA/CMakeLists.txt ]] && return 0
+  mkdir -p "$CACHE"
+  local sdist=${LLAMACPP_SDIST:-}
+  if [[ -z $sdist ]]; then
+    sdist=$CACHE/llama_cpp_python-$VERSION.tar.gz
+    if [[ ! -f $sdist ]]; then
+      "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE"
+    fi
+  fi
+  tar xzf "$sdist" -C "$CACHE"
+  [[ -f $LLAMA/CMakeLists.txt ]] || { echo "no vendor/llama.cpp in $sdist" >&2; exit 1; }
+}
+
+build() {
+  if [[ -x $BIN/llama-server && -x $BIN/llama-bench ]]; then
+    echo "already built: $BIN/llama-server $BIN/llama-bench"
+    return 0
+  fi
+  unpack
+  nice -n 10 cmake -S "$LLAMA" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
+  nice -n 10 cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-server llama-bench
+  mkdir -p "$BIN"
+  cp "$BUILD/bin/llama-server" "$BUILD/bin/llama-bench" "$BIN/"
+  echo "built: $BIN/llama-server $BIN/llama-bench"
+}
+
+convert() {
+  local hf=$1 out=$2
+  unpack
+  if [[ -f $out ]]; then echo "exists: $out"; return 0; fi
+  mkdir -p "$(dirname "$out")"
+  # The llama converter imports sentencepiece before it looks for a tokenizer.model (SmolLM2 has
+  # none: it falls back to tokenizer.json), so it must be importable; kept out of the venv.
+  if [[ ! -d $PYDEPS/sentencepiece ]]; then
+    "$PYTHON" -m pip install --no-deps --only-binary :all: --target "$PYDEPS" "sentencepiece==$SENTENCEPIECE"
+  fi
+  PYTHONPATH=$LLAMA/gguf-py:$PYDEPS${PYTHONPATH:+:$PYTHONPATH} nice -n 10 "$PYTHON" "$LLAMA/convert_hf_to_gguf.py" \
+    "$hf" --outtype bf16 --outfile "$out.tmp"
+  mv "$out.tmp" "$out"
+  echo "converted: $out"
+}
+
+smollm2() {
+  # pagedserve's default model is a GGUF; resolve_model dequantizes it to an HF dir. The
+  # converter needs "architectures" in config.json, so convert a copy with it added.
+  local out=${1:-$CACHE/smollm2-bf16.gguf}
+  if [[ -f $out ]]; then echo "exists: $out"; return 0; fi
+  local hf=$CACHE/smollm2-hf
+  (cd "$ROOT" && "$PYTHON" - "$hf" <<'PY'
+import json, os, shutil, sys
+from pagedserve.model import loader
+src, dst = loader.resolve_model(None), sys.argv[1]
+os.makedirs(dst, exist_ok=True)
+for name in os.listdir(src):
+    if name == "config.json" or name.startswith("."):
+        continue
+    link = os.path.join(dst, name)
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.join(src, name), link)  # the weights are not copied
+with open(os.path.join(src, "config.json")) as fh:
+    cfg = json.load(fh)
+cfg["architectures"] = ["LlamaForCausalLM"]
+with open(os.path.join(dst, "config.json"), "w") as fh:
+    json.dump(cfg, fh, indent=2)
+print(f"HF dir for the converter: {dst} (links to {src})")
+PY
+  )
+  convert "$hf" "$out"
+}
+
+case "${1:-build}" in
+  build) build ;;
+  convert) [[ $# -eq 3 ]] || { echo "usage: $0 convert HF_DIR OUT.gguf" >&2; exit 2; }; convert "$2" "$3" ;;
+  smollm2) smollm2 "${2:-}" ;;
+  paths) echo "cache=$CACHE"; echo "llama-server=$BIN/llama-server"; echo "llama-bench=$BIN/llama-bench";
+         echo "converter=$LLAMA/convert_hf_to_gguf.py"; echo "smollm2-gguf=$CACHE/smollm2-bf16.gguf" ;;
+  *) echo "usage: $0 {build|convert HF_DIR OUT.gguf|smollm2 [OUT.gguf]|paths}" >&2; exit 2 ;;
+esac
