@@ -7,9 +7,9 @@ Quality (real English text from pydoc_data, greedy, EOS ignored):
 - mean KL(bf16 || int8) of the next-token distribution along the bf16 answers: the int8 run is
   teacher-forced onto the bf16 tokens (its sampler's choice replaced), one request at a time,
   and every step's full log-softmax is kept from both runs.
-Capacity: blocks in the same KV memory. Speed: `bench throughput` on W1 (32 prompts 64-512
-tokens, 128 out) and on long contexts (8 prompts of 3,000-3,500 tokens, 128 out), interleaved
-bf16 / int8 for `--rounds` rounds.
+Capacity: blocks in the same KV memory. Speed, interleaved bf16 / int8 for `--rounds` rounds:
+`bench throughput` on W1 (32 prompts 64-512 tokens, 128 out), and decode tok/s of 16 sequences
+at 3,000 tokens of context (128 steps; the prefill's time subtracted).
 
     PYTHONPATH=. .venv/bin/python benchmarks/kv_int8.py [--rounds 2] [--skip-speed] [--output-json F]
 """
@@ -62,18 +62,20 @@ def quality(n_prompts: int, out_len: int, threads: int) -> dict:
     common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), out_len) for x, y in zip(answers["auto"], answers["int8"])]
     short = [min(c, 64) for c in common[:8]]
     kls = []
-    for p, ref in zip(prompts, answers["auto"]):
-        recs = {}
-        for kvd, llm in llms.items():
+    for p in prompts:
+        recs, ref = {}, None
+        for kvd, llm in llms.items():  # bf16 first: its answer alone (AMX: may differ from batched) is the reference
             runner = llm.llm_engine.core.worker.model_runner
             rec = _Recorder(runner.sampler)
-            rec.forced = ref if kvd == "int8" else None
+            rec.forced = ref
             runner.sampler = rec
             try:
                 got = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
             finally:
                 runner.sampler = rec.real
-            assert got == ref, f"{kvd}: the forced / reference run did not follow the bf16 answer"
+            if ref is None:
+                ref = got
+            assert got == ref, "the forced run did not follow the bf16 answer"
             recs[kvd] = torch.stack(rec.logprobs)
         a, b = recs["auto"], recs["int8"]
         kls.append(float((a.exp() * (a - b)).sum(-1).mean()))
@@ -87,11 +89,11 @@ def quality(n_prompts: int, out_len: int, threads: int) -> dict:
     }
 
 
-def throughput(kvd: str, threads: int, workload: list[str]) -> float:
+def throughput(kvd: str, threads: int) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         path = fh.name
     cmd = [os.path.join(os.path.dirname(sys.executable), "pagedserve"), "bench", "throughput", "--backend", "pagedserve",
-           "--dtype", "bfloat16", "--kv-cache-dtype", kvd, "--num-threads", str(threads), "--output-json", path, *workload]
+           "--dtype", "bfloat16", "--kv-cache-dtype", kvd, "--num-threads", str(threads), "--output-json", path]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(path) as fh:
         res = json.load(fh)
@@ -99,10 +101,31 @@ def throughput(kvd: str, threads: int, workload: list[str]) -> float:
     return float(res["results"]["pagedserve"]["output_tokens_per_s"])
 
 
-WORKLOADS = {
-    "W1": [],
-    "long": ["--num-prompts", "8", "--min-input-len", "3000", "--max-input-len", "3500", "--output-len", "128"],
-}
+def long_decode(kvd: str, threads: int, n: int = 16, prompt_len: int = 3000, out_len: int = 128) -> float:
+    """Decode tok/s of ``n`` sequences at ~``prompt_len`` tokens of context: the time of
+    generating ``out_len + 1`` tokens minus the time of generating 1 (the prefill), on distinct
+    prompts with prefix caching off, in a subprocess so the two caches never share the cores."""
+    code = f"""
+import time, torch
+from pagedserve import LLM, SamplingParams
+import benchmarks.kv_int8 as b
+llm = LLM(dtype="bfloat16", kv_cache_dtype={kvd!r}, num_threads={threads}, kv_cache_memory_bytes=3 << 30,
+          max_model_len={prompt_len + out_len + 16}, enable_prefix_caching=False, max_num_seqs={n})
+ps = b._text_windows(llm.get_tokenizer(), {2 * n}, {prompt_len})
+def t(prompts, k):
+    t0 = time.perf_counter()
+    llm.generate([{{"prompt_token_ids": p}} for p in prompts], SamplingParams(max_tokens=k, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - t0
+t(ps[:2], 2)
+full = t(ps[:{n}], {out_len + 1})
+prefill = t(ps[{n}:], 1)
+print({n} * {out_len} / (full - prefill))
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+WORKLOADS = {"W1": None, "long-decode": None}
 
 
 def main() -> int:
@@ -131,9 +154,10 @@ def main() -> int:
         for r in range(args.rounds):
             for name, wl in WORKLOADS.items():
                 for kvd in ("auto", "int8"):
-                    speed[name][kvd].append(throughput(kvd, args.threads, wl))
+                    speed[name][kvd].append(throughput(kvd, args.threads) if name == "W1" else long_decode(kvd, args.threads))
                 a, b = speed[name]["auto"][-1], speed[name]["int8"][-1]
-                print(f"round {r + 1} {name}: bf16 {a:.1f} out tok/s, int8 {b:.1f} ({b / a:.2f}x)", flush=True)
+                unit = "out tok/s" if name == "W1" else "decode tok/s"
+                print(f"round {r + 1} {name}: bf16 {a:.1f} {unit}, int8 {b:.1f} ({b / a:.2f}x)", flush=True)
         result["speed"] = speed
     if args.output_json:
         with open(args.output_json, "w") as fh:
