@@ -62,18 +62,25 @@ class PackedLinear(nn.Module):
         self.packed_weight = pack_weight(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.small_plan: Optional[tuple[int, int]] = None
+        self.small_weight: Optional[torch.Tensor] = None  # own copy for the small-M path (see small_gemm_own_copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_or_small_linear(x, self.packed_weight, self.bias, self.out_features, self.small_plan)
+        return packed_or_small_linear(x, self.packed_weight, self.bias, self.out_features, self.small_plan, self.small_weight)
+
+    def small_weight_address(self) -> int:
+        """Address of the buffer the small-M kernel reads (oneDNN's, or the own copy)."""
+        return self.small_weight.data_ptr() if self.small_weight is not None else torch.ops.mkldnn.data_ptr(self.packed_weight)
 
 
 def packed_or_small_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, small_plan: Optional[tuple[int, int]]
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, small_plan: Optional[tuple[int, int]],
+    small_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`packed_linear`, or the small-M kernel for a contiguous bf16 ``x [M <= 16, in]``
-    when ``small_plan`` is set (same result bit for bit as oneDNN's batched kernel)."""
+    when ``small_plan`` is set (on oneDNN's buffer: the same result bit for bit as its batched
+    kernel; on ``small_weight``, an own copy: see :func:`small_gemm_own_copy`)."""
     if small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
-        return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)
+        return cpu_kernels.small_gemm(x, packed if small_weight is None else small_weight, bias, out_features, small_plan)
     if x.dim() == 2 and x.shape[0] == 1:
         # oneDNN's one-row kernel sums in another order than its batched one for some K (1536,
         # 4096, 4864: ~1 output in 10^4); two rows take the batched kernel, so a sequence's
@@ -93,8 +100,40 @@ def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int
     if key not in plans:
         plans[key] = cpu_kernels.calibrate_small_gemm(packed, out_features, in_features, bias)
         if plans[key] is None:
-            logger.info("small-M matmul unavailable for weight %s x %s; oneDNN only", out_features, in_features)
+            logger.info("small-M matmul cannot read oneDNN's buffer for weight %s x %s", out_features, in_features)
     return plans[key]
+
+
+def small_gemm_own_copy(weight: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[tuple[tuple[int, int], torch.Tensor]]:
+    """Where oneDNN's packed buffer is not the layout the small-M kernel reads (on CPUs with AMX
+    oneDNN packs for its AMX kernels), a copy of ``weight [out, in]`` in that layout
+    ([out/64][in/2][64][2] bf16, on 2 MiB pages) and a plan for it: batch-1..16 decode then
+    streams it instead of calling oneDNN once per op. oneDNN's AMX results depend on the batch
+    size anyway, so nothing bit-identical is lost; the copy costs the weights' size once more.
+    Checked against oneDNN on random rows (a layout error would be far outside bf16 rounding).
+    Returns (plan, copy), or None (shape not supported, ``PAGEDSERVE_SMALL_GEMM=0``)."""
+    n, k = weight.shape
+    if cpu_kernels.get_small_gemm_lib() is None or n % 64 or k % 2:
+        return None
+    own = weight.detach().to(torch.bfloat16).contiguous().view(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    cpu_kernels.collapse_to_huge_pages(own.data_ptr(), own.numel() * 2)
+    k2 = k // 2
+    plan = (256, k2 - k2 % 256)
+    x = torch.randn(cpu_kernels.SMALL_GEMM_MAX_ROWS, k, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    got = cpu_kernels.small_gemm(x, own, bias, n, plan).float()
+    ref = packed_linear(x, packed, bias).float()
+    if not torch.allclose(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()) + 1e-6):
+        logger.warning("small-M matmul on an own copy disagrees with oneDNN for %s x %s; oneDNN only", n, k)
+        return None
+    return plan, own
+
+
+def _attach_small_gemm(packed: PackedLinear, weight: torch.Tensor, plans: dict) -> None:
+    packed.small_plan = prepare_small_gemm(packed.packed_weight, packed.out_features, packed.in_features, packed.bias, plans)
+    if packed.small_plan is None:
+        own = small_gemm_own_copy(weight, packed.packed_weight, packed.bias)
+        if own is not None:
+            packed.small_plan, packed.small_weight = own
 
 
 def pack_linears(model: nn.Module, plans: Optional[dict] = None) -> int:
@@ -106,7 +145,7 @@ def pack_linears(model: nn.Module, plans: Optional[dict] = None) -> int:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 packed = PackedLinear(child)
-                packed.small_plan = prepare_small_gemm(packed.packed_weight, packed.out_features, packed.in_features, packed.bias, plans)
+                _attach_small_gemm(packed, child.weight, plans)
                 setattr(module, name, packed)
                 count += 1
     return count

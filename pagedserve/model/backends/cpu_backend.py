@@ -157,7 +157,7 @@ class CpuBackend(TorchBackend):
                 if plan is None:
                     ok = False
                     break
-                entries += [torch.ops.mkldnn.data_ptr(lin.packed_weight), 0 if lin.bias is None else lin.bias.data_ptr(), *plan]
+                entries += [lin.small_weight_address(), 0 if lin.bias is None else lin.bias.data_ptr(), *plan]
             if ok:
                 entries += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *kernels._kv_pointers(kv)]
                 rows.append(entries)
