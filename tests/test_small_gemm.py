@@ -219,3 +219,22 @@ def test_smollm2_bf16_alone_matches_batched(small_gemm, monkeypatch):
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert alone == batched
     assert_engine_idle(llm)
+
+
+def test_own_copy_layout_matches_the_weights():
+    """The own copy (used where oneDNN's buffer is packed for AMX) is the kernel's layout: its
+    products equal an fp32 reference within bf16 rounding, and 5+ rows go to oneDNN."""
+    from pagedserve.model.packed_linear import OWN_COPY_MAX_ROWS, packed_or_small_linear, small_gemm_own_copy
+
+    if not packing_available(torch.device("cpu"), torch.bfloat16) or cpu_kernels.get_small_gemm_lib() is None:
+        pytest.skip("oneDNN packing or the C kernels are unavailable")
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(576, 1536, generator=g) * 0.05).to(torch.bfloat16)
+    packed = pack_weight(w)
+    plan, copy = small_gemm_own_copy(w, packed, None)
+    assert copy.shape == (9, 768, 64, 2) and torch.equal(copy[2, 5, 7], w[2 * 64 + 7, 10:12])
+    x = torch.randn(OWN_COPY_MAX_ROWS + 1, 1536, generator=g).to(torch.bfloat16)
+    ref = x.float() @ w.float().t()
+    small = packed_or_small_linear(x[:OWN_COPY_MAX_ROWS], packed, None, 576, plan, copy)
+    torch.testing.assert_close(small.float(), ref[:OWN_COPY_MAX_ROWS], atol=0.05, rtol=0.02)
+    assert torch.equal(packed_or_small_linear(x, packed, None, 576, plan, copy), packed_linear(x, packed))

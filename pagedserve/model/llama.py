@@ -20,7 +20,7 @@ from torch import nn
 from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.backends import TorchBackend
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
-from pagedserve.model.packed_linear import pack_linears, pack_weight, packed_or_small_linear, prepare_small_gemm, small_gemm_own_copy
+from pagedserve.model.packed_linear import pack_linears, pack_weight, packed_or_small_linear, prepare_small_gemm
 
 
 class Attention(nn.Module):
@@ -139,8 +139,7 @@ class LlamaForCausalLM(nn.Module):
         tensor parallelism (``tp`` set by ``pagedserve.distributed.tensor_parallel``) every rank
         must call it; rank 0 gets the logits, the other ranks None."""
         if self._packed_logits_weight is not None:
-            logits = packed_or_small_linear(hidden, self._packed_logits_weight, None, self._logits_rows, self._logits_small_plan,
-                                            self._logits_small_weight)
+            logits = packed_or_small_linear(hidden, self._packed_logits_weight, None, self._logits_rows, self._logits_small_plan)
         else:
             weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
             logits = F.linear(hidden, weight)
@@ -152,7 +151,6 @@ class LlamaForCausalLM(nn.Module):
     tp = None  # a pagedserve.distributed.parallel_state.TPGroup when the weights are sharded
     _packed_logits_weight = None
     _logits_small_plan = None
-    _logits_small_weight = None
     _logits_rows = 0
 
     def pack_for_cpu(self) -> None:
@@ -163,8 +161,6 @@ class LlamaForCausalLM(nn.Module):
         self._logits_rows = logits_weight.shape[0]
         plans: dict = {}
         self._logits_small_plan = prepare_small_gemm(self._packed_logits_weight, logits_weight.shape[0], logits_weight.shape[1], None, plans)
-        if self._logits_small_plan is None and (own := small_gemm_own_copy(logits_weight, self._packed_logits_weight, None)):
-            self._logits_small_plan, self._logits_small_weight = own
         pack_linears(self.layers, plans)
 
     # -- weights ---------------------------------------------------------------------------

@@ -26,6 +26,12 @@ from pagedserve.ops.cpu import matmul as cpu_kernels
 logger = logging.getLogger(__name__)
 
 _BATCH_HINT = 32  # oneDNN picks the packed layout for about this many rows; any M works
+# Own copies (AMX, see small_gemm_own_copy): only for models whose projections total at most
+# this, where oneDNN's per-op cost is a large share of a decode step (SmolLM2 batch-1 decode
+# 50 -> 68 tok/s); on the 1.1B model they were slower (batch 1: 12.3 -> 11.3 tok/s; 16 clients
+# 89 -> 52 tok/s: 16 rows of vdpbf16ps against oneDNN's AMX). And only up to this many rows.
+OWN_COPY_MAX_MODEL_BYTES = 512 << 20
+OWN_COPY_MAX_ROWS = 4
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -79,7 +85,8 @@ def packed_or_small_linear(
     """:func:`packed_linear`, or the small-M kernel for a contiguous bf16 ``x [M <= 16, in]``
     when ``small_plan`` is set (on oneDNN's buffer: the same result bit for bit as its batched
     kernel; on ``small_weight``, an own copy: see :func:`small_gemm_own_copy`)."""
-    if small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
+    max_rows = cpu_kernels.SMALL_GEMM_MAX_ROWS if small_weight is None else OWN_COPY_MAX_ROWS
+    if small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.is_contiguous() and x.dtype == torch.bfloat16:
         return cpu_kernels.small_gemm(x, packed if small_weight is None else small_weight, bias, out_features, small_plan)
     if x.dim() == 2 and x.shape[0] == 1:
         # oneDNN's one-row kernel sums in another order than its batched one for some K (1536,
@@ -110,6 +117,7 @@ def small_gemm_own_copy(weight: torch.Tensor, packed: torch.Tensor, bias: Option
     ([out/64][in/2][64][2] bf16, on 2 MiB pages) and a plan for it: batch-1..16 decode then
     streams it instead of calling oneDNN once per op. oneDNN's AMX results depend on the batch
     size anyway, so nothing bit-identical is lost; the copy costs the weights' size once more.
+    Used for at most ``OWN_COPY_MAX_ROWS`` rows, in models of at most ``OWN_COPY_MAX_MODEL_BYTES``.
     Checked against oneDNN on random rows (a layout error would be far outside bf16 rounding).
     Returns (plan, copy), or None (shape not supported, ``PAGEDSERVE_SMALL_GEMM=0``)."""
     n, k = weight.shape
@@ -128,9 +136,9 @@ def small_gemm_own_copy(weight: torch.Tensor, packed: torch.Tensor, bias: Option
     return plan, own
 
 
-def _attach_small_gemm(packed: PackedLinear, weight: torch.Tensor, plans: dict) -> None:
+def _attach_small_gemm(packed: PackedLinear, weight: torch.Tensor, plans: dict, own_copies: bool) -> None:
     packed.small_plan = prepare_small_gemm(packed.packed_weight, packed.out_features, packed.in_features, packed.bias, plans)
-    if packed.small_plan is None:
+    if packed.small_plan is None and own_copies:
         own = small_gemm_own_copy(weight, packed.packed_weight, packed.bias)
         if own is not None:
             packed.small_plan, packed.small_weight = own
@@ -141,11 +149,12 @@ def pack_linears(model: nn.Module, plans: Optional[dict] = None) -> int:
     plan, see :func:`prepare_small_gemm`); returns how many."""
     plans = {} if plans is None else plans
     count = 0
+    own_copies = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear)) <= OWN_COPY_MAX_MODEL_BYTES
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 packed = PackedLinear(child)
-                _attach_small_gemm(packed, child.weight, plans)
+                _attach_small_gemm(packed, child.weight, plans, own_copies)
                 setattr(module, name, packed)
                 count += 1
     return count

@@ -22,6 +22,7 @@ import torch
 from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.backends.torch_backend import TorchBackend, sdpa_attention
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
+from pagedserve.model.packed_linear import OWN_COPY_MAX_ROWS
 from pagedserve.model.sampler import torch_argmax
 from pagedserve.ops.cpu import kernels, matmul
 from pagedserve.ops.cpu.build import get_fused_lib, get_lib
@@ -59,11 +60,11 @@ class CpuBackend(TorchBackend):
     def __init__(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.fused_rope = kernels.prefill_kernel_preferred(dtype, num_heads, num_kv_heads, head_dim)
         self._decode_table_cache: Optional[tuple] = None
+        self._decode_max_rows = matmul.SMALL_GEMM_MAX_ROWS
 
     def begin_forward(self, model: Any, positions: torch.Tensor, metadata: AttentionMetadata, kv_caches: list, dtype: torch.dtype) -> Any:
         if not self.fused_rope:
             return super().begin_forward(model, positions, metadata, kv_caches, dtype)
-        attn = model.layers[0].self_attn
         _check_range("positions", positions, model.rotary_emb.cos_cache.shape[0])
         _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0].shape[1] * metadata.block_size)
         return None
@@ -110,7 +111,7 @@ class CpuBackend(TorchBackend):
         if hidden.dtype != torch.bfloat16 or hidden.shape[0] > matmul.SMALL_GEMM_MAX_ROWS or len(groups) != 1 or not groups[0].is_decode:
             return False
         table = self._decode_table(model, kv_caches)
-        if table is None:
+        if table is None or hidden.shape[0] > self._decode_max_rows:
             return False
         attn = model.layers[0].self_attn
         g = groups[0]
@@ -163,5 +164,8 @@ class CpuBackend(TorchBackend):
                 rows.append(entries)
         if ok and rows and len(rows[0]) == matmul.decode_layer_entries():
             table = torch.tensor(rows, dtype=torch.int64)
+            own = any(lin.small_weight is not None for layer in model.layers
+                      for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            self._decode_max_rows = OWN_COPY_MAX_ROWS if own else matmul.SMALL_GEMM_MAX_ROWS
         self._decode_table_cache = (key, table, kv_caches)
         return table
