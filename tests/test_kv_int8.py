@@ -193,3 +193,19 @@ def test_smollm2_int8_cache_stays_close_to_bf16_on_real_text(smollm2_dir):
         del llm
     common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 64) for x, y in zip(outs["auto"], outs["int8"])]
     assert sum(c >= 8 for c in common) >= 6 and sum(common) / 8 >= 24, common
+
+
+@needs_kernels
+def test_tiny_rows_are_stored_as_zeros_by_both_quantizers():
+    """127 / max|x| overflows below ~3.7e-37: such rows become zeros, the same bytes in C and PyTorch."""
+    nkv, bs, hd = 1, 16, 64
+    cache = torch.zeros(*kv_int8.cache_shape(2, nkv, bs, hd), dtype=torch.int8)
+    v = torch.zeros(1, hd)
+    v[0, :2] = torch.tensor([1e-37, 5e-38])
+    qkv = torch.cat([torch.ones(1, 2 * hd), v], 1)  # 1 query head, 1 KV head, then V
+    cos_sin = torch.ones(4, hd), torch.zeros(4, hd)
+    cpu_kernels.rope_write_kv(qkv[:, :2 * hd], qkv[:, 2 * hd:], torch.zeros(1, dtype=torch.int64), torch.tensor([3]),
+                              *cos_sin, cache, 1, bs)
+    values, _ = kv_int8.split(cache[1], bs, hd)
+    q, _ = kv_int8.quantize(v)
+    assert not q.any() and not values[0, 0, 3].any()

@@ -71,6 +71,7 @@ def latency_pagedserve(args: argparse.Namespace, prompts: list[list[int]], decod
             decode_rates.append((n - 1) / (t2 - t1))
     res = _result("pagedserve", args, ttfts, decode_rates)
     res["dtype"] = engine.core.info.dtype
+    res["kv_cache_dtype"] = args.kv_cache_dtype
     del engine
     gc.collect()
     return res

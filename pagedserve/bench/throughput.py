@@ -136,6 +136,7 @@ def run_pagedserve(args: argparse.Namespace, requests: Sequence[SampleRequest], 
     res = BackendResult("pagedserve", elapsed, len(requests), sum(r.prompt_len for r in requests), out_tokens)
     res.extra = {
         "dtype": engine.core.info.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "device": engine.core.info.device,
         "num_kv_blocks": engine.core.info.num_blocks,
         "max_num_seqs": engine.config.max_num_seqs,

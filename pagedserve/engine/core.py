@@ -87,9 +87,10 @@ class EngineCore:
         )
         B = self.config.block_size
         logger.info(
-            "pagedserve: KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), max_model_len %d, "
+            "pagedserve: KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token, %s), max_model_len %d, "
             "token budget %d, step-time target %s, engine ready in %.1fs",
             spec.num_blocks, B, spec.num_blocks * B, spec.num_blocks * spec.block_bytes / 2**20, spec.block_bytes // B,
+            "int8" if self.config.kv_cache_dtype == "int8" else str(self.worker.dtype).replace("torch.", ""),
             self.config.max_model_len, self.config.max_num_batched_tokens,
             f"{self.config.max_step_ms:g} ms" if self.scheduler.step_cost is not None else "off", time.monotonic() - t0,
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 KV_INT8 = "int8"
+TINY = 1e-30  # rows with max |x| at or below this are stored as zeros (127 / max|x| would overflow); Q8_TINY in C
 
 
 def cell_bytes(block_size: int, head_dim: int) -> int:
@@ -48,7 +49,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     amax = xf.abs().amax(-1)
     # tensor / tensor: PyTorch computes scalar / tensor through a reciprocal (other roundings)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > TINY, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = (xf * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
     return q, amax / torch.full_like(amax, 127.0)
 

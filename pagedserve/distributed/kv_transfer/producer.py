@@ -40,8 +40,8 @@ class _Hold:
 
 
 class KVServer:
-    """Serves ``kv_cache`` (``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``) to
-    consumers on ``tcp://host:port``.
+    """Serves ``kv_cache`` (``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``, or the
+    int8 pool ``[layers, 2, num_blocks, kv_heads, cell_bytes]``) to consumers on ``tcp://host:port``.
 
     Raises:
         ValueError: the port cannot be bound (in use, or a bad address).

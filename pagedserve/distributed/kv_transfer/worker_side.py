@@ -16,7 +16,8 @@ from pagedserve.distributed.kv_transfer.producer import KVServer
 class NetworkConnectorWorker(KVConnectorWorker):
     """Args:
         config: the instance's KV transfer config.
-        kv_cache: the pool, ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``.
+        kv_cache: the pool, ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]`` (int8:
+            ``[layers, 2, num_blocks, kv_heads, cell_bytes]``, see :mod:`pagedserve.ops.kv_int8`).
         layout: :func:`pagedserve.distributed.kv_transfer.wire.kv_layout` of this instance.
     Raises:
         ValueError: a producer's transfer port cannot be bound.

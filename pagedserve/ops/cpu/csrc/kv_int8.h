@@ -17,6 +17,7 @@
 #endif
 
 #define Q8_BYTES(block_size, head_dim) ((block_size) * (head_dim) + 4 * (block_size))
+#define Q8_TINY 1e-30f /* rows with max |x| at or below this are stored as zeros */
 
 /* x [d] float32 -> out [d] int8 and *scale; the same float32 operations as the PyTorch
  * reference (pagedserve/ops/kv_int8.py): inv = 127 / amax, q = round_half_even(x * inv). */
@@ -29,7 +30,7 @@ static inline void quantize_row_q8(const float* x, int64_t d, int8_t* out, float
     amax = _mm512_reduce_max_ps(m);
 #endif
     for (; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float inv = amax > Q8_TINY ? 127.f / amax : 0.f; /* a tiny row: 127 / amax would overflow */
     *scale = amax / 127.f;
     i = 0;
 #ifdef __AVX512F__
