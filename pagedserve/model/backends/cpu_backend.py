@@ -148,7 +148,7 @@ class CpuBackend(TorchBackend):
             and kv_caches[0].dtype in (torch.bfloat16, torch.int8)
             and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in model.layers)
         )
-        rows = []
+        rows, own = [], False
         for layer, kv in zip(model.layers, kv_caches):
             if not ok:
                 break
@@ -159,13 +159,12 @@ class CpuBackend(TorchBackend):
                     ok = False
                     break
                 entries += [lin.small_weight_address(), 0 if lin.bias is None else lin.bias.data_ptr(), *plan]
+                own = own or lin.small_weight is not None
             if ok:
                 entries += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *kernels._kv_pointers(kv)]
                 rows.append(entries)
         if ok and rows and len(rows[0]) == matmul.decode_layer_entries():
             table = torch.tensor(rows, dtype=torch.int64)
-            own = any(lin.small_weight is not None for layer in model.layers
-                      for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
             self._decode_max_rows = OWN_COPY_MAX_ROWS if own else matmul.SMALL_GEMM_MAX_ROWS
         self._decode_table_cache = (key, table, kv_caches)
         return table

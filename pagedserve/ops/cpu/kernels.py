@@ -174,6 +174,7 @@ def rope_write_kv(
         q ``[rows, num_heads, head_dim]`` contiguous, rotated.
     """
     lib = get_fused_lib()
+    assert lib is not None
     if kv_cache.dtype == torch.int8:
         nkv = kv_cache.shape[2]
         hd = v.shape[-1] // nkv
@@ -184,7 +185,7 @@ def rope_write_kv(
         _, _, nkv, bs, hd = kv_cache.shape
         fn = lib.rope_write_kv
     rows = qk.shape[0]
-    assert lib is not None and qk.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.is_contiguous()
+    assert qk.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.is_contiguous()
     assert positions.is_contiguous() and slot_mapping.is_contiguous() and cos.dtype == torch.float32
     q = torch.empty(rows, num_heads, hd, dtype=qk.dtype)
     fn(
