@@ -86,12 +86,13 @@ def test_calibration_reliable_for_narrow_weights(seed):
 
 
 def test_zero_rows_and_env_change_after_load(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_AMX", "0")  # the oneDNN buffer and its small-M plan
     n, k = 128, 576
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
     lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(w)
-    packed = PackedLinear(lin)
+    packed = PackedLinear.from_linear(lin)
     packed.small_plan = _plan_or_skip(packed.packed_weight, n, k)
     assert packed(torch.empty(0, k, dtype=torch.bfloat16)).shape == (0, n)
     x = torch.randn(2, k).to(torch.bfloat16)
@@ -109,7 +110,7 @@ def test_unsupported_shapes_fall_back_to_onednn():
     with torch.no_grad():
         lin.weight.copy_(w.float())
     lin = lin.to(torch.bfloat16)
-    packed = PackedLinear(lin)
+    packed = PackedLinear.from_linear(lin)
     assert cpu_kernels.calibrate_small_gemm(packed.packed_weight, n, k, None) is None
     x = torch.randn(1, k).to(torch.bfloat16)
     assert torch.equal(packed(x), packed_linear(x, packed.packed_weight))
@@ -157,8 +158,7 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     path = tiny_model_factory(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
     _randomize_norms(path)
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=128, max_model_len=512)
-    if llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj.small_weight is not None:
-        pytest.skip("oneDNN packs for AMX here: its results depend on the batch size (prefill too), so nothing is batch-invariant")
+    amx = llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj.amx_weight is not None
     calls = []
     real = matmul.decode_layers
     monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
@@ -170,10 +170,10 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
         calls.clear()
         assert _run(llm, PROMPTS[:n]) == alone[:n]
         assert set(calls) == {n}
-    many = PROMPTS * 3  # 18 sequences: more than the C step takes, the layer-by-layer path
+    many = PROMPTS * 3  # 18 sequences: the C step with the AMX matmul, else the layer-by-layer path
     calls.clear()
     assert _run(llm, many) == alone * 3
-    assert not calls
+    assert set(calls) == ({18} if amx else set())
     monkeypatch.setattr(CpuBackend, "decode_step", lambda *a: False)
     calls.clear()
     assert [_run(llm, p)[0] for p in PROMPTS] == alone and _run(llm, PROMPTS) == alone
@@ -208,11 +208,6 @@ def test_smollm2_bf16_alone_matches_batched(small_gemm, monkeypatch):
     small-M path and the oneDNN path (``PAGEDSERVE_SMALL_GEMM=0``) are now invariant."""
     monkeypatch.setenv("PAGEDSERVE_SMALL_GEMM", small_gemm)
     llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512)
-    if llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj.small_weight is not None:
-        # The small-M path reads its own copy because oneDNN packs for AMX, whose results
-        # depend on the batch size: short prompts prefilled alone (small M) and together
-        # (oneDNN) differ in the last bits (README: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16).
-        pytest.skip("oneDNN's AMX kernels are not batch-size invariant on this CPU")
     prompts = ["The capital of France is", "Write a poem about the sea:", "def fibonacci(n):", "Once upon a time", "List three colors:"]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -221,20 +216,48 @@ def test_smollm2_bf16_alone_matches_batched(small_gemm, monkeypatch):
     assert_engine_idle(llm)
 
 
-def test_own_copy_layout_matches_the_weights():
-    """The own copy (used where oneDNN's buffer is packed for AMX) is the kernel's layout: its
-    products equal an fp32 reference within bf16 rounding, and 5+ rows go to oneDNN."""
-    from pagedserve.model.packed_linear import OWN_COPY_MAX_ROWS, packed_or_small_linear, small_gemm_own_copy
+def _amx_or_skip():
+    if not matmul.amx_available():
+        pytest.skip("no AMX-BF16 here (or PAGEDSERVE_AMX=0)")
 
-    if not packing_available(torch.device("cpu"), torch.bfloat16) or cpu_kernels.get_small_gemm_lib() is None:
-        pytest.skip("oneDNN packing or the C kernels are unavailable")
-    g = torch.Generator().manual_seed(3)
-    w = (torch.randn(576, 1536, generator=g) * 0.05).to(torch.bfloat16)
-    packed = pack_weight(w)
-    plan, copy = small_gemm_own_copy(w, packed, None)
-    assert copy.shape == (9, 768, 64, 2) and torch.equal(copy[2, 5, 7], w[2 * 64 + 7, 10:12])
-    x = torch.randn(OWN_COPY_MAX_ROWS + 1, 1536, generator=g).to(torch.bfloat16)
-    ref = x.float() @ w.float().t()
-    small = packed_or_small_linear(x[:OWN_COPY_MAX_ROWS], packed, None, 576, plan, copy)
-    torch.testing.assert_close(small.float(), ref[:OWN_COPY_MAX_ROWS], atol=0.05, rtol=0.02)
-    assert torch.equal(packed_or_small_linear(x, packed, None, 576, plan, copy), packed_linear(x, packed))
+
+@pytest.mark.parametrize("n,k,has_bias", [(960, 576, False), (576, 1536, False), (64, 64, True), (1152, 896, True)])
+def test_amx_matmul_matches_reference_and_is_row_invariant(n, k, has_bias):
+    """The AMX layout is the one the kernel reads (products within bf16 rounding of float64),
+    and a row's result is the same bits whatever M, which rows surround it, and whether it falls
+    in a full tile of 16 rows, the zero-padded last one, or a later group of weights."""
+    _amx_or_skip()
+    from pagedserve.model.packed_linear import amx_copy
+
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16) if has_bias else None
+    copy = amx_copy(w, bias)
+    assert copy.shape == (n // 32, k // 32, 2, 16, 16, 2)
+    u, kb = n // 32 - 1, k // 32 - 1  # last unit, last k block: output 32u + 16 + 7, k pair 5
+    assert torch.equal(copy[u, kb, 1, 5, 7], w[32 * u + 16 + 7, 32 * kb + 10 : 32 * kb + 12])
+    x = torch.randn(300, k, generator=g).to(torch.bfloat16)
+    y = matmul.amx_gemm(x, copy, bias, n)
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    assert (y.double() - exact).abs().max() <= 0.01 * exact.abs().max() + 1e-3
+    for lo, hi in ((0, 1), (7, 8), (0, 17), (3, 40), (20, 52), (0, 256), (250, 300)):
+        assert torch.equal(matmul.amx_gemm(x[lo:hi].contiguous(), copy, bias, n), y[lo:hi]), (lo, hi)
+    assert matmul.amx_gemm(x[:0], copy, bias, n).shape == (0, n)
+
+
+def test_amx_refuses_shapes_it_cannot_do():
+    """N or K not a multiple of 32: no AMX copy (oneDNN keeps the layer), and the C entry point
+    refuses rather than reading past the buffers."""
+    _amx_or_skip()
+    from pagedserve.model.packed_linear import amx_copy
+
+    assert amx_copy(torch.randn(100, 64).to(torch.bfloat16), None) is None
+    assert amx_copy(torch.randn(64, 48).to(torch.bfloat16), None) is None
+    lin = PackedLinear(torch.randn(100, 64).to(torch.bfloat16))
+    assert lin.amx_weight is None and lin.packed_weight is not None
+    lib = cpu_kernels.get_decode_lib()
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    y = torch.empty(4, 128, dtype=torch.bfloat16)
+    assert lib.amx_gemm_bf16(x.data_ptr(), 4, 64, 0, None, y.data_ptr(), 100) == -1
+    assert lib.amx_gemm_bf16(x.data_ptr(), 4, 48, 0, None, y.data_ptr(), 128) == -1
+    assert lib.amx_gemm_bf16(x.data_ptr(), 0, 64, 0, None, y.data_ptr(), 128) == -1

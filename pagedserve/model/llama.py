@@ -20,7 +20,7 @@ from torch import nn
 from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.backends import TorchBackend
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
-from pagedserve.model.packed_linear import pack_linears, pack_weight, packed_or_small_linear, prepare_small_gemm
+from pagedserve.model.packed_linear import PackedLinear, attach_small_gemm, pack_linears
 
 
 class Attention(nn.Module):
@@ -111,6 +111,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self._logits_linear: Optional[PackedLinear] = None  # set by pack_for_cpu
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.backend: TorchBackend = TorchBackend()
@@ -138,8 +139,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[n, vocab_size]`` for the selected hidden states ``[n, hidden_size]``. Under
         tensor parallelism (``tp`` set by ``pagedserve.distributed.tensor_parallel``) every rank
         must call it; rank 0 gets the logits, the other ranks None."""
-        if self._packed_logits_weight is not None:
-            logits = packed_or_small_linear(hidden, self._packed_logits_weight, None, self._logits_rows, self._logits_small_plan)
+        if self._logits_linear is not None:
+            logits = self._logits_linear(hidden)
         else:
             weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
             logits = F.linear(hidden, weight)
@@ -149,18 +150,13 @@ class LlamaForCausalLM(nn.Module):
         return None if full is None else full[:, : self.config.vocab_size]
 
     tp = None  # a pagedserve.distributed.parallel_state.TPGroup when the weights are sharded
-    _packed_logits_weight = None
-    _logits_small_plan = None
-    _logits_rows = 0
-
     def pack_for_cpu(self) -> None:
-        """Pre-pack every projection (and the logits weight) for oneDNN; bf16 on CPU only, after
-        the weights are loaded. See :mod:`pagedserve.model.packed_linear`."""
+        """Pre-pack every projection (and the logits weight) for the CPU matmuls; bf16 on CPU
+        only, after the weights are loaded. See :mod:`pagedserve.model.packed_linear`."""
         logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        self._packed_logits_weight = pack_weight(logits_weight)
-        self._logits_rows = logits_weight.shape[0]
         plans: dict = {}
-        self._logits_small_plan = prepare_small_gemm(self._packed_logits_weight, logits_weight.shape[0], logits_weight.shape[1], None, plans)
+        self._logits_linear = PackedLinear(logits_weight)
+        attach_small_gemm(self._logits_linear, plans)
         pack_linears(self.layers, plans)
 
     # -- weights ---------------------------------------------------------------------------

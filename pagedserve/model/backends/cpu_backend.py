@@ -8,9 +8,9 @@
 - on the kernel's vectorised bf16 path (``prefill_kernel_preferred``) also RoPE + the KV-cache
   write in one C pass and prefill attention in the kernel (every K/V read from the cache);
   elsewhere (float32, other shapes) PyTorch RoPE and SDPA prefill, which are faster there;
-- decode steps of 1-16 sequences in bf16, when every projection has a small-M plan: the whole
-  model in one C call (``csrc/decode_step.c``, the same ops in the same order, bit-identical to
-  the layer-by-layer path);
+- decode-only steps in bf16, when every projection has the AMX matmul (any number of
+  sequences) or a small-M plan (1-16): the whole model in one C call (``csrc/decode_step.c``,
+  the same ops in the same order, bit-identical to the layer-by-layer path);
 - greedy sampling's argmax over bf16 logits in C.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.backends.torch_backend import TorchBackend, sdpa_attention
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
-from pagedserve.model.packed_linear import OWN_COPY_MAX_ROWS
+from pagedserve.model.packed_linear import PackedLinear
 from pagedserve.model.sampler import torch_argmax
 from pagedserve.ops.cpu import kernels, matmul
-from pagedserve.ops.cpu.build import get_fused_lib, get_lib
+from pagedserve.ops.cpu.build import get_decode_lib, get_fused_lib, get_lib
 
 
 def _check_range(name: str, values: torch.Tensor, limit: int) -> None:
@@ -102,13 +102,13 @@ class CpuBackend(TorchBackend):
 
     # -- the whole decode step in one C call ------------------------------------------------
     def decode_step(self, model: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: AttentionMetadata) -> bool:
-        """Every layer of a decode step of 1-16 sequences in one C call, overwriting ``hidden
-        [M, hidden_size]`` with the final normed states. Returns False, having done nothing,
-        when the step or the model does not qualify: bf16, the attention kernel's fast path, no
-        q/k norm, every projection with a small-M plan (``pack_for_cpu``), one decode group of
-        at most 16 tokens."""
+        """Every layer of a decode step in one C call, overwriting ``hidden [M, hidden_size]``
+        with the final normed states. Returns False, having done nothing, when the step or the
+        model does not qualify: bf16, the attention kernel's fast path, no q/k norm, every
+        projection with the AMX matmul or a small-M plan (``pack_for_cpu``; with any of the
+        latter, at most 16 tokens), one decode group."""
         groups = metadata.groups
-        if hidden.dtype != torch.bfloat16 or hidden.shape[0] > matmul.SMALL_GEMM_MAX_ROWS or len(groups) != 1 or not groups[0].is_decode:
+        if hidden.dtype != torch.bfloat16 or len(groups) != 1 or not groups[0].is_decode:
             return False
         table = self._decode_table(model, kv_caches)
         if table is None or hidden.shape[0] > self._decode_max_rows:
@@ -141,30 +141,30 @@ class CpuBackend(TorchBackend):
         ok = (
             self.fused_rope
             and model.tp is None  # the C step has no all-reduce between layers
-            and model._packed_logits_weight is not None
+            and model._logits_linear is not None
             and not attn.qk_norm
-            and matmul.get_small_gemm_lib() is not None
+            and get_decode_lib() is not None
             and all(kv.is_contiguous() and kv.dtype == kv_caches[0].dtype for kv in kv_caches)
             and kv_caches[0].dtype in (torch.bfloat16, torch.int8)
             and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in model.layers)
         )
-        rows, own = [], False
+        rows, all_amx = [], True
         for layer, kv in zip(model.layers, kv_caches):
             if not ok:
                 break
             entries = []
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                plan = getattr(lin, "small_plan", None)
-                if plan is None:
+                e = lin.decode_entries() if isinstance(lin, PackedLinear) else None
+                if e is None:
                     ok = False
                     break
-                entries += [lin.small_weight_address(), 0 if lin.bias is None else lin.bias.data_ptr(), *plan]
-                own = own or lin.small_weight is not None
+                entries += e
+                all_amx = all_amx and lin.amx_weight is not None
             if ok:
                 entries += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *kernels._kv_pointers(kv)]
                 rows.append(entries)
         if ok and rows and len(rows[0]) == matmul.decode_layer_entries():
             table = torch.tensor(rows, dtype=torch.int64)
-            self._decode_max_rows = OWN_COPY_MAX_ROWS if own else matmul.SMALL_GEMM_MAX_ROWS
+            self._decode_max_rows = 1 << 30 if all_amx else matmul.SMALL_GEMM_MAX_ROWS
         self._decode_table_cache = (key, table, kv_caches)
         return table

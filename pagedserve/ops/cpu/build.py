@@ -32,7 +32,7 @@ _COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _LIBS = {
     "paged_attention": ("paged_attention.c", ["-ffp-contract=fast"]),
     "fused_ops": ("fused_ops.c", ["-ffp-contract=off"]),
-    "decode": ("decode_step.c", ["-ffp-contract=off"]),  # includes fused_ops.c and small_gemm.c
+    "decode": ("decode_step.c", ["-ffp-contract=off"]),  # includes fused_ops.c, small_gemm.c, amx_gemm.c
 }
 _libs: dict[str, Optional[ctypes.CDLL]] = {}
 _lock = threading.Lock()
@@ -88,6 +88,10 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
     elif name == "decode":
         lib.small_gemm_bf16.restype = ctypes.c_int
         lib.small_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, i64]
+        lib.amx_gemm_bf16.restype = ctypes.c_int
+        lib.amx_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64]
+        lib.amx_gemm_available.restype = ctypes.c_int
+        lib.amx_gemm_available.argtypes = []
         lib.decode_layer_entries.restype = ctypes.c_int
         lib.decode_layer_entries.argtypes = []
         lib.decode_layers_bf16.restype = ctypes.c_int

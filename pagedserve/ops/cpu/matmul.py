@@ -1,10 +1,12 @@
-"""ctypes wrappers of the small-M bf16 matmul on oneDNN's packed weights and of the one-call
-decode step (``csrc/small_gemm.c``, ``csrc/decode_step.c``), with the per-shape calibration
-that makes the matmul bit-identical to oneDNN's batched output, 2 MiB pages for the weights,
-and a memory-bandwidth probe."""
+"""ctypes wrappers of the bf16 matmuls of ``csrc/`` and of the one-call decode step
+(``csrc/decode_step.c``): the small-M matmul on oneDNN's packed weights (``small_gemm.c``), with
+the per-shape calibration that makes it bit-identical to oneDNN's batched output; the AMX
+matmul on an own weight layout (``amx_gemm.c``); 2 MiB pages for the weights; and a
+memory-bandwidth probe."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Optional
 
@@ -22,6 +24,43 @@ def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
     return _get("decode")
 
 
+def amx_available() -> bool:
+    """Whether the AMX matmul runs here: built for a CPU with AMX-BF16, Linux granted the tile
+    state, and ``PAGEDSERVE_AMX`` is not 0 (read when weights are packed; packed layers keep
+    their kernel)."""
+    return os.environ.get("PAGEDSERVE_AMX", "1") != "0" and _amx_granted()
+
+
+@functools.lru_cache(maxsize=None)
+def _amx_granted() -> bool:
+    lib = _get("decode")
+    return lib is not None and bool(lib.amx_gemm_available())
+
+
+def amx_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (N and K multiples of 32) in the AMX matmul's layout
+    ``[N/32, K/32, 2, 16, 16, 2]`` bf16: per 32 outputs and 32 k, two 16 x 16 x 2 B tiles
+    (k pairs x outputs x pair), contiguous in the order the kernel reads them."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.bfloat16).contiguous()
+    return w.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def amx_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """``x [M, K]`` (bf16, contiguous) times a weight in :func:`amx_layout`:
+    ``[M, out_features]`` bf16; fp32 accumulation over k in order, one rounding (each row's
+    result independent of M). Raises RuntimeError if the kernel rejects the shape."""
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    if m == 0:
+        return y
+    assert x.dtype == torch.bfloat16 and x.is_contiguous()
+    rc = _get("decode").amx_gemm_bf16(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
+    if rc != 0:
+        raise RuntimeError(f"amx_gemm_bf16 rejected x {tuple(x.shape)} -> {out_features}")
+    return y
+
+
 def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of an opaque oneDNN tensor's buffer."""
     return torch.ops.mkldnn.data_ptr(packed_weight), torch.ops.mkldnn._nbytes(packed_weight)
@@ -31,7 +70,7 @@ def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torc
     """``x [M, K]`` (bf16, contiguous, 1 <= M <= 16) times a packed weight whose ``plan`` came
     from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
     batched result. ``packed_weight`` may also be a plain bf16 tensor already in the kernel's
-    layout ``[N/64, K/2, 64, 2]`` (``packed_linear.small_gemm_own_copy``). Raises RuntimeError if the kernel rejects the shape (callers check first)."""
+    layout ``[N/64, K/2, 64, 2]``. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
     lib = _get("decode")  # not get_small_gemm_lib(): plans made at load stay usable if the env changes
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
@@ -156,12 +195,12 @@ def decode_layers(
     scale: float,
     kv_int8: bool = False,
 ) -> int:
-    """Every decoder layer and the final RMSNorm of a decode step of ``M <= 16`` sequences, in
-    one C call (``decode_step.c``), bf16.
+    """Every decoder layer and the final RMSNorm of a decode step of ``M`` sequences (at most 16
+    unless every projection has the AMX matmul), in one C call (``decode_step.c``), bf16.
 
     Args:
         table: ``[num_layers, decode_layer_entries()]`` int64: per layer the packed weights,
-            biases (0 if none) and small-M plans of qkv, o, gate_up, down, the two RMSNorm
+            biases (0 if none) and small-M plans ((0, -1): the AMX matmul) of qkv, o, gate_up, down, the two RMSNorm
             weights and the layer's K and V cache addresses.
         hidden: ``[M, hidden_size]`` contiguous bf16 embeddings, overwritten with the final
             normed hidden states.

@@ -1,12 +1,13 @@
 /*
- * A whole decode step of a Llama-family decoder in one call, for 1-16 sequences in bf16 on the
- * CPU. With one sequence the step is a stream of small matmuls and element-wise ops; issued one
- * by one from Python, their dispatch (~10 us each, ~9 per layer) costs as much as a third of
- * the step. This loop runs the same ops in the same order as `DecoderLayer.forward_fused`
- * (the same C functions: add_rms_norm, rope_write_kv and silu_mul from fused_ops.c, the
- * small-M matmul of small_gemm.c, and the paged attention kernel through a function pointer,
- * since that library is built with other floating-point flags), so its output is bit-identical
- * to the layer-by-layer path.
+ * A whole decode step of a Llama-family decoder in one call, in bf16 on the CPU: any number of
+ * sequences when every projection has the AMX matmul, else 1-16. With few sequences the step
+ * is a stream of small matmuls and element-wise ops; issued one by one from Python, their
+ * dispatch (~10 us each, ~9 per layer) costs as much as a third of the step. This loop runs the
+ * same ops in the same order as `DecoderLayer.forward_fused` (the same C functions:
+ * add_rms_norm, rope_write_kv and silu_mul from fused_ops.c, the matmuls of amx_gemm.c or
+ * small_gemm.c, and the paged attention kernel through a function pointer, since that library
+ * is built with other floating-point flags), so its output is bit-identical to the
+ * layer-by-layer path.
  *
  * Built with -ffp-contract=off, like fused_ops.c.
  */
@@ -15,6 +16,7 @@
 
 #include "fused_ops.c"
 #include "small_gemm.c"
+#include "amx_gemm.c"
 
 typedef int (*attention_fn)(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                             const int64_t* block_tables, int64_t max_blocks, const int64_t* token_seq,
@@ -35,6 +37,16 @@ int decode_layer_entries(void) { return L_ENTRIES; }
 
 #define P16(v) ((uint16_t*)(intptr_t)(v))
 
+#ifdef HAVE_SMALL_GEMM
+/* One projection of the layer table, e = its 4 entries: the AMX matmul (plan (0, -1)) or the
+ * small-M one. */
+static inline int is_amx(const int64_t* e) { return e[2] == 0 && e[3] == -1; }
+static int projection(const uint16_t* x, int64_t M, int64_t K, const int64_t* e, uint16_t* y, int64_t N) {
+    if (is_amx(e)) return amx_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N);
+    return small_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N, e[2], e[3]);
+}
+#endif
+
 /* x: [M, hidden] bf16, the embedded tokens on entry and the final normed hidden states on
  * return. layers: [num_layers, L_ENTRIES] int64 (packed weights, biases or 0, plans, RMSNorm
  * weights, this layer's K and V caches [num_blocks, num_kv_heads, block_size, head_dim], or with
@@ -48,7 +60,10 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
                        const int64_t* slots, const float* cos, const float* sin, const int64_t* block_tables,
                        int64_t max_blocks, const int64_t* seq_lens, void* attention, int kv_int8) {
 #ifdef HAVE_SMALL_GEMM
-    if (M < 1 || M > SG_MAX_ROWS || hidden > MAX_DIM || head_dim > 1024) return -1;
+    if (M < 1 || hidden > MAX_DIM || head_dim > 1024) return -1;
+    for (int64_t l = 0; l < num_layers; l++)
+        for (int p = L_QKV_W; p <= L_DOWN_W; p += L_O_W - L_QKV_W)
+            if (M > SG_MAX_ROWS && !is_amx(layers + l * L_ENTRIES + p)) return -1;
     const attention_fn attn = (attention_fn)attention;
     const int64_t qs = num_heads * head_dim, kvs = num_kv_heads * head_dim, qkv_n = qs + 2 * kvs;
     uint16_t* buf = (uint16_t*)malloc(sizeof(uint16_t) * M * (3 * hidden + qkv_n + 2 * qs + 3 * inter));
@@ -63,16 +78,16 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
             add_rms_norm(r, NULL, P16(L[L_LN1]), h, M, hidden, eps, 1);
         else
             add_rms_norm(d, r, P16(L[L_LN1]), h, M, hidden, eps, 1);
-        if (small_gemm_bf16(h, M, hidden, P16(L[L_QKV_W]), P16(L[L_QKV_B]), qkv, qkv_n, L[L_QKV_CHAIN], L[L_QKV_BODY])) { rc = -1; break; }
+        if (projection(h, M, hidden, L + L_QKV_W, qkv, qkv_n)) { rc = -1; break; }
         rope_write_kv_impl(qkv, qkv_n, qkv + qs + kvs, qkv_n, positions, slots, cos, sin, q, P16(L[L_K_CACHE]),
                            P16(L[L_V_CACHE]), M, num_heads, num_kv_heads, head_dim, block_size, 1, kv_int8);
         if (attn(q, P16(L[L_K_CACHE]), P16(L[L_V_CACHE]), block_tables, max_blocks, NULL, seq_lens, ao, M, num_heads,
                  num_kv_heads, head_dim, block_size, scale)) { rc = -3; break; }
-        if (small_gemm_bf16(ao, M, qs, P16(L[L_O_W]), P16(L[L_O_B]), d, hidden, L[L_O_CHAIN], L[L_O_BODY])) { rc = -1; break; }
+        if (projection(ao, M, qs, L + L_O_W, d, hidden)) { rc = -1; break; }
         add_rms_norm(d, r, P16(L[L_LN2]), h, M, hidden, eps, 1);
-        if (small_gemm_bf16(h, M, hidden, P16(L[L_GU_W]), P16(L[L_GU_B]), gu, 2 * inter, L[L_GU_CHAIN], L[L_GU_BODY])) { rc = -1; break; }
+        if (projection(h, M, hidden, L + L_GU_W, gu, 2 * inter)) { rc = -1; break; }
         silu_mul(gu, act, M, inter, 1);
-        if (small_gemm_bf16(act, M, inter, P16(L[L_DOWN_W]), P16(L[L_DOWN_B]), d, hidden, L[L_DOWN_CHAIN], L[L_DOWN_BODY])) { rc = -1; break; }
+        if (projection(act, M, inter, L + L_DOWN_W, d, hidden)) { rc = -1; break; }
     }
     if (rc == 0) add_rms_norm(d, r, final_norm, x, M, hidden, eps, 1);
     free(buf);
