@@ -61,6 +61,8 @@ CASES = [
     (8, 1, 64, 16, torch.bfloat16),  # group 8: generic path
     (4, 4, 32, 16, torch.bfloat16),  # head_dim 32: generic path
     (9, 3, 64, 5, torch.bfloat16),  # odd block size: tails in every block
+    (16, 1, 64, 32, torch.bfloat16),  # group 16, 32-token blocks (AMX: one row of tiles per token)
+    (4, 2, 64, 32, torch.bfloat16),  # 32-token blocks read 16 keys at a time (AMX)
     (9, 3, 64, 16, torch.float32),
     (6, 2, 48, 7, torch.float32),
 ]
@@ -164,3 +166,28 @@ def test_kernel_refuses_wrong_dtypes_and_shapes():
     assert not ok(q, cache, bt, None, lens, 0.125, torch.empty(1, 4, 64, dtype=torch.bfloat16))
     assert not ok(q, cache, bt[:1], None, lens, 0.125, torch.empty_like(q))
     assert not ok(q, cache, bt, torch.zeros(2, dtype=torch.int32), lens, 0.125, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 16), (8, 2, 32), (16, 1, 16)])
+def test_prefill_row_equals_decode_row(num_heads, num_kv_heads, block_size):
+    """A prefill chunk's row (computed with the other rows of its chunk, on AMX in tiles of
+    several tokens) is the same bits as that token decoded alone: chunking and batching do
+    not change attention output."""
+    parts = [(0, 40), (23, 18), (0, 1), (64, 33)]
+    seq_lens = [c + q for c, q in parts]
+    cache, tables = _paged_case(seq_lens, num_kv_heads, 64, block_size, torch.bfloat16, seed=3)
+    max_blocks = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+    T = sum(q for _, q in parts)
+    q = torch.randn(T, num_heads, 64).to(torch.bfloat16)
+    token_seq = torch.tensor([i for i, (_, ql) in enumerate(parts) for _ in range(ql)])
+    token_lens = torch.tensor([p + 1 for c, ql in parts for p in range(c, c + ql)])
+    chunk = torch.empty_like(q)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt, token_seq, token_lens, 0.125, chunk)
+    alone = torch.empty_like(q)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt[token_seq].contiguous(), None, token_lens, 0.125, alone)
+    assert torch.equal(chunk, alone)
+    for t in (0, 17, 40, 58, 59, T - 1):  # one at a time, too
+        one = torch.empty_like(q[t : t + 1])
+        assert cpu_kernels.paged_attention_cpu(q[t : t + 1].contiguous(), cache, bt[token_seq[t : t + 1]].contiguous(), None, token_lens[t : t + 1].contiguous(), 0.125, one)
+        assert torch.equal(one[0], chunk[t]), t

@@ -322,6 +322,8 @@ static inline int fast_path_shape(int64_t group, int64_t head_dim) {
 }
 #endif
 
+#include "attention_amx.c"
+
 /* Attention of num_tokens query tokens, each to the first token_lens[t] cached tokens of the
  * sequence whose block table is row token_seq[t] (token_seq NULL: row t, the decode case).
  * One OpenMP task per (query token, KV head); each thread owns one score buffer per call.
@@ -332,6 +334,12 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
                            int64_t block_size, float scale, int is_bf16, int kv_int8) {
     const int64_t group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
+#ifdef HAVE_AMX_ATTENTION
+    if (is_bf16 && !kv_int8 && head_dim == 64 && block_size % 16 == 0 && pa_amx_ok())
+        return paged_attention_amx((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, block_tables,
+                                   max_blocks, token_seq, token_lens, (uint16_t*)out, num_tokens, num_heads,
+                                   num_kv_heads, block_size, scale);
+#endif
     const int64_t esize = is_bf16 ? 2 : 4;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;  /* elements */
     const int64_t q8_bytes = Q8_BYTES(block_size, head_dim);  /* int8 cache: one (block, KV head) */

@@ -1,0 +1,238 @@
+/*
+ * Paged attention with AMX tiles, bf16 cache and queries, head_dim 64 (included by
+ * paged_attention.c, which falls back to its AVX-512 tasks elsewhere).
+ *
+ * A task is up to 16 query rows of one KV head: the GQA group (G rows) of T query tokens of one
+ * sequence (T = 1 for decode, 16 / G for a prefill chunk). Two passes over the cached context,
+ * block by block through the block table, as in the AVX-512 task:
+ * - scores: S^T [16 keys x rows] = K block [16 x 64] . Q^T, with the K block read straight from
+ *   the cache as the A tile and Q^T in AMX's pair-interleaved (VNNI) order as the B tile;
+ * - per row, softmax in fp32 over that row's own keys (causal: token_lens), probabilities
+ *   rounded to bf16 and zero after the row's last key;
+ * - P.V: out [rows x 64] = P [rows x 32 keys] . V [32 keys x 64], V re-laid out into key pairs
+ *   per 32 keys (rows after the context's last key zeroed, never read as garbage).
+ * Every output element is computed by the same sequence of tile operations whatever the other
+ * rows of its task are, so a row's result does not depend on chunking or batching: a prefill
+ * row equals the decode row of the same position.
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX_ATTENTION 1
+#ifndef PA_PF_KEYS
+#define PA_PF_KEYS 64  /* keys ahead to prefetch (a multiple of 16) */
+#endif
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} pa_tilecfg;
+
+/* 1 when AMX may be used (Linux granted the tile state; PAGEDSERVE_AMX is not 0). */
+static int pa_amx_ok(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        const char* env = getenv("PAGEDSERVE_AMX");
+        ok = (env && env[0] == '0' && env[1] == 0) ? 0 : syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    return ok;
+}
+
+/* tmm0: a K block (A, 16 keys x 32 dims) or 32 keys of V in pairs (B, 16 key pairs x 16 dims
+ * x 2); tmm1: Q^T (B, 16 dim pairs x R rows x 2); tmm2: S^T (C, 16 keys x R); tmm3: P (A, R x
+ * 32 keys); tmm4..7: out (C, R x 16 dims each, 64 dims). */
+static void pa_config(pa_tilecfg* c, int R) {
+    memset(c, 0, sizeof(*c));
+    c->palette_id = 1;
+    c->rows[0] = 16; c->colsb[0] = 64;
+    c->rows[1] = 16; c->colsb[1] = (uint16_t)(R * 4);
+    c->rows[2] = 16; c->colsb[2] = (uint16_t)(R * 4);
+    for (int t = 3; t < 8; t++) { c->rows[t] = (uint8_t)R; c->colsb[t] = 64; }
+}
+
+/* Buffers of one thread (floats/uint16 counts for a context of up to max_n keys). */
+typedef struct {
+    float* st;      /* [n_pad][16] scores, key-major (column r = row r) */
+    float* row;     /* [n_pad] one row's scores */
+    uint16_t* p;    /* [16][n_pad] bf16 probabilities */
+    uint16_t qt[2][16][16][2];  /* Q^T per 32 dims: [pair][row][2] */
+    uint16_t vp[4][16][32];     /* V of 32 keys: [16-dim chunk][key pair][dim, key] */
+    float out[16][64];
+} pa_bufs;
+
+/* R = nt * G rows: tokens q_tok[0..nt) (row r = token r / G, head r % G of KV head kh), each
+ * attending to its first lens[i] keys of the sequence's block table. */
+static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* lens, int nt, int G, int64_t num_heads,
+                        int64_t kh, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t block_size,
+                        int64_t block_stride, float scale, uint16_t* out, pa_bufs* b) {
+    const int64_t D = 64, head_off = kh * block_size * D;
+    const int R = nt * G;
+    int64_t n_max = 0;
+    for (int i = 0; i < nt; i++) n_max = lens[i] > n_max ? lens[i] : n_max;
+    const int64_t n_pad = (n_max + 31) / 32 * 32;
+    memset(b->qt, 0, sizeof(b->qt));
+    for (int r = 0; r < R; r++) {
+        const uint16_t* qr = q + (q_tok[r / G] * num_heads + kh * G + r % G) * D;
+        for (int c = 0; c < 2; c++)
+            for (int p = 0; p < 16; p++) {
+                b->qt[c][p][r][0] = qr[32 * c + 2 * p];
+                b->qt[c][p][r][1] = qr[32 * c + 2 * p + 1];
+            }
+    }
+    /* scores, 16 keys per block row of the table (block_size 16: one cache block) */
+    for (int64_t k0 = 0; k0 < n_max; k0 += 16) {
+        const uint16_t* kb = kc + table[k0 / block_size] * block_stride + head_off + (k0 % block_size) * D;
+        /* tile loads wait for the tile's previous use, so the stream never runs ahead by
+         * itself: fetch the keys PA_PF_KEYS ahead into L1 */
+        if (k0 + PA_PF_KEYS < n_max) {
+            const char* f = (const char*)(kc + table[(k0 + PA_PF_KEYS) / block_size] * block_stride + head_off + ((k0 + PA_PF_KEYS) % block_size) * D);
+            for (int l = 0; l < 32; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
+        }
+        _tile_zero(2);
+        for (int c = 0; c < 2; c++) {
+            _tile_loadd(0, kb + 32 * c, D * 2);
+            _tile_loadd(1, b->qt[c], 64);
+            _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, b->st + k0 * 16, 64);
+    }
+    /* softmax per row over its own keys; P zero after them */
+    for (int r = 0; r < R; r++) {
+        const int64_t n = lens[r / G];
+        for (int64_t k = 0; k < n; k++) b->row[k] = b->st[k * 16 + r] * scale;
+        softmax_rows(b->row, 1, n);
+        uint16_t* pr = b->p + r * n_pad;
+        int64_t k = 0;
+        for (; k + 16 <= n; k += 16)
+            _mm256_storeu_si256((__m256i*)(pr + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b->row + k)));
+        for (; k < n; k++) pr[k] = f32_to_bf16(b->row[k]);
+        for (; k < n_pad; k++) pr[k] = 0;
+    }
+    /* P.V, 32 keys at a time */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t k0 = 0; k0 < n_pad; k0 += 32) {
+        for (int64_t k = k0 + PA_PF_KEYS; k < k0 + PA_PF_KEYS + 32 && k < n_max; k += 16) {
+            const char* f = (const char*)(vc + table[k / block_size] * block_stride + head_off + (k % block_size) * D);
+            for (int l = 0; l < 32; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
+        }
+        for (int half = 0; half < 2; half++) {  /* 16 keys: one cache block or a part of one */
+            const int64_t ks = k0 + 16 * half;
+            const int64_t valid = n_max - ks < 0 ? 0 : (n_max - ks < 16 ? n_max - ks : 16);
+            const uint16_t* vb = valid ? vc + table[ks / block_size] * block_stride + head_off + (ks % block_size) * D : NULL;
+            for (int j = 0; j < 8; j++) {
+                __m512i x[2], y[2];
+                for (int e = 0; e < 2; e++) {
+                    __m512i* dst = e ? y : x;
+                    if (2 * j + e < valid) {
+                        const uint16_t* vr = vb + (2 * j + e) * D;
+                        dst[0] = _mm512_loadu_si512((const void*)vr);
+                        dst[1] = _mm512_loadu_si512((const void*)(vr + 32));
+                    } else {
+                        dst[0] = dst[1] = _mm512_setzero_si512();
+                    }
+                }
+                const int p = 8 * half + j;
+                for (int h = 0; h < 2; h++) {
+                    _mm512_storeu_si512((void*)b->vp[2 * h][p], _mm512_permutex2var_epi16(x[h], lo, y[h]));
+                    _mm512_storeu_si512((void*)b->vp[2 * h + 1][p], _mm512_permutex2var_epi16(x[h], hi, y[h]));
+                }
+            }
+        }
+        _tile_loadd(3, b->p + k0, n_pad * 2);
+        _tile_loadd(0, b->vp[0], 64);
+        _tile_dpbf16ps(4, 3, 0);
+        _tile_loadd(0, b->vp[1], 64);
+        _tile_dpbf16ps(5, 3, 0);
+        _tile_loadd(0, b->vp[2], 64);
+        _tile_dpbf16ps(6, 3, 0);
+        _tile_loadd(0, b->vp[3], 64);
+        _tile_dpbf16ps(7, 3, 0);
+    }
+    _tile_stored(4, &b->out[0][0], 256);
+    _tile_stored(5, &b->out[0][16], 256);
+    _tile_stored(6, &b->out[0][32], 256);
+    _tile_stored(7, &b->out[0][48], 256);
+    for (int r = 0; r < R; r++) {
+        uint16_t* o = out + (q_tok[r / G] * num_heads + kh * G + r % G) * D;
+        for (int v = 0; v < 4; v++)
+            _mm256_storeu_si256((__m256i*)(o + 16 * v), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(&b->out[r][16 * v])));
+    }
+}
+
+/* The AMX path of paged_attention for bf16, head_dim 64, group <= 16, block_size a multiple of
+ * 16. Tasks: (tile of tokens, KV head); a tile is one decode token, or up to 16 / group
+ * consecutive tokens of one sequence. Returns 0, -2 on allocation failure. */
+static int paged_attention_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
+                               int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, uint16_t* out,
+                               int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                               float scale) {
+    const int G = (int)(num_heads / num_kv_heads);
+    const int T = token_seq ? 16 / G : 1;
+    const int64_t block_stride = num_kv_heads * block_size * 64;
+    int64_t max_n = 1;
+    for (int64_t t = 0; t < num_tokens; t++) max_n = token_lens[t] > max_n ? token_lens[t] : max_n;
+    const int64_t n_pad = (max_n + 31) / 32 * 32;
+    /* tiles: runs of up to T tokens of the same sequence */
+    int64_t* tile_start = (int64_t*)malloc(sizeof(int64_t) * (num_tokens + 1));
+    if (!tile_start) return -2;
+    int64_t ntiles = 0;
+    for (int64_t t = 0; t < num_tokens;) {
+        int64_t e = t + 1;
+        while (token_seq && e < num_tokens && e - t < T && token_seq[e] == token_seq[t]) e++;
+        tile_start[ntiles++] = t;
+        t = e;
+    }
+    tile_start[ntiles] = num_tokens;
+    int failed = 0;
+#pragma omp parallel
+    {
+        pa_bufs* b = (pa_bufs*)malloc(sizeof(pa_bufs));
+        float* fl = (float*)malloc(sizeof(float) * n_pad * 17 + sizeof(uint16_t) * 16 * n_pad);
+        if (!b || !fl) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        pa_tilecfg saved, cfg;
+        int configured = -1;
+        if (b && fl) {
+            b->st = fl;
+            b->row = fl + n_pad * 16;
+            b->p = (uint16_t*)(fl + n_pad * 17);
+            _tile_storeconfig(&saved);
+        }
+        int64_t idx[16];
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t i = 0; i < ntiles; i++)
+            for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+                if (!b || !fl) continue;
+                const int nt = (int)(tile_start[i + 1] - tile_start[i]);
+                if (configured != nt * G) {
+                    pa_config(&cfg, nt * G);
+                    _tile_loadconfig(&cfg);
+                    configured = nt * G;
+                }
+                for (int j = 0; j < nt; j++) idx[j] = tile_start[i] + j;
+                const int64_t* table = block_tables + (token_seq ? token_seq[tile_start[i]] : tile_start[i]) * max_blocks;
+                pa_task_amx(q, idx, token_lens + tile_start[i], nt, G, num_heads, kh, kc, vc, table, block_size,
+                            block_stride, scale, out, b);
+            }
+        if (b && fl) {
+            if (saved.palette_id)
+                _tile_loadconfig(&saved);
+            else
+                _tile_release();
+        }
+        free(fl);
+        free(b);
+    }
+    free(tile_start);
+    return failed ? -2 : 0;
+}
+#endif
