@@ -81,12 +81,16 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
             }
     }
     /* scores, 16 keys per block row of the table (block_size 16: one cache block) */
+    const int64_t n16 = (n_max + 15) / 16 * 16;
     for (int64_t k0 = 0; k0 < n_max; k0 += 16) {
         const uint16_t* kb = kc + table[k0 / block_size] * block_stride + head_off + (k0 % block_size) * D;
         /* tile loads wait for the tile's previous use, so the stream never runs ahead by
          * itself: fetch the keys PA_PF_KEYS ahead into L1 */
-        if (k0 + PA_PF_KEYS < n_max) {
-            const char* f = (const char*)(kc + table[(k0 + PA_PF_KEYS) / block_size] * block_stride + head_off + ((k0 + PA_PF_KEYS) % block_size) * D);
+        const int64_t kf = k0 + PA_PF_KEYS, vf = kf - n16;  /* then the first values */
+        if (kf < n_max || (vf >= 0 && vf < n_max)) {
+            const uint16_t* c = kf < n_max ? kc : vc;
+            const int64_t at = kf < n_max ? kf : vf;
+            const char* f = (const char*)(c + table[at / block_size] * block_stride + head_off + (at % block_size) * D);
             for (int l = 0; l < 32; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
         }
         _tile_zero(2);
@@ -100,10 +104,16 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
     /* softmax per row over its own keys; P zero after them */
     for (int r = 0; r < R; r++) {
         const int64_t n = lens[r / G];
-        for (int64_t k = 0; k < n; k++) b->row[k] = b->st[k * 16 + r] * scale;
+        const __m512i col = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                                _mm512_set1_epi32(16)), _mm512_set1_epi32(r));
+        const __m512 sv = _mm512_set1_ps(scale);
+        int64_t k = 0;
+        for (; k + 16 <= n; k += 16)  /* column r of 16 key rows of S^T */
+            _mm512_storeu_ps(b->row + k, _mm512_mul_ps(_mm512_i32gather_ps(col, b->st + k * 16, 4), sv));
+        for (; k < n; k++) b->row[k] = b->st[k * 16 + r] * scale;
         softmax_rows(b->row, 1, n);
         uint16_t* pr = b->p + r * n_pad;
-        int64_t k = 0;
+        k = 0;
         for (; k + 16 <= n; k += 16)
             _mm256_storeu_si256((__m256i*)(pr + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b->row + k)));
         for (; k < n; k++) pr[k] = f32_to_bf16(b->row[k]);
