@@ -10,7 +10,8 @@
  * - per row, softmax in fp32 over that row's own keys (causal: token_lens), probabilities
  *   rounded to bf16 and zero after the row's last key;
  * - P.V: out [rows x 64] = P [rows x 32 keys] . V [32 keys x 64], V re-laid out into key pairs
- *   per 32 keys (rows after the context's last key zeroed, never read as garbage).
+ *   per 32 keys by unpacking two rows (so the output's dims come in the unpack order, undone
+ *   once per task; rows after the context's last key zeroed, never read as garbage).
  * Every output element is computed by the same sequence of tile operations whatever the other
  * rows of its task are, so a row's result does not depend on chunking or batching: a prefill
  * row equals the decode row of the same position.
@@ -57,7 +58,7 @@ typedef struct {
     float* row;     /* [n_pad] one row's scores */
     uint16_t* p;    /* [16][n_pad] bf16 probabilities */
     uint16_t qt[2][16][16][2];  /* Q^T per 32 dims: [pair][row][2] */
-    uint16_t vp[4][16][32];     /* V of 32 keys: [16-dim chunk][key pair][dim, key] */
+    uint16_t vp[4][16][32];     /* V of 32 keys: [dims chunk][key pair][dim, key], dims as unpacked */
     float out[16][64];
 } pa_bufs;
 
@@ -120,9 +121,6 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
         for (; k < n_pad; k++) pr[k] = 0;
     }
     /* P.V, 32 keys at a time */
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
@@ -150,8 +148,9 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
                 }
                 const int p = 8 * half + j;
                 for (int h = 0; h < 2; h++) {
-                    _mm512_storeu_si512((void*)b->vp[2 * h][p], _mm512_permutex2var_epi16(x[h], lo, y[h]));
-                    _mm512_storeu_si512((void*)b->vp[2 * h + 1][p], _mm512_permutex2var_epi16(x[h], hi, y[h]));
+                    /* per 128-bit lane L: pairs of dims 32h + 8L + 0..3 (lo), + 4..7 (hi) */
+                    _mm512_storeu_si512((void*)b->vp[2 * h][p], _mm512_unpacklo_epi16(x[h], y[h]));
+                    _mm512_storeu_si512((void*)b->vp[2 * h + 1][p], _mm512_unpackhi_epi16(x[h], y[h]));
                 }
             }
         }
@@ -170,9 +169,13 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
     _tile_stored(6, &b->out[0][32], 256);
     _tile_stored(7, &b->out[0][48], 256);
     for (int r = 0; r < R; r++) {
+        /* column j of out tile t = 2h + half holds dim 32h + 8(j / 4) + 4 half + j % 4 */
+        float row[64];
+        for (int t = 0; t < 4; t++)
+            for (int j = 0; j < 16; j++) row[32 * (t / 2) + 8 * (j / 4) + 4 * (t % 2) + j % 4] = b->out[r][16 * t + j];
         uint16_t* o = out + (q_tok[r / G] * num_heads + kh * G + r % G) * D;
         for (int v = 0; v < 4; v++)
-            _mm256_storeu_si256((__m256i*)(o + 16 * v), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(&b->out[r][16 * v])));
+            _mm256_storeu_si256((__m256i*)(o + 16 * v), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + 16 * v)));
     }
 }
 
