@@ -1,6 +1,8 @@
 /*
- * Paged attention with AMX tiles, bf16 cache and queries, head_dim 64 (included by
- * paged_attention.c, which falls back to its AVX-512 tasks elsewhere).
+ * Paged attention with AMX tiles, bf16 queries, a bf16 or int8 (kv_int8.h) cache, head_dim 64
+ * (included by paged_attention.c, which falls back to its AVX-512 tasks elsewhere). An int8
+ * cache's rows are widened to bf16 exactly (|x| <= 127); each key's scale multiplies its score
+ * and each value row's scale its probability before P is rounded to bf16.
  *
  * A task is up to 16 query rows of one KV head: the GQA group (G rows) of T query tokens of one
  * sequence (T = 1 for decode, 16 / G for a prefill chunk). Two passes over the cached context,
@@ -57,17 +59,45 @@ typedef struct {
     float* st;      /* [n_pad][16] scores, key-major (column r = row r) */
     float* row;     /* [n_pad] one row's scores */
     uint16_t* p;    /* [16][n_pad] bf16 probabilities */
+    float* ks;      /* int8 cache: [n_pad] each key's scale times the softmax scale */
+    float* vs;      /* int8 cache: [n_pad] each value row's scale */
+    uint16_t kbuf[16][64];      /* int8 cache: 16 keys widened to bf16 (exact) */
     uint16_t qt[2][16][16][2];  /* Q^T per 32 dims: [pair][row][2] */
     uint16_t vp[4][16][32];     /* V of 32 keys: [dims chunk][key pair][dim, key], dims as unpacked */
     float out[16][64];
 } pa_bufs;
 
+/* Where one KV head's rows are: bf16 [num_blocks, num_kv_heads, block_size, 64], or the int8
+ * cells of kv_int8.h (64 int8 per row, then one float32 scale per row). */
+typedef struct {
+    const char *k, *v;
+    int64_t block_bytes, head_bytes, row_bytes, block_size;
+    int64_t scale_off;  /* int8: bytes from a cell to its scales; -1: bf16 */
+} pa_cache;
+
+static inline const char* pa_row(const pa_cache* c, const char* base, const int64_t* table, int64_t k) {
+    return base + table[k / c->block_size] * c->block_bytes + c->head_bytes + (k % c->block_size) * c->row_bytes;
+}
+
+static inline const float* pa_scales(const pa_cache* c, const char* base, const int64_t* table, int64_t k) {
+    return (const float*)(base + table[k / c->block_size] * c->block_bytes + c->head_bytes + c->scale_off) + k % c->block_size;
+}
+
+/* 64 int8 -> 64 bf16 (exact: |x| <= 127), as two vectors of 32. */
+static inline void pa_widen_q8(const int8_t* src, __m512i dst[2]) {
+    __m512 f[4];
+    for (int i = 0; i < 4; i++) f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16 * i))));
+    dst[0] = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+    dst[1] = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+}
+
 /* R = nt * G rows: tokens q_tok[0..nt) (row r = token r / G, head r % G of KV head kh), each
  * attending to its first lens[i] keys of the sequence's block table. */
 static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* lens, int nt, int G, int64_t num_heads,
-                        int64_t kh, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t block_size,
-                        int64_t block_stride, float scale, uint16_t* out, pa_bufs* b) {
-    const int64_t D = 64, head_off = kh * block_size * D;
+                        int64_t kh, const pa_cache* c, const int64_t* table, float scale, uint16_t* out, pa_bufs* b) {
+    const int64_t D = 64;
+    const int q8 = c->scale_off >= 0;
+    const int pf_lines = (int)(16 * c->row_bytes / 64);
     const int R = nt * G;
     int64_t n_max = 0;
     for (int i = 0; i < nt; i++) n_max = lens[i] > n_max ? lens[i] : n_max;
@@ -75,29 +105,42 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
     memset(b->qt, 0, sizeof(b->qt));
     for (int r = 0; r < R; r++) {
         const uint16_t* qr = q + (q_tok[r / G] * num_heads + kh * G + r % G) * D;
-        for (int c = 0; c < 2; c++)
+        for (int h = 0; h < 2; h++)
             for (int p = 0; p < 16; p++) {
-                b->qt[c][p][r][0] = qr[32 * c + 2 * p];
-                b->qt[c][p][r][1] = qr[32 * c + 2 * p + 1];
+                b->qt[h][p][r][0] = qr[32 * h + 2 * p];
+                b->qt[h][p][r][1] = qr[32 * h + 2 * p + 1];
             }
     }
     /* scores, 16 keys per block row of the table (block_size 16: one cache block) */
     const int64_t n16 = (n_max + 15) / 16 * 16;
     for (int64_t k0 = 0; k0 < n_max; k0 += 16) {
-        const uint16_t* kb = kc + table[k0 / block_size] * block_stride + head_off + (k0 % block_size) * D;
+        const char* kb = pa_row(c, c->k, table, k0);
         /* tile loads wait for the tile's previous use, so the stream never runs ahead by
          * itself: fetch the keys PA_PF_KEYS ahead into L1 */
         const int64_t kf = k0 + PA_PF_KEYS, vf = kf - n16;  /* then the first values */
         if (kf < n_max || (vf >= 0 && vf < n_max)) {
-            const uint16_t* c = kf < n_max ? kc : vc;
-            const int64_t at = kf < n_max ? kf : vf;
-            const char* f = (const char*)(c + table[at / block_size] * block_stride + head_off + (at % block_size) * D);
-            for (int l = 0; l < 32; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
+            const char* f = kf < n_max ? pa_row(c, c->k, table, kf) : pa_row(c, c->v, table, vf);
+            for (int l = 0; l < pf_lines; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
+        }
+        if (q8) {  /* widen the 16 keys; keep their scales (times the softmax scale) and the values' */
+            for (int i = 0; i < 16; i++) {
+                __m512i w[2];
+                pa_widen_q8((const int8_t*)kb + i * D, w);
+                _mm512_storeu_si512((void*)b->kbuf[i], w[0]);
+                _mm512_storeu_si512((void*)(b->kbuf[i] + 32), w[1]);
+            }
+            const int64_t valid = n_max - k0 < 16 ? n_max - k0 : 16;
+            const float *ksrc = pa_scales(c, c->k, table, k0), *vsrc = pa_scales(c, c->v, table, k0);
+            for (int64_t i = 0; i < valid; i++) {
+                b->ks[k0 + i] = ksrc[i] * scale;
+                b->vs[k0 + i] = vsrc[i];
+            }
+            kb = (const char*)b->kbuf;
         }
         _tile_zero(2);
-        for (int c = 0; c < 2; c++) {
-            _tile_loadd(0, kb + 32 * c, D * 2);
-            _tile_loadd(1, b->qt[c], 64);
+        for (int h = 0; h < 2; h++) {
+            _tile_loadd(0, kb + 64 * h, D * 2);
+            _tile_loadd(1, b->qt[h], 64);
             _tile_dpbf16ps(2, 0, 1);
         }
         _tile_stored(2, b->st + k0 * 16, 64);
@@ -110,10 +153,13 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
         const __m512 sv = _mm512_set1_ps(scale);
         int64_t k = 0;
         for (; k + 16 <= n; k += 16)  /* column r of 16 key rows of S^T */
-            _mm512_storeu_ps(b->row + k, _mm512_mul_ps(_mm512_i32gather_ps(col, b->st + k * 16, 4), sv));
-        for (; k < n; k++) b->row[k] = b->st[k * 16 + r] * scale;
+            _mm512_storeu_ps(b->row + k, _mm512_mul_ps(_mm512_i32gather_ps(col, b->st + k * 16, 4), q8 ? _mm512_loadu_ps(b->ks + k) : sv));
+        for (; k < n; k++) b->row[k] = b->st[k * 16 + r] * (q8 ? b->ks[k] : scale);
         softmax_rows(b->row, 1, n);
         uint16_t* pr = b->p + r * n_pad;
+        k = 0;
+        if (q8)  /* each value row's scale folded into its probability */
+            for (; k < n; k++) b->row[k] *= b->vs[k];
         k = 0;
         for (; k + 16 <= n; k += 16)
             _mm256_storeu_si256((__m256i*)(pr + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b->row + k)));
@@ -127,19 +173,21 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
     _tile_zero(7);
     for (int64_t k0 = 0; k0 < n_pad; k0 += 32) {
         for (int64_t k = k0 + PA_PF_KEYS; k < k0 + PA_PF_KEYS + 32 && k < n_max; k += 16) {
-            const char* f = (const char*)(vc + table[k / block_size] * block_stride + head_off + (k % block_size) * D);
-            for (int l = 0; l < 32; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
+            const char* f = pa_row(c, c->v, table, k);
+            for (int l = 0; l < pf_lines; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
         }
         for (int half = 0; half < 2; half++) {  /* 16 keys: one cache block or a part of one */
             const int64_t ks = k0 + 16 * half;
             const int64_t valid = n_max - ks < 0 ? 0 : (n_max - ks < 16 ? n_max - ks : 16);
-            const uint16_t* vb = valid ? vc + table[ks / block_size] * block_stride + head_off + (ks % block_size) * D : NULL;
+            const char* vb = valid ? pa_row(c, c->v, table, ks) : NULL;
             for (int j = 0; j < 8; j++) {
                 __m512i x[2], y[2];
                 for (int e = 0; e < 2; e++) {
                     __m512i* dst = e ? y : x;
-                    if (2 * j + e < valid) {
-                        const uint16_t* vr = vb + (2 * j + e) * D;
+                    if (2 * j + e < valid && q8) {
+                        pa_widen_q8((const int8_t*)vb + (2 * j + e) * D, dst);
+                    } else if (2 * j + e < valid) {
+                        const uint16_t* vr = (const uint16_t*)(vb + (2 * j + e) * c->row_bytes);
                         dst[0] = _mm512_loadu_si512((const void*)vr);
                         dst[1] = _mm512_loadu_si512((const void*)(vr + 32));
                     } else {
@@ -182,13 +230,15 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
 /* The AMX path of paged_attention for bf16, head_dim 64, group <= 16, block_size a multiple of
  * 16. Tasks: (tile of tokens, KV head); a tile is one decode token, or up to 16 / group
  * consecutive tokens of one sequence. Returns 0, -2 on allocation failure. */
-static int paged_attention_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
+static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc, const int64_t* block_tables,
                                int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, uint16_t* out,
                                int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                               float scale) {
+                               float scale, int kv_int8) {
     const int G = (int)(num_heads / num_kv_heads);
     const int T = token_seq ? 16 / G : 1;
-    const int64_t block_stride = num_kv_heads * block_size * 64;
+    const int64_t cell = kv_int8 ? Q8_BYTES(block_size, 64) : block_size * 64 * 2;  /* one (block, KV head) */
+    const pa_cache cache0 = {(const char*)kc, (const char*)vc, num_kv_heads * cell, 0, kv_int8 ? 64 : 128, block_size,
+                             kv_int8 ? block_size * 64 : -1};
     int64_t max_n = 1;
     for (int64_t t = 0; t < num_tokens; t++) max_n = token_lens[t] > max_n ? token_lens[t] : max_n;
     const int64_t n_pad = (max_n + 31) / 32 * 32;
@@ -207,7 +257,7 @@ static int paged_attention_amx(const uint16_t* q, const uint16_t* kc, const uint
 #pragma omp parallel
     {
         pa_bufs* b = (pa_bufs*)malloc(sizeof(pa_bufs));
-        float* fl = (float*)malloc(sizeof(float) * n_pad * 17 + sizeof(uint16_t) * 16 * n_pad);
+        float* fl = (float*)malloc(sizeof(float) * n_pad * 19 + sizeof(uint16_t) * 16 * n_pad);
         if (!b || !fl) {
 #pragma omp atomic write
             failed = 1;
@@ -217,7 +267,9 @@ static int paged_attention_amx(const uint16_t* q, const uint16_t* kc, const uint
         if (b && fl) {
             b->st = fl;
             b->row = fl + n_pad * 16;
-            b->p = (uint16_t*)(fl + n_pad * 17);
+            b->ks = fl + n_pad * 17;
+            b->vs = fl + n_pad * 18;
+            b->p = (uint16_t*)(fl + n_pad * 19);
             _tile_storeconfig(&saved);
         }
         int64_t idx[16];
@@ -233,8 +285,9 @@ static int paged_attention_amx(const uint16_t* q, const uint16_t* kc, const uint
                 }
                 for (int j = 0; j < nt; j++) idx[j] = tile_start[i] + j;
                 const int64_t* table = block_tables + (token_seq ? token_seq[tile_start[i]] : tile_start[i]) * max_blocks;
-                pa_task_amx(q, idx, token_lens + tile_start[i], nt, G, num_heads, kh, kc, vc, table, block_size,
-                            block_stride, scale, out, b);
+                pa_cache c = cache0;
+                c.head_bytes = kh * cell;
+                pa_task_amx(q, idx, token_lens + tile_start[i], nt, G, num_heads, kh, &c, table, scale, out, b);
             }
         if (b && fl) {
             if (saved.palette_id)

@@ -335,10 +335,9 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
     const int64_t group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
 #ifdef HAVE_AMX_ATTENTION
-    if (is_bf16 && !kv_int8 && head_dim == 64 && block_size % 16 == 0 && pa_amx_ok())
-        return paged_attention_amx((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, block_tables,
-                                   max_blocks, token_seq, token_lens, (uint16_t*)out, num_tokens, num_heads,
-                                   num_kv_heads, block_size, scale);
+    if (is_bf16 && head_dim == 64 && block_size % 16 == 0 && pa_amx_ok())
+        return paged_attention_amx((const uint16_t*)q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens,
+                                   (uint16_t*)out, num_tokens, num_heads, num_kv_heads, block_size, scale, kv_int8);
 #endif
     const int64_t esize = is_bf16 ? 2 : 4;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;  /* elements */
