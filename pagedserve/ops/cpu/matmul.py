@@ -69,12 +69,11 @@ def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
 def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, plan: tuple[int, int]) -> torch.Tensor:
     """``x [M, K]`` (bf16, contiguous, 1 <= M <= 16) times a packed weight whose ``plan`` came
     from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
-    batched result. ``packed_weight`` may also be a plain bf16 tensor already in the kernel's
-    layout ``[N/64, K/2, 64, 2]``. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
+    batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
     lib = _get("decode")  # not get_small_gemm_lib(): plans made at load stay usable if the env changes
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    w_ptr = torch.ops.mkldnn.data_ptr(packed_weight) if packed_weight.is_mkldnn else packed_weight.data_ptr()
+    w_ptr = torch.ops.mkldnn.data_ptr(packed_weight)
     rc = lib.small_gemm_bf16(
         x.data_ptr(), m, k, w_ptr, None if bias is None else bias.data_ptr(),
         y.data_ptr(), out_features, plan[0], plan[1],

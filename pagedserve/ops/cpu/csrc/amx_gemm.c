@@ -23,10 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
+#ifdef HAVE_AMX
 #define HAVE_AMX_GEMM 1
 #endif
 
@@ -35,14 +33,6 @@
 #endif
 
 #ifdef HAVE_AMX_GEMM
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tilecfg;
-
 /* Every tile 16 rows x 64 bytes: tmm0..3 C (x rows 0-15 / 16-31 of a chunk, times outputs 0-15 /
  * 16-31 of a unit) fp32; tmm4, tmm5 A (16 rows x 32 bf16); tmm6, tmm7 B (16 k pairs x 16
  * outputs x 2). A partial last row of tiles is read from a zero-padded copy, so one
@@ -127,7 +117,7 @@ static void amx_range(const uint16_t* x, const uint16_t* tail, int64_t M, int64_
  * the AMX matmul can run in this process, 0 otherwise (not built for AMX, or refused). */
 int amx_gemm_available(void) {
 #ifdef HAVE_AMX_GEMM
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_request_tiles();
 #else
     return 0;
 #endif
@@ -152,14 +142,11 @@ int amx_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, co
         const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
         if (u0 < u1) {
             amx_tilecfg saved, cfg;
-            _tile_storeconfig(&saved);
+            amx_save(&saved);
             amx_config(&cfg);
             _tile_loadconfig(&cfg);
             amx_range(x, tail, M, K, w, bias, y, N, u0, u1);
-            if (saved.palette_id)
-                _tile_loadconfig(&saved);
-            else
-                _tile_release();
+            amx_restore(&saved);
         }
     }
     free(tail);

@@ -18,26 +18,19 @@
  * rows of its task are, so a row's result does not depend on chunking or batching: a prefill
  * row equals the decode row of the same position.
  */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
+#ifdef HAVE_AMX
 #define HAVE_AMX_ATTENTION 1
 #ifndef PA_PF_KEYS
 #define PA_PF_KEYS 64  /* keys ahead to prefetch (a multiple of 16) */
 #endif
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} pa_tilecfg;
 
 /* 1 when AMX may be used (Linux granted the tile state; PAGEDSERVE_AMX is not 0). */
 static int pa_amx_ok(void) {
     static int ok = -1;
     if (ok < 0) {
         const char* env = getenv("PAGEDSERVE_AMX");
-        ok = (env && env[0] == '0' && env[1] == 0) ? 0 : syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        ok = (env && env[0] == '0' && env[1] == 0) ? 0 : amx_request_tiles();
     }
     return ok;
 }
@@ -45,7 +38,7 @@ static int pa_amx_ok(void) {
 /* tmm0: a K block (A, 16 keys x 32 dims) or 32 keys of V in pairs (B, 16 key pairs x 16 dims
  * x 2); tmm1: Q^T (B, 16 dim pairs x R rows x 2); tmm2: S^T (C, 16 keys x R); tmm3: P (A, R x
  * 32 keys); tmm4..7: out (C, R x 16 dims each, 64 dims). */
-static void pa_config(pa_tilecfg* c, int R) {
+static void pa_config(amx_tilecfg* c, int R) {
     memset(c, 0, sizeof(*c));
     c->palette_id = 1;
     c->rows[0] = 16; c->colsb[0] = 64;
@@ -262,7 +255,7 @@ static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc
 #pragma omp atomic write
             failed = 1;
         }
-        pa_tilecfg saved, cfg;
+        amx_tilecfg saved, cfg;
         int configured = -1;
         if (b && fl) {
             b->st = fl;
@@ -270,7 +263,7 @@ static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc
             b->ks = fl + n_pad * 17;
             b->vs = fl + n_pad * 18;
             b->p = (uint16_t*)(fl + n_pad * 19);
-            _tile_storeconfig(&saved);
+            amx_save(&saved);
         }
         int64_t idx[16];
 #pragma omp for collapse(2) schedule(dynamic, 1)
@@ -290,10 +283,7 @@ static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc
                 pa_task_amx(q, idx, token_lens + tile_start[i], nt, G, num_heads, kh, &c, table, scale, out, b);
             }
         if (b && fl) {
-            if (saved.palette_id)
-                _tile_loadconfig(&saved);
-            else
-                _tile_release();
+            amx_restore(&saved);
         }
         free(fl);
         free(b);
