@@ -16,9 +16,18 @@ from pagedserve.model.backends import CpuBackend
 from pagedserve.model.packed_linear import PackedLinear, pack_weight, packed_linear, packing_available
 
 
-def _plan_or_skip(packed, n, k, bias=None):
+def _packing_or_skip():
     if not packing_available(torch.device("cpu"), torch.bfloat16) or cpu_kernels.get_small_gemm_lib() is None:
-        pytest.skip("oneDNN packing or the C kernels are unavailable")
+        pytest.skip("oneDNN packing (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT) or the C kernels are unavailable")
+
+
+def _pack_or_skip(w):
+    _packing_or_skip()
+    return pack_weight(w)
+
+
+def _plan_or_skip(packed, n, k, bias=None):
+    _packing_or_skip()
     plan = cpu_kernels.calibrate_small_gemm(packed, n, k, bias)
     if plan is None:
         pytest.skip("no small-M summation plan matches oneDNN on this CPU (its AMX kernels, or no AVX512-BF16)")
@@ -42,7 +51,7 @@ def test_small_gemm_bit_identical_to_onednn_batched(n, k, has_bias):
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16) if has_bias else None
-    packed = pack_weight(w)
+    packed = _pack_or_skip(w)
     plan = _plan_or_skip(packed, n, k, bias)
     for m in (1, 2, 3, 4, 7, 16):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -61,7 +70,7 @@ def test_calibration_distinguishes_partial_sum_orders():
     n, k = 576, 1536
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
-    packed = pack_weight(w)
+    packed = _pack_or_skip(w)
     plan = _plan_or_skip(packed, n, k)
     x = torch.randn(64, k, generator=g).to(torch.bfloat16)
     ref = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -77,7 +86,7 @@ def test_calibration_reliable_for_narrow_weights(seed):
     passed about half the time; the probe now scales to 2^18 outputs and is confirmed twice."""
     n, k = 64, 1536
     g = torch.Generator().manual_seed(100 + seed)
-    packed = pack_weight((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+    packed = _pack_or_skip((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
     plan = _plan_or_skip(packed, n, k)
     x = torch.randn(2048, k, generator=g).to(torch.bfloat16)
     ref = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -87,6 +96,7 @@ def test_calibration_reliable_for_narrow_weights(seed):
 
 def test_zero_rows_and_env_change_after_load(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_AMX", "0")  # the oneDNN buffer and its small-M plan
+    _packing_or_skip()
     n, k = 128, 576
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
     lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
@@ -158,7 +168,7 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     path = tiny_model_factory(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
     _randomize_norms(path)
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=128, max_model_len=512)
-    amx = llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj.amx_weight is not None
+    amx = getattr(llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj, "amx_weight", None) is not None
     calls = []
     real = matmul.decode_layers
     monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))

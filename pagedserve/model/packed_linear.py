@@ -23,6 +23,7 @@ Disable with ``PAGEDSERVE_PACK_WEIGHTS=0`` (packing), ``PAGEDSERVE_AMX=0`` (the 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Optional
@@ -45,7 +46,21 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _onednn_packs_bf16()
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN can pack bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT and raises a RuntimeError elsewhere (AVX2-only CPUs such as AMD Zen 3),
+    where bf16 projections then stay on ``F.linear``."""
+    try:
+        pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16))
+    except RuntimeError as e:
+        logger.info("oneDNN cannot pack bf16 weights on this CPU (%s); bf16 projections use F.linear", str(e).splitlines()[0])
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
