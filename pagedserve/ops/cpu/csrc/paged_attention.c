@@ -22,8 +22,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+/* AVX2 + FMA without AVX-512 (AMD Zen 2/3, Intel client cores): 8-lane versions of the helpers
+ * below and a float32 task that scores 8 keys at a time. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
 #endif
 
 #define MAX_GROUP 16
@@ -46,12 +51,41 @@ static inline void load_row(const void* src, int is_bf16, int64_t d, float* dst)
             __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
             _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
         }
+#elif defined(HAVE_AVX2)
+        for (; i + 8 <= d; i += 8) {
+            __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(s + i))), 16);
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(w));
+        }
 #endif
         for (; i < d; i++) dst[i] = bf16_to_f32(s[i]);
     } else {
         memcpy(dst, src, sizeof(float) * d);
     }
 }
+
+#ifdef HAVE_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* exp(x), 8 lanes: 2^n (built in the exponent bits) times the degree-6 polynomial of 2^f used
+ * for AVX-512 below; x <= 0 here (scores minus their max), saturating to 0 below 2^-126. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 y = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
+    const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(y, r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.000154035303933816f), f, _mm256_set1_ps(0.00133335581464284f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00961812910762848f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0555041086648216f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240226506959101f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693147180559945f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 
 static inline float dot(const float* a, const float* b, int64_t d) {
     int64_t i = 0;
@@ -60,6 +94,17 @@ static inline float dot(const float* a, const float* b, int64_t d) {
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     s = _mm512_reduce_add_ps(acc);
+#elif defined(HAVE_AVX2)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= d; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    if (i + 8 <= d) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        i += 8;
+    }
+    s = hsum256(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < d; i++) s += a[i] * b[i];
     return s;
@@ -70,6 +115,9 @@ static inline void axpy(float p, const float* x, float* y, int64_t d) {
 #ifdef __AVX512F__
     __m512 pv = _mm512_set1_ps(p);
     for (; i + 16 <= d; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(HAVE_AVX2)
+    __m256 pv = _mm256_set1_ps(p);
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
     for (; i < d; i++) y[i] += p * x[i];
 }
@@ -101,6 +149,15 @@ static inline float exp_sum(float* x, int64_t n, float m) {
         acc = _mm512_add_ps(acc, e);
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif defined(HAVE_AVX2)
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum256(acc);
 #endif
     for (; i < n; i++) { x[i] = expf(x[i] - m); sum += x[i]; }
     return sum;
@@ -116,10 +173,20 @@ static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + t));
         m = _mm512_reduce_max_ps(mv);
+#elif defined(HAVE_AVX2)
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + t));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #endif
         for (; t < n; t++) m = sc[t] > m ? sc[t] : m;
         const float inv = 1.f / exp_sum(sc, n, m);
-        for (int64_t t = 0; t < n; t++) sc[t] *= inv;
+        int64_t u = 0;
+#ifdef HAVE_AVX2
+        for (const __m256 iv = _mm256_set1_ps(inv); u + 8 <= n; u += 8) _mm256_storeu_ps(sc + u, _mm256_mul_ps(_mm256_loadu_ps(sc + u), iv));
+#endif
+        for (; u < n; u++) sc[u] *= inv;
     }
 }
 
@@ -322,6 +389,7 @@ static inline int fast_path_shape(int64_t group, int64_t head_dim) {
 }
 #endif
 
+#include "attention_avx2.c"
 #include "attention_amx.c"
 
 /* Attention of num_tokens query tokens, each to the first token_lens[t] cached tokens of the
@@ -389,6 +457,14 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
 #undef TASK_Q8
 #undef TASK_BF16
 #undef DISPATCH
+                continue;
+            }
+#endif
+#ifdef HAVE_AVX2
+            if (!is_bf16 && !kv_int8 && head_dim % 8 == 0) {
+                task_f32_avx2((const float*)q + (t * num_heads + kh * group) * head_dim, (const float*)k_cache,
+                              (const float*)v_cache, table, n, block_size, block_stride, kh * block_size * head_dim, group,
+                              head_dim, scale, (float*)out + (t * num_heads + kh * group) * head_dim, scores);
                 continue;
             }
 #endif
