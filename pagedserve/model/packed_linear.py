@@ -1,9 +1,12 @@
-"""Linear layers with weights pre-packed for the CPU (bfloat16).
+"""Linear layers with weights pre-packed for the CPU (bfloat16 and float32).
 
 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on every call; packing
 it once at load time (the same thing torch.compile's CPU "freezing" pass does) makes decode-size
 matmuls faster: measured here, [32 x 576] @ [576 x 3072] 0.190 -> 0.145 ms and batch-1 matmuls
-about 2x. Results are bit-identical to ``F.linear`` in bfloat16.
+about 2x. Results are bit-identical to ``F.linear`` in bfloat16. In float32, ``F.linear`` goes to
+MKL, which on AMD CPUs runs far below the AVX2 peak; oneDNN's own kernels do not: SmolLM2's
+projections and LM head measured 1.64x faster at M = 32 and 1.34x at M = 256 on a 2-core Zen 3
+(benchmarks/README.md, "AVX2").
 
 On CPUs with AMX (Sapphire Rapids and later) the weight is instead kept only in the layout of
 pagedserve's AMX matmul (``csrc/amx_gemm.c``), which every product then uses, whatever M: it
@@ -39,28 +42,32 @@ _BATCH_HINT = 32  # oneDNN picks the packed layout for about this many rows; any
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether projections of ``dtype`` on ``device`` are packed for oneDNN (bfloat16 or float32
+    on CPU, unless ``PAGEDSERVE_PACK_WEIGHTS=0``)."""
     return (
         device.type == "cpu"
-        and dtype == torch.bfloat16
+        and dtype in (torch.bfloat16, torch.float32)
         and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and _onednn_packs_bf16()
+        and _onednn_packs(dtype)
     )
 
 
 @functools.lru_cache(maxsize=None)
-def _onednn_packs_bf16() -> bool:
-    """Whether oneDNN can pack bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT and raises a RuntimeError elsewhere (AVX2-only CPUs such as AMD Zen 3),
-    where bf16 projections then stay on ``F.linear``."""
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack weights of ``dtype`` on this CPU. bf16 needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT and raises a RuntimeError elsewhere (AVX2-only CPUs such as AMD Zen
+    3), where bf16 projections then stay on ``F.linear``."""
     try:
-        pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16))
+        w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
+        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+        got = packed_linear(x, pack_weight(w)).float()
     except RuntimeError as e:
-        logger.info("oneDNN cannot pack bf16 weights on this CPU (%s); bf16 projections use F.linear", str(e).splitlines()[0])
+        logger.info("oneDNN cannot pack %s weights on this CPU (%s); those projections use F.linear", dtype, str(e).splitlines()[0])
         return False
-    return True
+    return bool(torch.allclose(got, x.float() @ w.float().t(), rtol=2e-2, atol=2e-2))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -85,8 +92,9 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.in_dtype = weight.dtype
         self.bias = None if bias is None else bias.detach()
-        self.amx_weight: Optional[torch.Tensor] = amx_copy(weight, self.bias)
+        self.amx_weight: Optional[torch.Tensor] = amx_copy(weight, self.bias) if weight.dtype == torch.bfloat16 else None
         self.packed_weight: Optional[torch.Tensor] = None if self.amx_weight is not None else pack_weight(weight)
         self.small_plan: Optional[tuple[int, int]] = None
 
@@ -163,8 +171,8 @@ def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int
 
 
 def attach_small_gemm(packed: PackedLinear, plans: dict) -> None:
-    """Give an oneDNN-packed layer its small-M plan (see :func:`prepare_small_gemm`)."""
-    if packed.packed_weight is not None:
+    """Give an oneDNN-packed bf16 layer its small-M plan (see :func:`prepare_small_gemm`)."""
+    if packed.packed_weight is not None and packed.in_dtype == torch.bfloat16:
         packed.small_plan = prepare_small_gemm(packed.packed_weight, packed.out_features, packed.in_features, packed.bias, plans)
 
 

@@ -16,6 +16,12 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
  * query rows [group, head_dim]; kb/vb blocks found through table at block_stride elements, the
  * head at head_off. Scores of 8 keys per pass, each in one running FMA sum per key, reduced
  * together; softmax in fp32; P.V accumulated in fp32 in out. */
+/* Blocks of a sequence are scattered over the pool, which stops the hardware prefetcher at
+ * every block boundary: ask for the next one while this one is used. */
+static inline void prefetch_f32(const float* p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char*)(p + i), _MM_HINT_T0);
+}
+
 static void task_f32_avx2(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t n,
                           int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, int64_t head_dim,
                           float scale, float* out, float* scores) {
@@ -26,6 +32,8 @@ static void task_f32_avx2(const float* q, const float* kc, const float* vc, cons
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const float* kb = kc + table[t0 / block_size] * block_stride + head_off;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        if (t0 + block_size < n) prefetch_f32(kc + table[t0 / block_size + 1] * block_stride + head_off, block_size * head_dim);
+        else prefetch_f32(vc + table[0] * block_stride + head_off, block_size * head_dim);
         int64_t o = 0;
         for (; o + 8 <= len; o += 8) {
             const float* k8 = kb + o * head_dim;
@@ -47,6 +55,7 @@ static void task_f32_avx2(const float* q, const float* kc, const float* vc, cons
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const float* vb = vc + table[t0 / block_size] * block_stride + head_off;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        if (t0 + block_size < n) prefetch_f32(vc + table[t0 / block_size + 1] * block_stride + head_off, block_size * head_dim);
         for (int64_t g = 0; g < group; g++) {
             const float* p = scores + g * n + t0;
             float* acc = out + g * head_dim;
