@@ -1,12 +1,11 @@
-"""Linear layers with weights pre-packed for the CPU (bfloat16 and float32).
+"""Linear layers with weights pre-packed for the CPU (bfloat16).
 
 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on every call; packing
 it once at load time (the same thing torch.compile's CPU "freezing" pass does) makes decode-size
 matmuls faster: measured here, [32 x 576] @ [576 x 3072] 0.190 -> 0.145 ms and batch-1 matmuls
-about 2x. Results are bit-identical to ``F.linear`` in bfloat16. In float32, ``F.linear`` goes to
-MKL, which on AMD CPUs runs far below the AVX2 peak; oneDNN's own kernels do not: SmolLM2's
-projections and LM head measured 1.64x faster at M = 32 and 1.34x at M = 256 on a 2-core Zen 3
-(benchmarks/README.md, "AVX2").
+about 2x. Results are bit-identical to ``F.linear`` in bfloat16. float32 weights are not packed:
+oneDNN was 1.3-1.6x faster than ``F.linear`` (MKL) on AMD Zen 3, but its process memory grew
+with every new row count M (benchmarks/README.md, "AVX2").
 
 On CPUs with AMX (Sapphire Rapids and later) the weight is instead kept only in the layout of
 pagedserve's AMX matmul (``csrc/amx_gemm.c``), which every product then uses, whatever M: it
@@ -42,11 +41,11 @@ _BATCH_HINT = 32  # oneDNN picks the packed layout for about this many rows; any
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether projections of ``dtype`` on ``device`` are packed for oneDNN (bfloat16 or float32
-    on CPU, unless ``PAGEDSERVE_PACK_WEIGHTS=0``)."""
+    """Whether projections of ``dtype`` on ``device`` are packed for oneDNN (bfloat16 on CPU,
+    unless ``PAGEDSERVE_PACK_WEIGHTS=0``)."""
     return (
         device.type == "cpu"
-        and dtype in (torch.bfloat16, torch.float32)
+        and dtype == torch.bfloat16
         and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -7,7 +7,8 @@
  * (query token, KV head) computes the scores of the GQA group's query heads against the first
  * token_lens[t] cached tokens of the token's sequence (causal: a prefill token at position p
  * sees p + 1 tokens, its chunk's own K/V already written), a softmax in float32, and the
- * weighted sum of V. AVX-512 / AVX512-BF16 when the compiler targets them, plain C otherwise.
+ * weighted sum of V. AVX-512 / AVX512-BF16 when the compiler targets them, else AVX2 + FMA
+ * (attention_avx2.c: float32 caches), plain C otherwise.
  *
  * Layouts (row-major):
  *   q, out       [num_tokens, num_heads, head_dim]

@@ -1,0 +1,134 @@
+"""The float32 CPU paths on an AVX2 machine, each against its peer in the same script:
+
+1. SmolLM2's projections and LM head (30 layers of distinct weights, read cold, as in a step)
+   through ``F.linear`` (MKL, what pagedserve uses for float32) against oneDNN's packed weights
+   (not used for float32: process memory grew with each new M, see benchmarks/README.md), at M = 1,
+   32 and 256 rows.
+2. Decode attention over 32 sequences of 148-560 tokens (SmolLM2's 9 query / 3 KV heads,
+   head_dim 64, a float32 cache of scattered 16-token blocks): ``paged_attention.c`` built as the
+   engine builds it against the same source built with ``-mno-avx2 -mno-fma`` (the generic C
+   path every AVX2-only CPU took before ``attention_avx2.c``). Outputs are checked against a
+   PyTorch softmax(QK^T)V.
+
+Rounds alternate the two sides; min and median per side and the ratio of medians are printed.
+
+    .venv/bin/python benchmarks/avx2_kernels.py [--threads 2] [--rounds 6]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model.packed_linear import pack_weight, packed_linear
+
+CSRC = os.path.join(os.path.dirname(__file__), "..", "pagedserve", "ops", "cpu", "csrc")
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+
+
+def ab(name: str, fns: dict, rounds: int, reps: int = 1) -> None:
+    times = {k: [] for k in fns}
+    for k, f in fns.items():
+        f()  # warm-up
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                f()
+            times[k].append((time.perf_counter() - t0) / reps * 1e3)
+    a, b = list(fns)
+    meds = {k: statistics.median(v) for k, v in times.items()}
+    line = ", ".join(f"{k} min {min(v):.2f} med {meds[k]:.2f} ms" for k, v in times.items())
+    print(f"{name}: {line}; {a} / {b} = {meds[a] / meds[b]:.2f}x")
+
+
+def projections(rounds: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    layers = [[torch.randn(n, k, generator=g) * 0.05 for n, k in SHAPES] for _ in range(30)]
+    head = torch.randn(49152, 576, generator=g) * 0.05
+    packed = [[pack_weight(w) for w in layer] for layer in layers]
+    packed_head = pack_weight(head)
+    for m in (1, 32, 256):
+        xs = {k: torch.randn(m, k, generator=g) for _, k in SHAPES}
+        for w, p in zip(layers[0], packed[0]):
+            torch.testing.assert_close(packed_linear(xs[w.shape[1]], p), F.linear(xs[w.shape[1]], w), rtol=1e-4, atol=1e-4)
+
+        def mkl():
+            for layer in layers:
+                for w in layer:
+                    F.linear(xs[w.shape[1]], w)
+            F.linear(xs[576], head)
+
+        def onednn():
+            for layer, pl in zip(layers, packed):
+                for w, p in zip(layer, pl):
+                    packed_linear(xs[w.shape[1]], p)
+            packed_linear(xs[576], packed_head)
+
+        ab(f"projections + LM head, M = {m}", {"F.linear": mkl, "oneDNN packed": onednn}, rounds)
+
+
+def _build(flags: list[str], out: str):
+    src = os.path.join(CSRC, "paged_attention.c")
+    subprocess.run(["cc", "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-ffp-contract=fast", src, "-o", out, "-lm"], check=True)
+    fn = ctypes.CDLL(out).paged_attention_f32
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
+    return fn
+
+
+def attention(rounds: int) -> None:
+    heads, kv_heads, d, bs, seqs = 9, 3, 64, 16, 32
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(148, 561, (seqs,), generator=g)
+    nblocks = [math.ceil(int(n) / bs) for n in lens]
+    pool = sum(nblocks) * 30  # one layer's blocks scattered over a 30-layer-sized pool: read cold
+    kc, vc = torch.randn(pool, kv_heads, bs, d, generator=g), torch.randn(pool, kv_heads, bs, d, generator=g)
+    ids = torch.randperm(pool, generator=g)[: sum(nblocks)]
+    tables = torch.zeros(seqs, max(nblocks), dtype=torch.int64)
+    at = 0
+    for i, nb in enumerate(nblocks):
+        tables[i, :nb] = ids[at : at + nb]
+        at += nb
+    q = torch.randn(seqs, heads, d, generator=g)
+    scale = 1 / math.sqrt(d)
+    want = torch.empty_like(q)
+    for t in range(seqs):
+        k, v = (c[tables[t, : nblocks[t]]].transpose(0, 1).reshape(kv_heads, -1, d)[:, : int(lens[t])] for c in (kc, vc))
+        qq = q[t].view(kv_heads, heads // kv_heads, d)
+        want[t] = (torch.softmax(qq @ k.transpose(1, 2) * scale, -1) @ v).reshape(heads, d)
+    with tempfile.TemporaryDirectory() as tmp:
+        fns = {"generic C": _build(["-mno-avx2", "-mno-fma"], os.path.join(tmp, "generic.so")), "AVX2": _build([], os.path.join(tmp, "avx2.so"))}
+        calls = {}
+        for name, fn in fns.items():
+            out = torch.empty_like(q)
+            args = (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), tables.shape[1], None, lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, d, bs, scale)
+            assert fn(*args) == 0
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+            calls[name] = lambda fn=fn, args=args: fn(*args)
+        ab("decode attention, 32 x 148-560 tokens, one layer", calls, rounds, reps=20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0] if os.path.exists("/proc/cpuinfo") else ""
+    print(f"threads {args.threads}; avx2 {' avx2' in flags}, avx512f {' avx512f' in flags}")
+    projections(args.rounds)
+    attention(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
