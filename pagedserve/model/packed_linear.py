@@ -91,9 +91,8 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.in_dtype = weight.dtype
         self.bias = None if bias is None else bias.detach()
-        self.amx_weight: Optional[torch.Tensor] = amx_copy(weight, self.bias) if weight.dtype == torch.bfloat16 else None
+        self.amx_weight: Optional[torch.Tensor] = amx_copy(weight, self.bias)
         self.packed_weight: Optional[torch.Tensor] = None if self.amx_weight is not None else pack_weight(weight)
         self.small_plan: Optional[tuple[int, int]] = None
 
@@ -170,8 +169,8 @@ def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int
 
 
 def attach_small_gemm(packed: PackedLinear, plans: dict) -> None:
-    """Give an oneDNN-packed bf16 layer its small-M plan (see :func:`prepare_small_gemm`)."""
-    if packed.packed_weight is not None and packed.in_dtype == torch.bfloat16:
+    """Give an oneDNN-packed layer its small-M plan (see :func:`prepare_small_gemm`)."""
+    if packed.packed_weight is not None:
         packed.small_plan = prepare_small_gemm(packed.packed_weight, packed.out_features, packed.in_features, packed.bias, plans)
 
 

@@ -12,16 +12,16 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
-/* float32 cache, head_dim % 8 == 0, AVX2: one (query token, KV head) task. q: the group's
- * query rows [group, head_dim]; kb/vb blocks found through table at block_stride elements, the
- * head at head_off. Scores of 8 keys per pass, each in one running FMA sum per key, reduced
- * together; softmax in fp32; P.V accumulated in fp32 in out. */
 /* Blocks of a sequence are scattered over the pool, which stops the hardware prefetcher at
  * every block boundary: ask for the next one while this one is used. */
 static inline void prefetch_f32(const float* p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char*)(p + i), _MM_HINT_T0);
 }
 
+/* float32 cache, head_dim % 8 == 0, AVX2: one (query token, KV head) task. q: the group's
+ * query rows [group, head_dim]; kb/vb blocks found through table at block_stride elements, the
+ * head at head_off. Scores of 8 keys per pass, each in one running FMA sum per key, reduced
+ * together; softmax in fp32; P.V accumulated in fp32 in out. */
 static void task_f32_avx2(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t n,
                           int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, int64_t head_dim,
                           float scale, float* out, float* scores) {

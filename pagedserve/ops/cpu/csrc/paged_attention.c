@@ -183,11 +183,7 @@ static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
 #endif
         for (; t < n; t++) m = sc[t] > m ? sc[t] : m;
         const float inv = 1.f / exp_sum(sc, n, m);
-        int64_t u = 0;
-#ifdef HAVE_AVX2
-        for (const __m256 iv = _mm256_set1_ps(inv); u + 8 <= n; u += 8) _mm256_storeu_ps(sc + u, _mm256_mul_ps(_mm256_loadu_ps(sc + u), iv));
-#endif
-        for (; u < n; u++) sc[u] *= inv;
+        for (int64_t t = 0; t < n; t++) sc[t] *= inv;  /* vectorised by the compiler */
     }
 }
 
