@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 PROMPT ?= What is the capital of France?
 ARGS ?=
 
-.PHONY: setup serve generate chat test bench clean
+.PHONY: setup serve generate chat test test-slow bench clean
 
 setup: $(STAMP)
 
@@ -29,8 +29,13 @@ generate: setup
 chat: setup
 	$(BIN)/pagedserve chat $(ARGS)
 
+# The slow suite (soaks, fuzzing, long scenarios) is kept out of `make test` so it stays under
+# 15 minutes on 2 cores; CI runs it too (.ci/run).
 test: setup
-	$(BIN)/python -m pytest tests $(ARGS)
+	$(BIN)/python -m pytest tests -m "not slow" $(ARGS)
+
+test-slow: setup
+	$(BIN)/python -m pytest tests -m slow $(ARGS)
 
 bench: setup
 	$(BIN)/pagedserve bench throughput $(ARGS)

@@ -36,6 +36,7 @@ def check_response(case, resp, seen: collections.Counter) -> None:
         assert "param" in err, (where, body)
 
 
+@pytest.mark.slow
 def test_schemathesis_positive_and_negative_on_every_route(tiny_model_factory):
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis import GenerationMode

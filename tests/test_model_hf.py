@@ -302,6 +302,7 @@ def test_smollm2_gguf_matches_hf(smollm2_llm, hf_smollm2):
 BF16_LOGIT_TOL = 2.0
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_matches_hf_bf16(hf_smollm2):
     from transformers import AutoModelForCausalLM
 

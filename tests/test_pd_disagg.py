@@ -354,6 +354,7 @@ def test_mismatched_peer_and_bad_params(cluster):
     wait_idle(cluster.P, 10)  # the hold of the first prefill is freed by the lease
 
 
+@pytest.mark.slow
 def test_prefill_killed_mid_transfer_and_decode_killed(cluster, tmp_path_factory, tiny_model_factory):
     model = tiny_model_factory("llama")
     fault = tmp_path_factory.mktemp("fault2") / "fault"
@@ -397,6 +398,7 @@ def test_prefill_killed_mid_transfer_and_decode_killed(cluster, tmp_path_factory
             _stop(d2)
 
 
+@pytest.mark.slow
 def test_soak_random_aborts(cluster):
     rng = random.Random(0)
     cases = [(body(ids(rng.randrange(5, 200), 100 + i), rng.randrange(1, 24)), rng.random() < 0.2) for i in range(240)]

@@ -424,6 +424,7 @@ def test_disconnect_aborts(server):
     assert m["pagedserve:request_success_total[abort]"] - before == 5
 
 
+@pytest.mark.slow
 def test_load_64_streams_with_disconnects(server, smollm2_llm):
     import torch
 
@@ -600,7 +601,7 @@ def test_engine_process_killed_health_503_errors_and_nonzero_exit(tiny_model_fac
             proc.wait(10)
 
 
-@pytest.mark.parametrize("shutdown_timeout", [60, 1])
+@pytest.mark.parametrize("shutdown_timeout", [pytest.param(60, marks=pytest.mark.slow), 1])
 def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_model_factory, tmp_path, shutdown_timeout):
     """A supervisor's SIGTERM to the server's whole process group: new requests get 503 at once,
     the running stream is not cut (every token, then [DONE]), the engine core (same group)

@@ -211,6 +211,7 @@ def test_onednn_path_one_row_matches_batched():
     assert torch.equal(alone, batched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("small_gemm", ["1", "0"])
 def test_smollm2_bf16_alone_matches_batched(small_gemm, monkeypatch):
     """Before this, oneDNN's single-row matmul rounded differently from its batched one

@@ -8,6 +8,7 @@ import asyncio
 import os
 import sys
 
+import pytest
 from app_utils import kv_idle, serve, tiny_async_llm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -16,6 +17,7 @@ import soak  # noqa: E402
 REQUESTS = int(os.environ.get("PAGEDSERVE_SOAK_REQUESTS", "300"))
 
 
+@pytest.mark.slow
 def test_soak_random_requests_aborts_and_disconnects(tiny_model_factory):
     from pagedserve import LLM
 

@@ -51,7 +51,7 @@ def _is_prefix_of_valid(llm, constraint, token_ids) -> bool:
     return all(m.consume_token(t) for t in token_ids) and not m.is_error()
 
 
-@pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "enum-array", "nested-pattern"])
+@pytest.mark.parametrize("schema", [SCHEMAS[0], SCHEMAS[1], pytest.param(SCHEMAS[2], marks=pytest.mark.slow)], ids=["flat", "enum-array", "nested-pattern"])
 def test_json_schema_greedy_and_sampled(smollm2_llm, schema):
     c = Constraint(json=schema)
     outs = [_chat(smollm2_llm, c, temperature=0.0).outputs[0]]

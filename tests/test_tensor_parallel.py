@@ -92,6 +92,7 @@ def test_tp2_logprobs_close_to_tp1(tiny_pair):
                 assert abs(lx[k].logprob - ly[k].logprob) < 1e-4
 
 
+@pytest.mark.slow
 def test_tp3_smollm2_equals_tp1(smollm2_llm):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
