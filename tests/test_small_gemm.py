@@ -292,3 +292,35 @@ def test_smollm2_bf16_chunking_and_preemption_do_not_change_output():
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert llm.llm_engine.get_stats().num_preemptions > 0
     assert_engine_idle(llm)
+
+
+def test_onednn_row_buckets_are_few_and_cover_every_row_count():
+    from pagedserve.model.packed_linear import ONEDNN_MAX_ROWS, onednn_rows
+
+    sizes = [onednn_rows(m) for m in range(1, ONEDNN_MAX_ROWS + 1)]
+    assert all(m <= s for m, s in zip(range(1, ONEDNN_MAX_ROWS + 1), sizes))
+    assert 1 not in sizes and sizes[-1] == ONEDNN_MAX_ROWS
+    assert len(set(sizes)) == 42  # the primitives oneDNN caches per weight
+    assert max(s - m for m, s in zip(range(1, 65), sizes)) <= 7  # decode sizes: small padding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_and_cut_rows_equal_the_exact_product(dtype, monkeypatch):
+    """Padding to onednn_rows and cutting at ONEDNN_MAX_ROWS change no bit (float32 and bf16,
+    where oneDNN packs them and its rows do not depend on the row count)."""
+    import pagedserve.model.packed_linear as pl
+
+    if not packing_available(torch.device("cpu"), dtype) or not pl.rows_independent(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here, or its rows depend on the row count (AMX)")
+    g = torch.Generator().manual_seed(11)
+    w, b = torch.randn(200, 72, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
+    x = torch.randn(300, 72, generator=g).to(dtype)
+    layer = PackedLinear(w, b)
+    monkeypatch.setattr(pl, "ONEDNN_MAX_ROWS", 128)
+    exact = packed_linear(x, layer.packed_weight, b)
+    for m in (1, 3, 17, 63, 65, 128, 129, 300):
+        assert torch.equal(layer(x[:m]), exact[:m]), m
+    assert torch.equal(layer(x[:6].view(2, 3, 72)), exact[:6].view(2, 3, 200))
+    assert layer(x[:0]).shape == (0, 200)
+    assert torch.allclose(exact.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2 * float(exact.float().abs().max()))
+

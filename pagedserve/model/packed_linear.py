@@ -1,11 +1,21 @@
-"""Linear layers with weights pre-packed for the CPU (bfloat16).
+"""Linear layers with weights pre-packed for the CPU (bfloat16 and float32).
 
 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on every call; packing
 it once at load time (the same thing torch.compile's CPU "freezing" pass does) makes decode-size
 matmuls faster: measured here, [32 x 576] @ [576 x 3072] 0.190 -> 0.145 ms and batch-1 matmuls
-about 2x. Results are bit-identical to ``F.linear`` in bfloat16. float32 weights are not packed:
-oneDNN was 1.3-1.6x faster than ``F.linear`` (MKL) on AMD Zen 3, but its process memory grew
-with every new row count M (benchmarks/README.md, "AVX2").
+about 2x. Results are bit-identical to ``F.linear`` in bfloat16. In float32, ``F.linear`` goes to
+MKL, which runs far below the AVX2 peak on AMD CPUs; oneDNN's kernels were 1.3-1.6x faster on a
+Zen 3 (benchmarks/README.md, "AVX2").
+
+oneDNN (through ideep) builds and caches one primitive per input shape, and process memory grew
+by GBs when every step brought a new row count M (a cached primitive for a few rows holds ~0.6
+MB, and cached primitives pin freed activation buffers). So M is rounded up to one of a few row
+counts (:func:`onednn_rows`: 42 per weight), the padding rows are zeros, and inputs over
+``ONEDNN_MAX_ROWS`` are cut into pieces. Each row's result does not depend on the other rows
+(:func:`rows_independent`; where it does, inputs keep their row count), so padding and cutting
+change no output bit. The steps are fine where
+padding costs most (the matmuls are compute-bound from ~32 rows: float32 on Zen 3, 33 -> 48
+rows cost 1.5x).
 
 On CPUs with AMX (Sapphire Rapids and later) the weight is instead kept only in the layout of
 pagedserve's AMX matmul (``csrc/amx_gemm.c``), which every product then uses, whatever M: it
@@ -38,14 +48,15 @@ from pagedserve.ops.cpu import matmul as cpu_kernels
 logger = logging.getLogger(__name__)
 
 _BATCH_HINT = 32  # oneDNN picks the packed layout for about this many rows; any M works
+ONEDNN_MAX_ROWS = 2048  # larger inputs are cut into pieces of at most this many rows
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether projections of ``dtype`` on ``device`` are packed for oneDNN (bfloat16 on CPU,
-    unless ``PAGEDSERVE_PACK_WEIGHTS=0``)."""
+    """Whether projections of ``dtype`` on ``device`` are packed for oneDNN (bfloat16 or float32
+    on CPU, unless ``PAGEDSERVE_PACK_WEIGHTS=0``)."""
     return (
         device.type == "cpu"
-        and dtype == torch.bfloat16
+        and dtype in (torch.bfloat16, torch.float32)
         and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -56,9 +67,9 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can pack weights of ``dtype`` on this CPU. bf16 needs AVX-512 (BW, VL,
-    DQ) or AVX-NE-CONVERT and raises a RuntimeError elsewhere (AVX2-only CPUs such as AMD Zen
-    3), where bf16 projections then stay on ``F.linear``."""
+    """Whether oneDNN can pack weights of ``dtype`` on this CPU and gives the right product.
+    bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises a RuntimeError elsewhere
+    (AVX2-only CPUs such as AMD Zen 3), where bf16 projections then stay on ``F.linear``."""
     try:
         w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
         x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -67,6 +78,19 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
         logger.info("oneDNN cannot pack %s weights on this CPU (%s); those projections use F.linear", dtype, str(e).splitlines()[0])
         return False
     return bool(torch.allclose(got, x.float() @ w.float().t(), rtol=2e-2, atol=2e-2))
+
+
+@functools.lru_cache(maxsize=None)
+def rows_independent(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes each row of a ``dtype`` product independently of the row count
+    (checked on 2 to 40 rows, also across :func:`onednn_rows` steps), so that padding and
+    cutting change no bit. False on AMX CPUs, whose oneDNN kernels sum in an M-dependent order:
+    there inputs keep their exact row count."""
+    w = torch.randn(160, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    packed = pack_weight(w)
+    full = packed_linear(x, packed)
+    return all(torch.equal(packed_linear(x[:m].contiguous(), packed), full[:m]) for m in (2, 5, 16, 17, 32, 36))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -92,7 +116,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
-        self.amx_weight: Optional[torch.Tensor] = amx_copy(weight, self.bias)
+        self.amx_weight: Optional[torch.Tensor] = amx_copy(weight, self.bias) if weight.dtype == torch.bfloat16 else None
         self.packed_weight: Optional[torch.Tensor] = None if self.amx_weight is not None else pack_weight(weight)
         self.small_plan: Optional[tuple[int, int]] = None
 
@@ -141,16 +165,42 @@ def amx_copy(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[tor
 def packed_or_small_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, small_plan: Optional[tuple[int, int]],
 ) -> torch.Tensor:
-    """:func:`packed_linear`, or the small-M kernel for a contiguous bf16 ``x [M <= 16, in]``
-    when ``small_plan`` is set (the same result bit for bit as oneDNN's batched kernel)."""
+    """:func:`packed_linear` on :func:`onednn_rows` rows, or the small-M kernel for a contiguous
+    bf16 ``x [M <= 16, in]`` when ``small_plan`` is set (the same result bit for bit as
+    oneDNN's batched kernel)."""
     if small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
         return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)
-    if x.dim() == 2 and x.shape[0] == 1:
-        # oneDNN's one-row kernel sums in another order than its batched one for some K (1536,
-        # 4096, 4864: ~1 output in 10^4); two rows take the batched kernel, so a sequence's
-        # result does not depend on whether it was alone in the step.
-        return packed_linear(x.expand(2, -1).contiguous(), packed, bias)[:1]
-    return packed_linear(x, packed, bias)
+    if not rows_independent(packed.dtype):
+        if x.dim() == 2 and x.shape[0] == 1:  # see onednn_rows: never one row
+            return packed_linear(x.expand(2, -1).contiguous(), packed, bias)[:1]
+        return packed_linear(x, packed, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], out_features)
+    pieces = []
+    for start in range(0, m, ONEDNN_MAX_ROWS):
+        piece = rows[start : start + ONEDNN_MAX_ROWS]
+        n = piece.shape[0]
+        padded = onednn_rows(n)
+        if padded != n:
+            piece = torch.cat([piece, piece.new_zeros(padded - n, piece.shape[1])])
+        pieces.append(packed_linear(piece.contiguous(), packed, bias)[:n])
+    y = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def onednn_rows(m: int) -> int:
+    """The row count oneDNN is called with for ``1 <= m <= ONEDNN_MAX_ROWS`` rows: the next
+    power of two up to 16 (never 1: oneDNN's one-row kernel sums in another order than its
+    batched one for some K, 1536, 4096, 4864 in bf16, ~1 output in 10^4, and a sequence's result
+    must not depend on being alone in the step; these sizes stream the weights, so padding is
+    nearly free), a multiple of 4 up to 64, of 32 up to 512 and of 128 beyond: 42 shapes per
+    weight up to 2,048 rows, each padded by at most 3, 31 or 127 rows."""
+    if m <= 16:
+        return max(2, 1 << (m - 1).bit_length())
+    step = 4 if m <= 64 else 32 if m <= 512 else 128
+    return -(-m // step) * step
 
 
 def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor], plans: dict) -> Optional[tuple[int, int]]:
@@ -169,8 +219,8 @@ def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int
 
 
 def attach_small_gemm(packed: PackedLinear, plans: dict) -> None:
-    """Give an oneDNN-packed layer its small-M plan (see :func:`prepare_small_gemm`)."""
-    if packed.packed_weight is not None:
+    """Give an oneDNN-packed bf16 layer its small-M plan (see :func:`prepare_small_gemm`)."""
+    if packed.packed_weight is not None and packed.packed_weight.dtype == torch.bfloat16:
         packed.small_plan = prepare_small_gemm(packed.packed_weight, packed.out_features, packed.in_features, packed.bias, plans)
 
 
