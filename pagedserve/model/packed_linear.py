@@ -13,9 +13,8 @@ MB, and cached primitives pin freed activation buffers). So M is rounded up to o
 counts (:func:`onednn_rows`: 42 per weight), the padding rows are zeros, and inputs over
 ``ONEDNN_MAX_ROWS`` are cut into pieces. Each row's result does not depend on the other rows
 (:func:`rows_independent`; where it does, inputs keep their row count), so padding and cutting
-change no output bit. The steps are fine where
-padding costs most (the matmuls are compute-bound from ~32 rows: float32 on Zen 3, 33 -> 48
-rows cost 1.5x).
+change no output bit. The steps are finest at decode sizes, where padding would cost most (the
+matmuls are compute-bound from ~24 rows: float32 on Zen 3, 33 -> 48 rows cost 1.5x).
 
 On CPUs with AMX (Sapphire Rapids and later) the weight is instead kept only in the layout of
 pagedserve's AMX matmul (``csrc/amx_gemm.c``), which every product then uses, whatever M: it
