@@ -74,7 +74,8 @@ def test_tp2_equals_tp1_greedy(tiny_pair):
     runner = tp.llm_engine.core.worker.model_runner
     attn = runner.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)  # rank 0's share, and only its weights
-    assert tuple(attn.qkv_proj.weight.shape) == ((2 + 2 * 1) * attn.head_dim, 128)
+    qkv = attn.qkv_proj  # an nn.Linear or, where its weights are packed for oneDNN, a PackedLinear
+    assert (qkv.out_features, qkv.in_features) == ((2 + 2 * 1) * attn.head_dim, 128)
     assert tuple(runner.model.embed_tokens.weight.shape) == (49152 // 2, 128)
     assert runner.kv_cache.shape[2:4] == (48, 1)  # the agreed num_blocks, one KV head per rank
 
