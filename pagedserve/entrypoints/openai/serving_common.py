@@ -12,7 +12,6 @@ import json
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, AsyncIterator, Optional, Union
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
@@ -20,6 +19,7 @@ from pagedserve.entrypoints.openai import serving_kv
 from pagedserve.engine.input_processor import RequestError, check_text, param_of
 from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
 from pagedserve.entrypoints.openai.token_strings import TokenStrings
+from pagedserve.entrypoints.openai.tool_messages import tool_call_for_template, tools_template
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ErrorInfo, ErrorResponse
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -126,29 +126,6 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-def _tool_call_for_template(call: Any, i: int) -> dict:
-    """An assistant message's tool call as chat templates expect it: arguments as a dict."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise RequestError(f"messages[{i}].tool_calls: each call needs function.name.", param="messages")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            raise RequestError(f"messages[{i}].tool_calls: function.arguments is not JSON.", param="messages") from None
-    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
-
-
-@lru_cache(maxsize=1)
-def tools_template() -> str:
-    """ChatML with Hermes tool calls (``templates/chatml_hermes_tools.jinja``), used when tools are
-    given and the chat template does not render them."""
-    import importlib.resources
-
-    return importlib.resources.files("pagedserve.entrypoints.openai").joinpath("templates/chatml_hermes_tools.jinja").read_text()
 
 
 # Fields of OpenAI's or vLLM's API that would change what a request means and that this server
@@ -286,7 +263,7 @@ class OpenAIServing:
             if m.name:
                 msg["name"] = m.name
             if m.tool_calls:
-                msg["tool_calls"] = [_tool_call_for_template(c, i) for c in m.tool_calls]
+                msg["tool_calls"] = [tool_call_for_template(c, i) for c in m.tool_calls]
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
