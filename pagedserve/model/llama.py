@@ -151,8 +151,8 @@ class LlamaForCausalLM(nn.Module):
 
     tp = None  # a pagedserve.distributed.parallel_state.TPGroup when the weights are sharded
     def pack_for_cpu(self) -> None:
-        """Pre-pack every projection (and the logits weight) for the CPU matmuls; bf16 on CPU
-        only, after the weights are loaded. See :mod:`pagedserve.model.packed_linear`."""
+        """Pre-pack every projection (and the logits weight) for the CPU matmuls (bf16 or float32
+        on CPU), after the weights are loaded. See :mod:`pagedserve.model.packed_linear`."""
         logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         plans: dict = {}
         self._logits_linear = PackedLinear(logits_weight)

@@ -10,7 +10,7 @@ Zen 3 (benchmarks/README.md, "AVX2").
 oneDNN (through ideep) builds and caches one primitive per input shape, and process memory grew
 by GBs when every step brought a new row count M (a cached primitive for a few rows holds ~0.6
 MB, and cached primitives pin freed activation buffers). So M is rounded up to one of a few row
-counts (:func:`onednn_rows`: 42 per weight), the padding rows are zeros, and inputs over
+counts (:func:`onednn_rows`: 52 per weight), the padding rows are zeros, and inputs over
 ``ONEDNN_MAX_ROWS`` are cut into pieces. Each row's result does not depend on the other rows
 (:func:`rows_independent`; where it does, inputs keep their row count), so padding and cutting
 change no output bit. The steps are finest at decode sizes, where padding would cost most (the
@@ -79,17 +79,24 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     return bool(torch.allclose(got, x.float() @ w.float().t(), rtol=2e-2, atol=2e-2))
 
 
-@functools.lru_cache(maxsize=None)
-def rows_independent(dtype: torch.dtype) -> bool:
-    """Whether oneDNN computes each row of a ``dtype`` product independently of the row count
-    (checked on 2 to 40 rows, also across :func:`onednn_rows` steps), so that padding and
-    cutting change no bit. False on AMX CPUs, whose oneDNN kernels sum in an M-dependent order:
-    there inputs keep their exact row count."""
-    w = torch.randn(160, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
-    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
-    packed = pack_weight(w)
-    full = packed_linear(x, packed)
-    return all(torch.equal(packed_linear(x[:m].contiguous(), packed), full[:m]) for m in (2, 5, 16, 17, 32, 36))
+_PROBE_ROWS = (2, 5, 17, 64, 72, 96, 144)  # against the same rows inside a 520-row product
+_rows_independent: dict = {}
+
+
+def rows_independent(packed: torch.Tensor, out_features: int, in_features: int) -> bool:
+    """Whether oneDNN computes each row of products with ``packed [out_features, in_features]``
+    independently of the row count, so that padding and cutting change no bit: checked once per
+    (dtype, shape) on this weight, random rows at 2 to 144 rows against the same rows inside a
+    520-row product. False where oneDNN's kernels sum in an M-dependent order (its bf16 AMX
+    kernels, for shapes the AMX matmul does not take): those inputs keep their row count."""
+    key = (packed.dtype, out_features, in_features)
+    if key not in _rows_independent:
+        x = torch.randn(520, in_features, generator=torch.Generator().manual_seed(3)).to(packed.dtype)
+        full = packed_linear(x, packed)
+        _rows_independent[key] = all(torch.equal(packed_linear(x[:m].contiguous(), packed), full[:m]) for m in _PROBE_ROWS)
+        if not _rows_independent[key]:
+            logger.info("oneDNN's %s rows for weight %s x %s depend on the row count; exact row counts there", packed.dtype, out_features, in_features)
+    return _rows_independent[key]
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -118,6 +125,7 @@ class PackedLinear(nn.Module):
         self.amx_weight: Optional[torch.Tensor] = amx_copy(weight, self.bias) if weight.dtype == torch.bfloat16 else None
         self.packed_weight: Optional[torch.Tensor] = None if self.amx_weight is not None else pack_weight(weight)
         self.small_plan: Optional[tuple[int, int]] = None
+        self.pad_rows = self.packed_weight is not None and rows_independent(self.packed_weight, self.out_features, self.in_features)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
@@ -128,7 +136,7 @@ class PackedLinear(nn.Module):
             shape = x.shape
             y = cpu_kernels.amx_gemm(x.reshape(-1, shape[-1]).contiguous(), self.amx_weight, self.bias, self.out_features)
             return y.view(*shape[:-1], self.out_features)
-        return packed_or_small_linear(x, self.packed_weight, self.bias, self.out_features, self.small_plan)
+        return packed_or_small_linear(x, self.packed_weight, self.bias, self.out_features, self.small_plan, self.pad_rows)
 
     def decode_entries(self) -> Optional[list[int]]:
         """This projection's four entries in ``decode_step.c``'s layer table (weight address,
@@ -163,13 +171,15 @@ def amx_copy(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[tor
 
 def packed_or_small_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, small_plan: Optional[tuple[int, int]],
+    pad_rows: bool = False,
 ) -> torch.Tensor:
-    """:func:`packed_linear` on :func:`onednn_rows` rows, or the small-M kernel for a contiguous
+    """:func:`packed_linear` (on :func:`onednn_rows` rows when ``pad_rows``, which
+    :func:`rows_independent` decides per weight shape), or the small-M kernel for a contiguous
     bf16 ``x [M <= 16, in]`` when ``small_plan`` is set (the same result bit for bit as
     oneDNN's batched kernel)."""
     if small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
         return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)
-    if not rows_independent(packed.dtype):
+    if not pad_rows:
         if x.dim() == 2 and x.shape[0] == 1:  # see onednn_rows: never one row
             return packed_linear(x.expand(2, -1).contiguous(), packed, bias)[:1]
         return packed_linear(x, packed, bias)
@@ -194,11 +204,12 @@ def onednn_rows(m: int) -> int:
     power of two up to 16 (never 1: oneDNN's one-row kernel sums in another order than its
     batched one for some K, 1536, 4096, 4864 in bf16, ~1 output in 10^4, and a sequence's result
     must not depend on being alone in the step; these sizes stream the weights, so padding is
-    nearly free), a multiple of 4 up to 64, of 32 up to 512 and of 128 beyond: 42 shapes per
-    weight up to 2,048 rows, each padded by at most 3, 31 or 127 rows."""
+    nearly free), then a multiple of 4 up to 64, of 8 up to 128, of 16 up to 256, of 32 up to
+    512 and of 128 beyond: 52 shapes per weight up to 2,048 rows, padding at most 12 % from 65
+    to 512 rows (25 % at 513)."""
     if m <= 16:
         return max(2, 1 << (m - 1).bit_length())
-    step = 4 if m <= 64 else 32 if m <= 512 else 128
+    step = 4 if m <= 64 else 8 if m <= 128 else 16 if m <= 256 else 32 if m <= 512 else 128
     return -(-m // step) * step
 
 
