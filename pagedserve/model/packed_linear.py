@@ -187,16 +187,20 @@ def packed_or_small_linear(
     m = rows.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], out_features)
-    pieces = []
-    for start in range(0, m, ONEDNN_MAX_ROWS):
-        piece = rows[start : start + ONEDNN_MAX_ROWS]
-        n = piece.shape[0]
-        padded = onednn_rows(n)
-        if padded != n:
-            piece = torch.cat([piece, piece.new_zeros(padded - n, piece.shape[1])])
-        pieces.append(packed_linear(piece.contiguous(), packed, bias)[:n])
-    y = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if m <= ONEDNN_MAX_ROWS:
+        y = _padded_linear(rows, packed, bias)
+    else:
+        y = torch.cat([_padded_linear(rows[s : s + ONEDNN_MAX_ROWS], packed, bias) for s in range(0, m, ONEDNN_MAX_ROWS)])
     return y.view(*x.shape[:-1], out_features)
+
+
+def _padded_linear(rows: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`packed_linear` of ``rows [n <= ONEDNN_MAX_ROWS, in]`` on :func:`onednn_rows` rows."""
+    n = rows.shape[0]
+    padded = onednn_rows(n)
+    if padded == n:
+        return packed_linear(rows.contiguous(), packed, bias)
+    return packed_linear(torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])]), packed, bias)[:n]
 
 
 def onednn_rows(m: int) -> int:
