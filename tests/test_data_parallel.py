@@ -121,6 +121,27 @@ def test_block_pool_events():
     assert pool.take_kv_events() == [["cleared", []]]
 
 
+def test_utility_fanout_combines_answers_and_survives_a_dead_replica():
+    from pagedserve.engine.dp_utility import UtilityFanout
+
+    f = UtilityFanout()
+    alive = [True, False, True]
+    assert f.targets("reset_prefix_cache", alive) == [0, 2]
+    assert f.targets("get_block_map", alive) == [0]
+    assert f.start(1, "reset_prefix_cache", [0, 2]) == []
+    assert f.answer(0, 1, True, None) == []
+    assert f.answer(2, 1, False, None) == [["utility", 1, False, None]]  # True only when each reset
+    assert f.answer(2, 1, True, None) == []  # unknown or finished id: ignored
+    f.start(2, "reset_prefix_cache", [0, 2])
+    f.answer(0, 2, True, None)
+    assert f.replica_died(2, "replica 2 died") == [["utility", 2, True, None]]  # answered by the live one
+    f.start(3, "get_block_map", [0])
+    assert f.replica_died(0, "replica 0 died") == [["utility", 3, None, "replica 0 died"]]
+    assert f.start(4, "get_block_map", []) == [["utility", 4, None, "no engine replica is alive"]]
+    f.start(5, "get_step_trace", [1])
+    assert f.answer(1, 5, None, "ValueError: bad") == [["utility", 5, None, "ValueError: bad"]]
+
+
 def test_offline_engine_refuses_data_parallel(tiny):
     from pagedserve import LLM
 

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedserve.config import EngineConfig
@@ -34,10 +34,10 @@ from pagedserve.core.outputs import EngineCoreOutputs, EngineCoreRequest, Schedu
 from pagedserve.distributed.dp_placement import plan_cpus, threads_per_replica
 from pagedserve.distributed.dp_router import DPRouter
 from pagedserve.engine.core import EngineCoreInfo
+from pagedserve.engine.dp_utility import UtilityFanout
 
 logger = logging.getLogger("pagedserve")
 
-BROADCAST_UTILITIES = ("reset_prefix_cache",)
 DEATH_CHECK_INTERVAL_S = 0.1
 
 
@@ -53,14 +53,6 @@ class _Group:
 
     def routed_hashes(self, router: DPRouter) -> list[bytes]:
         return self.hashes.get(router.seeds[self.replica], []) if self.hashes else []
-
-
-@dataclass
-class _UtilityCall:
-    name: str
-    waiting: set[int]
-    results: list[Any] = field(default_factory=list)
-    error: Optional[str] = None
 
 
 class DPClient:
@@ -114,7 +106,7 @@ class DPClient:
         self._zmq = zmq
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}  # sequence id -> its request's group
-        self._utility: dict[int, _UtilityCall] = {}
+        self._utility = UtilityFanout()
         self._pending: collections.deque = collections.deque()  # messages made here, returned first
         self.replica_stats = [SchedulerStats(num_total_blocks=i.num_blocks, num_free_blocks=i.num_blocks) for i in infos]
         self.dead_reason: list[Optional[str]] = [None] * n
@@ -159,13 +151,10 @@ class DPClient:
                     self.replicas[i].send(["abort", ids])
         elif kind == "utility":
             with self._lock:
-                live = [i for i, ok in enumerate(self.router.alive) if ok]
-                targets = live if msg[2] in BROADCAST_UTILITIES else live[:1]
-                self._utility[msg[1]] = _UtilityCall(msg[2], set(targets))
+                targets = self._utility.targets(msg[2], self.router.alive)
                 for i in targets:
                     self.replicas[i].send(msg)
-                if not targets:
-                    self._finish_utility(msg[1], "no engine replica is alive")
+                self._pending.extend(self._utility.start(msg[1], msg[2], targets))
         else:
             for i, ok in enumerate(self.router.alive):
                 if ok:
@@ -245,25 +234,9 @@ class DPClient:
             self._pending.append(msg)
         elif kind == "utility":
             with self._lock:
-                call = self._utility.get(msg[1])
-                if call is None:
-                    return
-                call.waiting.discard(i)
-                call.results.append(msg[2])
-                call.error = call.error or msg[3]
-                if not call.waiting:
-                    self._finish_utility(msg[1])
+                self._pending.extend(self._utility.answer(i, msg[1], msg[2], msg[3]))
         elif kind == "error":
             self._replica_died(i, f"engine replica {i} failed: {msg[1]}: {msg[2]}")
-
-    def _finish_utility(self, call_id: int, error: Optional[str] = None) -> None:
-        call = self._utility.pop(call_id)
-        error = error or call.error
-        if call.name == "reset_prefix_cache":
-            result = bool(call.results) and all(call.results)
-        else:
-            result = call.results[0] if call.results else None
-        self._pending.append(["utility", call_id, None if error else result, error])
 
     def _replica_died(self, i: int, reason: str) -> None:
         logger.error("pagedserve: %s; taking it out of rotation", reason)
@@ -280,11 +253,7 @@ class DPClient:
                     failed.extend(g.unfinished)
                     for rid in g.unfinished:
                         self._groups.pop(rid, None)
-            for call_id, call in list(self._utility.items()):
-                if i in call.waiting:
-                    call.waiting.discard(i)
-                    if not call.waiting:
-                        self._finish_utility(call_id, None if call.results else reason)
+            self._pending.extend(self._utility.replica_died(i, reason))
             s = self.replica_stats[i]  # its gauges to zero, its counters kept, no per-step values
             per_step = {f.name: [] for f in dataclasses.fields(s) if isinstance(getattr(s, f.name), list)}
             self.replica_stats[i] = dataclasses.replace(s, num_running=0, num_waiting=0, num_free_blocks=s.num_total_blocks, **per_step)
