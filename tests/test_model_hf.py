@@ -243,6 +243,9 @@ def test_tiny_model_matches_hf(case, tiny_case_dir):
     if cfg_updates and "rope_parameters" in cfg_updates:
         assert hf.config.rope_parameters["rope_type"] == cfg_updates["rope_parameters"]["rope_type"]
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256, **engine_kw)
+    model = llm.llm_engine.core.worker.model_runner.model
+    if model._logits_linear is not None and not model.tie_word_embeddings:
+        assert model.lm_head is None  # packed: the untied output matrix is not held twice
     # HF's own generate loop (slow per step) runs for one case; the others use teacher forcing.
     reports = compare_with_hf(llm, hf, PROMPTS, max_new_tokens=24, num_hf_generate=int(case == "llama"))
     print(case, reports)

@@ -152,12 +152,15 @@ class LlamaForCausalLM(nn.Module):
     tp = None  # a pagedserve.distributed.parallel_state.TPGroup when the weights are sharded
     def pack_for_cpu(self) -> None:
         """Pre-pack every projection (and the logits weight) for the CPU matmuls (bf16 or float32
-        on CPU), after the weights are loaded. See :mod:`pagedserve.model.packed_linear`."""
+        on CPU), after the weights are loaded. See :mod:`pagedserve.model.packed_linear`.
+        An untied ``lm_head`` is dropped once packed (its packed copy replaces it)."""
         logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         plans: dict = {}
         self._logits_linear = PackedLinear(logits_weight)
         attach_small_gemm(self._logits_linear, plans)
         pack_linears(self.layers, plans)
+        if not self.tie_word_embeddings:
+            self.lm_head = None  # the [vocab, hidden] matrix would otherwise be held twice
 
     # -- weights ---------------------------------------------------------------------------
     _FUSED = {
