@@ -79,7 +79,7 @@ def _env() -> dict:
 def pagedserve_server(args: argparse.Namespace, model: Optional[str], log_dir: str) -> Server:
     port = free_port()
     cmd = CLI + ["serve"] + ([model] if model else []) + [
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--num-threads", str(args.threads),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--num-threads", str(args.threads),
         "--max-num-seqs", str(max(64, args.concurrency)), "--uvicorn-log-level", "warning",
     ] + shlex.split(args.pagedserve_args)
     return Server("pagedserve", cmd, port, log_dir, env=_env(), cwd=ROOT)
@@ -145,6 +145,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
     from pagedserve.bench.datasets import sample_random
     from pagedserve.bench.flops import model_flops, peak_flops_for
     from pagedserve.model import loader
+    from pagedserve.model.loader import resolve_dtype
 
     one_b = args.scenario == "1b"
     model = args.model or (MODEL_1B if one_b else None)
@@ -169,7 +170,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
     log_dir = tempfile.mkdtemp(prefix="vs_llama_server-")
     print(f"logs: {log_dir}")
     rounds: list[dict[str, Any]] = []
-    out = {"scenario": args.scenario, "model": model_dir, "gguf": gguf, "threads": args.threads, "num_requests": len(requests),
+    out = {"scenario": args.scenario, "model": model_dir, "gguf": gguf, "dtype": args.dtype, "threads": args.threads, "num_requests": len(requests),
            "concurrency": args.concurrency, "output_len": args.output_len, "prompt_format": args.prompt_format, "stream": args.stream,
            "sent_prompt_tokens": sent_prompt_tokens, "model_flops_params": flops.as_dict(), "log_dir": log_dir, "rounds": rounds}
     for i in range(args.rounds):
@@ -178,7 +179,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
         r["llama_server_http"] = measure_http(llama_server(args, gguf, log_dir), prompts, args)
         peak = None
         if not one_b and not args.no_offline:
-            cmd = CLI + ["bench", "throughput", "--backend", "pagedserve", "--dtype", "bfloat16", "--num-threads", str(args.threads),
+            cmd = CLI + ["bench", "throughput", "--backend", "pagedserve", "--dtype", args.dtype, "--num-threads", str(args.threads),
                          "--num-prompts", str(args.num_prompts), "--min-input-len", str(args.min_input_len),
                          "--max-input-len", str(args.max_input_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
             cmd += (["--model", model] if model else [])
@@ -188,9 +189,9 @@ def run_rounds(args: argparse.Namespace) -> dict:
             r["pagedserve_offline"] = off["results"]["pagedserve"]
             peak = off["peak_flops_per_s"]
         if one_b:
-            peak = peak_flops_for(cfg, torch.bfloat16, "cpu", 1.0)
+            peak = peak_flops_for(cfg, resolve_dtype(args.dtype, torch.device("cpu")), "cpu", 1.0)
         if one_b and not args.no_batch1:
-            cmd = CLI + ["bench", "latency", "--dtype", "bfloat16", "--num-threads", str(args.threads), "--input-len", str(args.batch1_input_len),
+            cmd = CLI + ["bench", "latency", "--dtype", args.dtype, "--num-threads", str(args.threads), "--input-len", str(args.batch1_input_len),
                          "--output-len", str(args.output_len), "--num-iters", str(args.iters)] + (["--model", model] if model else [])
             lat = _run_json(cmd, os.path.join(log_dir, f"latency-{i + 1}.json"), os.path.join(log_dir, f"latency-{i + 1}.log"))
             r["pagedserve_batch1"] = lat["results"][0]
@@ -259,6 +260,8 @@ def main() -> int:
     ap.add_argument("--llama-bin", default=os.path.join(LLAMACPP_CACHE, "bin"), help="folder of llama-server and llama-bench (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="threads of each engine (default: 2)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
+                    help="pagedserve's --dtype (default: bfloat16; float32 on a CPU without bf16 compute, where the GGUF stays BF16)")
     ap.add_argument("--num-prompts", type=int, default=32, help="W1's size (the requests are built as for this many)")
     ap.add_argument("--num-requests", type=int, default=None, help="how many of them are sent, the first ones (default: all for w1-http, 16 for 1b)")
     ap.add_argument("--concurrency", type=int, default=None, help="clients in flight = llama-server slots (default: --num-requests)")
