@@ -1,10 +1,12 @@
 """The float32 CPU paths on an AVX2 machine, each against its peer in the same script:
 
 1. SmolLM2's projections and LM head (30 layers of distinct weights, read cold, as in a step)
-   through ``F.linear`` (MKL, what pagedserve uses for float32) against oneDNN's packed weights
-   (not used for float32: process memory grew with each new M, see benchmarks/README.md), at M = 1,
-   32 and 256 rows.
-2. Decode attention over 32 sequences of 148-560 tokens (SmolLM2's 9 query / 3 KV heads,
+   through ``F.linear`` (MKL) against oneDNN's packed weights (what pagedserve uses for float32,
+   with bounded row counts: see benchmarks/README.md), at M = 1, 32 and 256 rows.
+2. The same in bf16: ``F.linear`` (bf16 on a CPU without bf16 arithmetic, what pagedserve
+   used before ``avx2_gemm.c``) and oneDNN's packed float32 (the float32 path) against the AVX2
+   bf16 matmul (weights bf16 in memory, float32 FMA).
+3. Decode attention over 32 sequences of 148-560 tokens (SmolLM2's 9 query / 3 KV heads,
    head_dim 64, a float32 cache of scattered 16-token blocks): ``paged_attention.c`` built as the
    engine builds it against the same source built with ``-mno-avx2 -mno-fma`` (the generic C
    path every AVX2-only CPU took before ``attention_avx2.c``). Outputs are checked against a
@@ -44,10 +46,11 @@ def ab(name: str, fns: dict, rounds: int, reps: int = 1) -> None:
             for _ in range(reps):
                 f()
             times[k].append((time.perf_counter() - t0) / reps * 1e3)
-    a, b = list(fns)
+    last = list(fns)[-1]
     meds = {k: statistics.median(v) for k, v in times.items()}
     line = ", ".join(f"{k} min {min(v):.2f} med {meds[k]:.2f} ms" for k, v in times.items())
-    print(f"{name}: {line}; {a} / {b} = {meds[a] / meds[b]:.2f}x")
+    ratios = ", ".join(f"{k} / {last} = {meds[k] / meds[last]:.2f}x" for k in fns if k != last)
+    print(f"{name}: {line}; {ratios}")
 
 
 def projections(rounds: int) -> None:
@@ -74,6 +77,37 @@ def projections(rounds: int) -> None:
             packed_linear(xs[576], packed_head)
 
         ab(f"projections + LM head, M = {m}", {"F.linear": mkl, "oneDNN packed": onednn}, rounds)
+
+
+def projections_bf16(rounds: int, ms: tuple) -> None:
+    """bf16 weights: F.linear (what bf16 took on AVX2 before), the AVX2 bf16 matmul, against
+    oneDNN's packed float32 (the float32 path, twice the weight bytes)."""
+    from pagedserve.ops.cpu import matmul as mm
+
+    if not mm.avx2_gemm_available():
+        print("AVX2 bf16 matmul not available here; skipped")
+        return
+    g = torch.Generator().manual_seed(2)
+    layers = [[torch.randn(n, k, generator=g) * 0.05 for n, k in SHAPES] for _ in range(30)]
+    head = torch.randn(49152, 576, generator=g) * 0.05
+    bf = [[w.to(torch.bfloat16) for w in layer] for layer in layers]
+    own = [[mm.avx2_layout(w) for w in layer] for layer in bf]
+    f32 = [[pack_weight(w.float()) for w in layer] for layer in bf]
+    head_bf, head_own, head_f32 = head.to(torch.bfloat16), mm.avx2_layout(head.to(torch.bfloat16)), pack_weight(head.to(torch.bfloat16).float())
+    for m in ms:
+        xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in SHAPES}
+        xf = {k: v.float() for k, v in xs.items()}
+        for w, o in zip(bf[0], own[0]):
+            x = xs[w.shape[1]]
+            torch.testing.assert_close(mm.avx2_gemm(x, o, None, w.shape[0]).float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
+        sides = {
+            "F.linear bf16": lambda: [F.linear(xs[w.shape[1]], w) for layer in bf for w in layer] + [F.linear(xs[576], head_bf)],
+            "oneDNN fp32": lambda: [packed_linear(xf[w.shape[1]], p) for layer, pl in zip(bf, f32) for w, p in zip(layer, pl)] + [packed_linear(xf[576], head_f32)],
+            "AVX2 bf16": lambda: [mm.avx2_gemm(xs[w.shape[1]], o, None, w.shape[0]) for layer, ol in zip(bf, own) for w, o in zip(layer, ol)] + [mm.avx2_gemm(xs[576], head_own, None, 49152)],
+        }
+        if m > 64:
+            sides.pop("F.linear bf16")  # minutes at prefill sizes
+        ab(f"bf16 projections + LM head, M = {m}", sides, rounds)
 
 
 def _build(flags: list[str], out: str):
@@ -122,12 +156,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--only", choices=["fp32", "bf16", "attention"], default=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256], help="M of the bf16 comparison")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0] if os.path.exists("/proc/cpuinfo") else ""
     print(f"threads {args.threads}; avx2 {' avx2' in flags}, avx512f {' avx512f' in flags}")
-    projections(args.rounds)
-    attention(args.rounds)
+    if args.only in (None, "fp32"):
+        projections(args.rounds)
+    if args.only in (None, "bf16"):
+        projections_bf16(args.rounds, tuple(args.rows))
+    if args.only in (None, "attention"):
+        attention(args.rounds)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def test_greedy_output_does_not_depend_on_batch_chunks_or_prefix_hits(tiny_model
     from conftest import assert_engine_idle
 
     if dtype == "bfloat16" and not packing_available(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("no oneDNN bf16 packing here (no AVX-512): bf16 projections run on F.linear, whose sums depend on M")
+        pytest.skip("bf16 weights are not packed here (neither oneDNN nor the AVX2 matmul): bf16 projections run on F.linear, whose sums depend on M")
     model = tiny_model_factory("llama", hidden_size=hidden, intermediate_size=2 * hidden)
     prompts = _prompts(20)
     llm = LLM(model, dtype=dtype, kv_cache_dtype="int8", num_threads=1, num_kv_blocks=400)

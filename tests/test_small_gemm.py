@@ -13,11 +13,16 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.ops import cpu as cpu_kernels
 from pagedserve.ops.cpu import matmul
 from pagedserve.model.backends import CpuBackend
-from pagedserve.model.packed_linear import PackedLinear, pack_weight, packed_linear, packing_available
+from pagedserve.model.packed_linear import PackedLinear, onednn_packs, pack_weight, packed_linear, packing_available
+
+
+def _onednn_bf16() -> bool:
+    """oneDNN packs bf16 weights here (elsewhere bf16 takes the AVX2 matmul or F.linear)."""
+    return packing_available(torch.device("cpu"), torch.bfloat16) and onednn_packs(torch.bfloat16)
 
 
 def _packing_or_skip():
-    if not packing_available(torch.device("cpu"), torch.bfloat16) or cpu_kernels.get_small_gemm_lib() is None:
+    if not _onednn_bf16() or cpu_kernels.get_small_gemm_lib() is None:
         pytest.skip("oneDNN packing (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT) or the C kernels are unavailable")
 
 
@@ -114,7 +119,7 @@ def test_zero_rows_and_env_change_after_load(monkeypatch):
 def test_unsupported_shapes_fall_back_to_onednn():
     n, k = 100, 64  # N not a multiple of 64: oneDNN pads its layout
     w = torch.randn(n, k).to(torch.bfloat16)
-    if not packing_available(torch.device("cpu"), torch.bfloat16) or cpu_kernels.get_small_gemm_lib() is None:
+    if not _onednn_bf16() or cpu_kernels.get_small_gemm_lib() is None:
         pytest.skip("oneDNN packing or the C kernels are unavailable")
     lin = torch.nn.Linear(k, n, bias=False)
     with torch.no_grad():
@@ -196,7 +201,7 @@ def test_onednn_path_one_row_matches_batched():
     another order, ~1 output in 10^4), so it equals the row computed in a batch."""
     from pagedserve.model.packed_linear import packed_or_small_linear
 
-    if not packing_available(torch.device("cpu"), torch.bfloat16):
+    if not _onednn_bf16():
         pytest.skip("oneDNN packing unavailable")
     n, k = 576, 1536
     g = torch.Generator().manual_seed(11)
@@ -311,7 +316,7 @@ def test_padded_and_cut_rows_equal_the_exact_product(dtype, monkeypatch):
     where oneDNN packs them and its rows do not depend on the row count)."""
     import pagedserve.model.packed_linear as pl
 
-    if not packing_available(torch.device("cpu"), dtype):
+    if not (packing_available(torch.device("cpu"), dtype) and pl.onednn_packs(dtype)):
         pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
     g = torch.Generator().manual_seed(11)
     w, b = torch.randn(200, 72, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)

@@ -23,14 +23,19 @@ against 13.0 ms a step, 30 layers from memory) and is as fast at prefill sizes, 
 result is independent of the other rows, so greedy output does not depend on batching (oneDNN's
 AMX kernels sum in an order that depends on M). Shapes that are not multiples of 32 keep oneDNN.
 
+On CPUs with AVX2 and no AVX-512 (AMD Zen 2/3, Intel client cores) oneDNN cannot pack bf16
+weights, and bf16 weights are kept in the layout of pagedserve's AVX2 matmul
+(``csrc/avx2_gemm.c``): bf16 in memory, widened to float32 in registers, float32 FMA over k in
+order, so each row's result is independent of the other rows there too.
+
 Elsewhere, inputs of 1-16 rows (decode of a few sequences) skip oneDNN:
 ``pagedserve.ops.cpu.small_gemm`` streams the same packed buffer with no per-call set-up,
 bit-identical to oneDNN's batched result (its partial-sum structure is calibrated per weight
 shape at load time; shapes that do not match keep oneDNN). The packed buffers are also moved
 to 2 MiB pages where Linux allows it.
 
-Disable with ``PAGEDSERVE_PACK_WEIGHTS=0`` (packing), ``PAGEDSERVE_AMX=0`` (the AMX matmul) or
-``PAGEDSERVE_SMALL_GEMM=0`` (small-M path).
+Disable with ``PAGEDSERVE_PACK_WEIGHTS=0`` (packing), ``PAGEDSERVE_AMX=0`` (the AMX matmul),
+``PAGEDSERVE_AVX2_GEMM=0`` (the AVX2 bf16 matmul) or ``PAGEDSERVE_SMALL_GEMM=0`` (small-M path).
 """
 from __future__ import annotations
 
@@ -51,8 +56,8 @@ ONEDNN_MAX_ROWS = 2048  # larger inputs are cut into pieces of at most this many
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether projections of ``dtype`` on ``device`` are packed for oneDNN (bfloat16 or float32
-    on CPU, unless ``PAGEDSERVE_PACK_WEIGHTS=0``)."""
+    """Whether projections of ``dtype`` on ``device`` are packed (bfloat16 or float32 on CPU,
+    unless ``PAGEDSERVE_PACK_WEIGHTS=0``): for oneDNN, or for the AVX2 bf16 matmul."""
     return (
         device.type == "cpu"
         and dtype in (torch.bfloat16, torch.float32)
@@ -60,12 +65,18 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and _onednn_packs(dtype)
+        and (onednn_packs(dtype) or avx2_bf16(dtype))
     )
 
 
+def avx2_bf16(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` projections take the AVX2 bf16 matmul: bf16 where oneDNN cannot pack
+    bf16 weights (no AVX-512) and the CPU has AVX2 + FMA (``matmul.avx2_gemm_available``)."""
+    return dtype == torch.bfloat16 and not onednn_packs(dtype) and cpu_kernels.avx2_gemm_available()
+
+
 @functools.lru_cache(maxsize=None)
-def _onednn_packs(dtype: torch.dtype) -> bool:
+def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN can pack weights of ``dtype`` on this CPU and gives the right product.
     bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises a RuntimeError elsewhere
     (AVX2-only CPUs such as AMD Zen 3), where bf16 projections then stay on ``F.linear``."""
@@ -111,8 +122,9 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[t
 
 class PackedLinear(nn.Module):
     """Drop-in inference replacement for an ``nn.Linear`` (weights frozen): ``weight [out, in]``
-    in the AMX matmul's layout (``amx_weight``) where :func:`amx_copy` takes it, else packed
-    for oneDNN (``packed_weight``).
+    in the AMX matmul's layout (``amx_weight``) where :func:`amx_copy` takes it, in the AVX2
+    bf16 matmul's (``avx2_weight``) where :func:`avx2_bf16` holds, else packed for oneDNN
+    (``packed_weight``).
 
     ``small_plan``: the small-M kernel's partial-sum plan for the oneDNN buffer
     (``pagedserve.ops.cpu.calibrate_small_gemm``), or None.
@@ -123,7 +135,12 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         self.amx_weight: Optional[torch.Tensor] = amx_copy(weight, self.bias) if weight.dtype == torch.bfloat16 else None
-        self.packed_weight: Optional[torch.Tensor] = None if self.amx_weight is not None else pack_weight(weight)
+        self.avx2_weight: Optional[torch.Tensor] = None
+        if self.amx_weight is None and avx2_bf16(weight.dtype):
+            self.avx2_weight = cpu_kernels.avx2_layout(weight)
+            cpu_kernels.collapse_to_huge_pages(self.avx2_weight.data_ptr(), self.avx2_weight.numel() * 2)
+        own = self.amx_weight is not None or self.avx2_weight is not None
+        self.packed_weight: Optional[torch.Tensor] = None if own else pack_weight(weight)
         self.small_plan: Optional[tuple[int, int]] = None
         self.pad_rows = self.packed_weight is not None and rows_independent(self.packed_weight, self.out_features, self.in_features)
 
@@ -135,6 +152,10 @@ class PackedLinear(nn.Module):
         if self.amx_weight is not None:
             shape = x.shape
             y = cpu_kernels.amx_gemm(x.reshape(-1, shape[-1]).contiguous(), self.amx_weight, self.bias, self.out_features)
+            return y.view(*shape[:-1], self.out_features)
+        if self.avx2_weight is not None:
+            shape = x.shape
+            y = cpu_kernels.avx2_gemm(x.reshape(-1, shape[-1]).contiguous(), self.avx2_weight, self.bias, self.out_features)
             return y.view(*shape[:-1], self.out_features)
         return packed_or_small_linear(x, self.packed_weight, self.bias, self.out_features, self.small_plan, self.pad_rows)
 

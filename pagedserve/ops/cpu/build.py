@@ -4,7 +4,8 @@ compiler and called through ctypes (no torch headers, so a build takes about a s
 Three libraries from ``csrc/``: ``paged_attention.c`` (the paged attention kernel),
 ``fused_ops.c`` (fused RMSNorm + residual add, SiLU-and-mul, RoPE + KV-cache write, row argmax)
 and ``decode_step.c`` (bf16 matmuls of 1-16 rows straight from oneDNN's packed weights,
-``small_gemm.c``, and a whole decode step's layer loop for such small batches). Each shared
+``small_gemm.c``, the AMX and AVX2 bf16 matmuls ``amx_gemm.c`` and ``avx2_gemm.c``, and a whole
+decode step's layer loop for small batches). Each shared
 object is cached under ``$PAGEDSERVE_CACHE/kernels`` keyed by the sources, the compiler flags
 and the CPU. It links ``libgomp.so.1``, which the dynamic loader resolves to the OpenMP runtime
 torch already loaded, so the kernels share torch's thread pool and thread count.
@@ -92,6 +93,10 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
         lib.amx_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64]
         lib.amx_gemm_available.restype = ctypes.c_int
         lib.amx_gemm_available.argtypes = []
+        lib.avx2_gemm_bf16.restype = ctypes.c_int
+        lib.avx2_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64]
+        lib.avx2_gemm_available.restype = ctypes.c_int
+        lib.avx2_gemm_available.argtypes = []
         lib.decode_layer_entries.restype = ctypes.c_int
         lib.decode_layer_entries.argtypes = []
         lib.decode_layers_bf16.restype = ctypes.c_int

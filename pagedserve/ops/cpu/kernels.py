@@ -12,10 +12,12 @@ from pagedserve.ops.cpu.build import get_fused_lib, get_lib
 
 @functools.lru_cache(maxsize=None)  # asked once per layer per step; the answer never changes
 def prefill_kernel_preferred(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether prefill chunks should use the C kernel: only on its vectorised bf16 path. The
-    generic path (float32, other shapes, CPUs without AVX512-BF16) computes one query row at a
-    time and is slower than PyTorch's flash SDPA on long prompts (e.g. 2048 float32 tokens: 180
-    vs 72 ms, 1 thread); for decode rows the kernel is always the faster choice."""
+    """Whether prefill chunks should use the C kernel: only on its vectorised bf16 paths
+    (AVX512-BF16, or AVX2 + FMA, where bf16 SDPA has no bf16 arithmetic to use). Elsewhere
+    (float32, other shapes) it computes one query row at a time and is slower than PyTorch's
+    flash SDPA on long prompts (e.g. 2048 float32 tokens: 180 vs 72 ms, 1 thread); for decode
+    rows the kernel is always the faster choice. In the kernel every K/V is read from the cache,
+    so a prompt's result does not depend on how it was chunked."""
     lib = get_lib()
     if lib is None or dtype != torch.bfloat16 or num_heads % num_kv_heads:
         return False

@@ -1,7 +1,7 @@
 """ctypes wrappers of the bf16 matmuls of ``csrc/`` and of the one-call decode step
 (``csrc/decode_step.c``): the small-M matmul on oneDNN's packed weights (``small_gemm.c``), with
 the per-shape calibration that makes it bit-identical to oneDNN's batched output; the AMX
-matmul on an own weight layout (``amx_gemm.c``); 2 MiB pages for the weights; and a
+and AVX2 bf16 matmuls on their own weight layouts (``amx_gemm.c``, ``avx2_gemm.c``); 2 MiB pages for the weights; and a
 memory-bandwidth probe."""
 from __future__ import annotations
 
@@ -58,6 +58,43 @@ def amx_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     rc = _get("decode").amx_gemm_bf16(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
     if rc != 0:
         raise RuntimeError(f"amx_gemm_bf16 rejected x {tuple(x.shape)} -> {out_features}")
+    return y
+
+
+def avx2_gemm_available() -> bool:
+    """Whether the AVX2 bf16 matmul (``avx2_gemm.c``) is built here (AVX2 + FMA) and
+    ``PAGEDSERVE_AVX2_GEMM`` is not 0 (read when weights are packed)."""
+    if os.environ.get("PAGEDSERVE_AVX2_GEMM", "1") == "0":
+        return False
+    lib = _get("decode")
+    return lib is not None and bool(lib.avx2_gemm_available())
+
+
+AVX2_PANEL = 16  # AG_NR in avx2_gemm.c
+
+
+def avx2_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` in the AVX2 matmul's layout ``[ceil(N/16), K, 16]`` bf16: per 16
+    outputs a contiguous panel, k by k; outputs past N are zeros."""
+    n, k = weight.shape
+    panels = -(-n // AVX2_PANEL)
+    w = torch.zeros(panels * AVX2_PANEL, k, dtype=torch.bfloat16)
+    w[:n] = weight.detach()
+    return w.view(panels, AVX2_PANEL, k).transpose(1, 2).contiguous()
+
+
+def avx2_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """``x [M, K]`` (bf16, contiguous) times a weight in :func:`avx2_layout`: ``[M,
+    out_features]`` bf16; float32 FMA over k in order, bias, one rounding (each row's result
+    independent of M). Raises RuntimeError if the kernel fails (unsupported CPU, no memory)."""
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    if m == 0:
+        return y
+    assert x.dtype == torch.bfloat16 and x.is_contiguous()
+    rc = _get("decode").avx2_gemm_bf16(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
+    if rc != 0:
+        raise RuntimeError(f"avx2_gemm_bf16 failed ({rc}) for x {tuple(x.shape)} -> {out_features}")
     return y
 
 

@@ -17,6 +17,7 @@
 #include "fused_ops.c"
 #include "small_gemm.c"
 #include "amx_gemm.c"
+#include "avx2_gemm.c"
 
 typedef int (*attention_fn)(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                             const int64_t* block_tables, int64_t max_blocks, const int64_t* token_seq,

@@ -458,10 +458,15 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
             }
 #endif
 #ifdef HAVE_AVX2
-            if (!is_bf16 && !kv_int8 && head_dim % 8 == 0) {
-                task_f32_avx2((const float*)q + (t * num_heads + kh * group) * head_dim, (const float*)k_cache,
-                              (const float*)v_cache, table, n, block_size, block_stride, kh * block_size * head_dim, group,
-                              head_dim, scale, (float*)out + (t * num_heads + kh * group) * head_dim, scores);
+            if (!kv_int8 && head_dim % 8 == 0) {
+                if (is_bf16)
+                    task_bf16_avx2((const uint16_t*)q + (t * num_heads + kh * group) * head_dim, (const uint16_t*)k_cache,
+                                   (const uint16_t*)v_cache, table, n, block_size, block_stride, kh * block_size * head_dim,
+                                   group, head_dim, scale, (uint16_t*)out + (t * num_heads + kh * group) * head_dim, scores);
+                else
+                    task_f32_avx2((const float*)q + (t * num_heads + kh * group) * head_dim, (const float*)k_cache,
+                                  (const float*)v_cache, table, n, block_size, block_stride, kh * block_size * head_dim, group,
+                                  head_dim, scale, (float*)out + (t * num_heads + kh * group) * head_dim, scores);
                 continue;
             }
 #endif
@@ -546,11 +551,13 @@ int paged_attention_q8_bf16(const uint16_t* q, const void* k_cache, const void* 
                            num_heads, num_kv_heads, head_dim, block_size, scale, 1, 1);
 }
 
-/* 1 when bf16 attention with this GQA group size and head_dim runs the vectorised bf16 path
- * (built for a CPU with AVX512-BF16), 0 when it would take the generic path. */
+/* 1 when bf16 attention with this GQA group size and head_dim runs a vectorised bf16 path
+ * (built for a CPU with AVX512-BF16, or AVX2 + FMA), 0 when it would take the generic path. */
 int paged_attention_bf16_fast_path(int64_t group, int64_t head_dim) {
 #ifdef HAVE_BF16_FAST_PATH
     return fast_path_shape(group, head_dim);
+#elif defined(HAVE_AVX2)
+    return group <= MAX_GROUP && head_dim <= MAX_HEAD_DIM && head_dim % 8 == 0;
 #else
     (void)group;
     (void)head_dim;

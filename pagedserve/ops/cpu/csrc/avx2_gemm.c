@@ -1,0 +1,184 @@
+/*
+ * bf16 matmul for CPUs with AVX2 + FMA and no bf16 arithmetic (AMD Zen 2/3, Intel client
+ * cores), where oneDNN cannot pack bf16 weights and F.linear's bf16 path is slow.
+ *
+ * Weights stay bf16 in memory (half the bytes of float32: decode streams every weight once per
+ * step) and are widened to float32 in registers (a shift of 16 bits, exact); x is widened once
+ * per call; products are summed with FMA in float32. It is the classic register-blocked kernel
+ * (6 rows x 16 outputs: 12 accumulators, as in BLIS's Haswell sgemm), reading a weight copy laid
+ * out for it.
+ *
+ * Weight layout (`avx2_layout` in matmul.py): [ceil(N/16)][K][16] bf16: for each 16 outputs a
+ * contiguous panel, k by k, zero-padded past N. Each panel is one sequential stream.
+ *
+ * Rounding: every output sums its K products in order k = 0, 1, ..., K-1 with one FMA each
+ * (float32), then adds the bias and rounds once to bf16 (nearest even). A row's result depends
+ * only on that row, never on M, the blocking or the thread count, so decode output is the same
+ * alone or batched.
+ *
+ * Blocking: rows in blocks of `rows_per_block` (the widened rows, rows x K x 4 bytes, stay in
+ * L2 while every panel passes), panels split evenly over the OpenMP threads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_GEMM 1
+#endif
+
+#define AG_NR 16                  /* outputs per panel */
+#define AG_MR 6                   /* rows per register tile */
+#define AG_BLOCK_BYTES (256 << 10) /* widened rows kept per block */
+
+#ifdef HAVE_AVX2_GEMM
+static inline __m256 ag_widen8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* 16 floats -> 16 bf16 (nearest even; NaN stays a quiet NaN, as f32_to_bf16 in bf16.h). */
+static inline __m256i ag_round16(__m256 a, __m256 b) {
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
+    __m256i r[2];
+    const __m256 v[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        const __m256i u = _mm256_castps_si256(v[i]);
+        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+        const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+        const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        r[i] = _mm256_blendv_epi8(rounded, nan, is_nan);
+    }
+    /* packus works per 128-bit lane: [a0-3 b0-3 | a4-7 b4-7] -> reorder the 64-bit quarters */
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+}
+
+/* Store one row of a tile: acc + bias rounded to bf16 into y[n0 .. n0 + valid). */
+static inline void ag_store(__m256 a0, __m256 a1, const float* bias16, uint16_t* y, int64_t valid) {
+    const __m256i out = ag_round16(_mm256_add_ps(a0, _mm256_loadu_ps(bias16)), _mm256_add_ps(a1, _mm256_loadu_ps(bias16 + 8)));
+    if (valid == AG_NR) {
+        _mm256_storeu_si256((__m256i*)y, out);
+    } else {
+        uint16_t tmp[AG_NR];
+        _mm256_storeu_si256((__m256i*)tmp, out);
+        for (int64_t j = 0; j < valid; j++) y[j] = tmp[j];
+    }
+}
+
+/* Rows [0, M) (M <= AG_MR, fixed at compile time) of x (float32, rows K apart) times one panel,
+ * bf16 (wp; WIDE = 0) or already widened (wf; WIDE = 1): outputs n0..n0+15 of y (rows N apart),
+ * only the first `valid` stored. The 12 accumulators are named variables: as an array, GCC
+ * stored them to the stack on every k. */
+static inline __attribute__((always_inline)) void ag_tile(const float* xf, int64_t K, const uint16_t* wp, const float* wf,
+                                                           const float* bias16, uint16_t* y, int64_t N, int64_t n0,
+                                                           int64_t valid, const int M, const int WIDE) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float *x0 = xf, *x1 = xf + K, *x2 = xf + 2 * K, *x3 = xf + 3 * K, *x4 = xf + 4 * K, *x5 = xf + 5 * K;
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = WIDE ? _mm256_load_ps(wf + k * AG_NR) : ag_widen8(wp + k * AG_NR);
+        const __m256 w1 = WIDE ? _mm256_load_ps(wf + k * AG_NR + 8) : ag_widen8(wp + k * AG_NR + 8);
+        __m256 xv = _mm256_broadcast_ss(x0 + k);
+        c00 = _mm256_fmadd_ps(xv, w0, c00);
+        c01 = _mm256_fmadd_ps(xv, w1, c01);
+        if (M > 1) { xv = _mm256_broadcast_ss(x1 + k); c10 = _mm256_fmadd_ps(xv, w0, c10); c11 = _mm256_fmadd_ps(xv, w1, c11); }
+        if (M > 2) { xv = _mm256_broadcast_ss(x2 + k); c20 = _mm256_fmadd_ps(xv, w0, c20); c21 = _mm256_fmadd_ps(xv, w1, c21); }
+        if (M > 3) { xv = _mm256_broadcast_ss(x3 + k); c30 = _mm256_fmadd_ps(xv, w0, c30); c31 = _mm256_fmadd_ps(xv, w1, c31); }
+        if (M > 4) { xv = _mm256_broadcast_ss(x4 + k); c40 = _mm256_fmadd_ps(xv, w0, c40); c41 = _mm256_fmadd_ps(xv, w1, c41); }
+        if (M > 5) { xv = _mm256_broadcast_ss(x5 + k); c50 = _mm256_fmadd_ps(xv, w0, c50); c51 = _mm256_fmadd_ps(xv, w1, c51); }
+    }
+    y += n0;
+    ag_store(c00, c01, bias16, y, valid);
+    if (M > 1) ag_store(c10, c11, bias16, y + N, valid);
+    if (M > 2) ag_store(c20, c21, bias16, y + 2 * N, valid);
+    if (M > 3) ag_store(c30, c31, bias16, y + 3 * N, valid);
+    if (M > 4) ag_store(c40, c41, bias16, y + 4 * N, valid);
+    if (M > 5) ag_store(c50, c51, bias16, y + 5 * N, valid);
+}
+
+/* One panel for rows [0, mb) of the block. */
+static void ag_panel(const float* xf, int64_t mb, int64_t K, const uint16_t* wp, const float* wf, const float* bias16,
+                     uint16_t* y, int64_t N, int64_t n0, int64_t valid) {
+    for (int64_t m = 0; m < mb; m += AG_MR) {
+        const float* xm = xf + m * K;
+        uint16_t* ym = y + m * N;
+        const int rows = mb - m < AG_MR ? (int)(mb - m) : AG_MR;
+#define AG_CASE(R)                                                                                              \
+        case R:                                                                                                 \
+            if (wf) ag_tile(xm, K, wp, wf, bias16, ym, N, n0, valid, R, 1);                                     \
+            else ag_tile(xm, K, wp, wf, bias16, ym, N, n0, valid, R, 0);                                        \
+            break;
+        switch (rows) {
+            AG_CASE(1) AG_CASE(2) AG_CASE(3) AG_CASE(4) AG_CASE(5)
+            default: AG_CASE(6)
+        }
+#undef AG_CASE
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]), bf16 in and out; w in the layout above. Returns 0, -1
+ * when the CPU is not supported or a size is not positive (nothing written), -2 when out of
+ * memory. */
+int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                   int64_t N) {
+#ifdef HAVE_AVX2_GEMM
+    if (M < 1 || K < 1 || N < 1) return -1;
+    const int64_t panels = (N + AG_NR - 1) / AG_NR;
+    int64_t rows = AG_BLOCK_BYTES / (K * 4);
+    rows = rows < 4 * AG_MR ? 4 * AG_MR : rows - rows % AG_MR;
+    if (rows > M) rows = M;
+    float* xf = (float*)malloc(sizeof(float) * (rows * K + panels * AG_NR));
+    if (!xf) return -2;
+    float* bf = xf + rows * K; /* bias widened, zero-padded to whole panels */
+    for (int64_t n = 0; n < panels * AG_NR; n++) {
+        union { uint32_t u; float f; } v;
+        v.u = (bias && n < N) ? (uint32_t)bias[n] << 16 : 0u;
+        bf[n] = v.f;
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += rows) {
+        const int64_t mb = M - r0 < rows ? M - r0 : rows;
+        const uint16_t* xb = x + r0 * K;
+        uint16_t* yb = y + r0 * N;
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < mb * K; i += 8) {
+                if (i + 8 <= mb * K) {
+                    _mm256_storeu_ps(xf + i, ag_widen8(xb + i));
+                } else {
+                    for (int64_t j = i; j < mb * K; j++) {
+                        union { uint32_t u; float f; } v;
+                        v.u = (uint32_t)xb[j] << 16;
+                        xf[j] = v.f;
+                    }
+                }
+            }
+            const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+            /* Several row tiles: widen each panel once into wf (L1/L2) for all of them. */
+            float* wf = mb > AG_MR ? (float*)aligned_alloc(32, sizeof(float) * K * AG_NR) : NULL;
+            for (int64_t p = p0; p < p1; p++) {
+                const uint16_t* wp = w + p * K * AG_NR;
+                const int64_t n0 = p * AG_NR, valid = N - n0 < AG_NR ? N - n0 : AG_NR;
+                if (wf)
+                    for (int64_t i = 0; i < K * AG_NR; i += 8) _mm256_store_ps(wf + i, ag_widen8(wp + i));
+                ag_panel(xf, mb, K, wp, wf, bf + n0, yb, N, n0, valid);
+            }
+            free(wf);
+        }
+    }
+    free(xf);
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)w; (void)bias; (void)y; (void)N;
+    return -1;
+#endif
+}
+
+int avx2_gemm_available(void) {
+#ifdef HAVE_AVX2_GEMM
+    return 1;
+#else
+    return 0;
+#endif
+}
