@@ -65,6 +65,9 @@ CASES = [
     (4, 2, 64, 32, torch.bfloat16),  # 32-token blocks read 16 keys at a time (AMX)
     (9, 3, 64, 16, torch.float32),
     (6, 2, 48, 7, torch.float32),
+    (8, 2, 64, 16, torch.float32),  # group 4: AVX2, 2 keys a pass
+    (7, 1, 32, 16, torch.float32),  # group 7: AVX2, 1 key a pass, one chain
+    (16, 1, 32, 16, torch.float32),  # group 16: generic path
 ]
 
 

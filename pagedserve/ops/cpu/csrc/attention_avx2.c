@@ -19,6 +19,8 @@ static inline void prefetch_bytes(const void* p, int64_t nbytes) {
     for (int64_t i = 0; i < nbytes; i += 64) _mm_prefetch((const char*)p + i, _MM_HINT_T0);
 }
 
+#define AVX2_MAX_GROUP 12 /* larger GQA groups take the generic path */
+
 /* Eight values at element i of a float32 (bf = 0) or bf16 (bf = 1) array, as float32. */
 static inline __attribute__((always_inline)) __m256 load8(const void* base, int64_t i, const int bf) {
     if (bf)
@@ -26,20 +28,80 @@ static inline __attribute__((always_inline)) __m256 load8(const void* base, int6
     return _mm256_loadu_ps((const float*)base + i);
 }
 
-/* One (query token, KV head) task, head_dim % 8 == 0. q: the group's query rows [group,
- * head_dim]; kc/vc blocks found through table at block_stride elements, the head at head_off;
- * q, caches and out all float32 (bf = 0) or all bf16 (bf = 1). Scores of 8 keys per pass, each
- * in one running FMA sum per key, reduced together; softmax in fp32; P.V accumulated in fp32,
- * rounded once into out. */
+/* Lanes of R vectors summed, stored at dst[0 .. R). */
+static inline __attribute__((always_inline)) void store_sums(const __m256* a, float* dst, const int R) {
+    if (R == 8) {
+        _mm256_storeu_ps(dst, hsum8x8(a));
+    } else if (R == 4) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        _mm_storeu_ps(dst, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    } else {
+        for (int r = 0; r < R; r++) dst[r] = hsum256(a[r]);
+    }
+}
+
+/* Scores of keys o .. o + R - 1 of one block (k8: key o) for the G query rows of qf, each key's
+ * 8-value pieces loaded once for all G rows: G x R running FMA sums (at most 12 registers). */
+static inline __attribute__((always_inline)) void qk_keys(const float (*qf)[MAX_HEAD_DIM], const char* k8, int64_t nc,
+                                                           int64_t head_dim, float* scores, int64_t n, const int G,
+                                                           const int R, const int bf) {
+    __m256 a[12][8];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) a[g][r] = _mm256_setzero_ps();
+    const int64_t esize = bf ? 2 : 4;
+    for (int64_t c = 0; c < nc; c++) {
+        __m256 kv[8];
+        for (int r = 0; r < R; r++) kv[r] = load8(k8 + r * head_dim * esize, 8 * c, bf);
+        for (int g = 0; g < G; g++) {
+            const __m256 qv = _mm256_load_ps(qf[g] + 8 * c);
+            for (int r = 0; r < R; r++) a[g][r] = _mm256_fmadd_ps(kv[r], qv, a[g][r]);
+        }
+    }
+    for (int g = 0; g < G; g++) store_sums(a[g], scores + g * n, R);
+}
+
+/* acc[g][8c .. 8c + 8) += sum over keys o < len of p[g][o] * V[o] (vb: the block's first key),
+ * each V piece loaded once for all G rows; CH chains per row (FMA latency). */
+static inline __attribute__((always_inline)) void pv_block(float (*acc)[MAX_HEAD_DIM], const float* p, int64_t n,
+                                                            const char* vb, int64_t len, int64_t nc, int64_t head_dim,
+                                                            const int G, const int CH, const int bf) {
+    const int64_t esize = bf ? 2 : 4;
+    for (int64_t c = 0; c < nc; c++) {
+        __m256 s[12][2];
+        for (int g = 0; g < G; g++) {
+            s[g][0] = _mm256_load_ps(acc[g] + 8 * c);
+            if (CH > 1) s[g][1] = _mm256_setzero_ps();
+        }
+        int64_t o = 0;
+        for (; o + CH <= len; o += CH)
+            for (int h = 0; h < CH; h++) {
+                const __m256 v = load8(vb + (o + h) * head_dim * esize, 8 * c, bf);
+                for (int g = 0; g < G; g++) s[g][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * n + o + h), v, s[g][h]);
+            }
+        for (; o < len; o++) {
+            const __m256 v = load8(vb + o * head_dim * esize, 8 * c, bf);
+            for (int g = 0; g < G; g++) s[g][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * n + o), v, s[g][0]);
+        }
+        for (int g = 0; g < G; g++) _mm256_store_ps(acc[g] + 8 * c, CH > 1 ? _mm256_add_ps(s[g][0], s[g][1]) : s[g][0]);
+    }
+}
+
+/* One (query token, KV head) task, head_dim % 8 == 0, group G <= 12 (compile-time). q: the
+ * group's query rows [G, head_dim]; kc/vc blocks found through table at block_stride elements,
+ * the head at head_off; q, caches and out all float32 (bf = 0) or all bf16 (bf = 1). Scores of
+ * R keys per pass (R x G running FMA sums, reduced together); softmax in fp32; P.V accumulated
+ * in fp32, rounded once into out. */
 static inline __attribute__((always_inline)) void task_avx2(const void* q, const void* kc, const void* vc, const int64_t* table,
                                                              int64_t n, int64_t block_size, int64_t block_stride, int64_t head_off,
-                                                             int64_t group, int64_t head_dim, float scale, void* out,
-                                                             float* scores, const int bf) {
+                                                             int64_t head_dim, float scale, void* out, float* scores,
+                                                             const int G, const int bf) {
+    const int R = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
+    const int CH = G <= 6 ? 2 : 1;
     float qf[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
     float row[MAX_HEAD_DIM];
     const int64_t nc = head_dim / 8, esize = bf ? 2 : 4, block_bytes = block_size * head_dim * esize;
-    for (int64_t g = 0; g < group; g++) {
+    for (int g = 0; g < G; g++) {
         load_row((const char*)q + g * head_dim * esize, bf, head_dim, qf[g]);
         for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
     }
@@ -49,44 +111,22 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
         if (t0 + block_size < n) prefetch_bytes((const char*)kc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, block_bytes);
         else prefetch_bytes((const char*)vc + (table[0] * block_stride + head_off) * esize, block_bytes);
         int64_t o = 0;
-        for (; o + 8 <= len; o += 8) {
-            const char* k8 = kb + o * head_dim * esize;
-            for (int64_t g = 0; g < group; g++) {
-                __m256 a[8];
-                for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-                for (int64_t c = 0; c < nc; c++) {
-                    const __m256 qv = _mm256_load_ps(qf[g] + 8 * c);
-                    for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(load8(k8, r * head_dim + 8 * c, bf), qv, a[r]);
-                }
-                _mm256_storeu_ps(scores + g * n + t0 + o, hsum8x8(a));
-            }
-        }
+        for (; o + R <= len; o += R)
+            qk_keys((const float (*)[MAX_HEAD_DIM])qf, kb + o * head_dim * esize, nc, head_dim, scores + t0 + o, n, G, R, bf);
         for (; o < len; o++) {
             load_row(kb + o * head_dim * esize, bf, head_dim, row);
-            for (int64_t g = 0; g < group; g++) scores[g * n + t0 + o] = dot(qf[g], row, head_dim);
+            for (int g = 0; g < G; g++) scores[g * n + t0 + o] = dot(qf[g], row, head_dim);
         }
     }
-    softmax_rows(scores, group, n);
-    for (int64_t g = 0; g < group; g++) memset(acc[g], 0, sizeof(float) * head_dim);
+    softmax_rows(scores, G, n);
+    for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * head_dim);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const char* vb = (const char*)vc + (table[t0 / block_size] * block_stride + head_off) * esize;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
         if (t0 + block_size < n) prefetch_bytes((const char*)vc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, block_bytes);
-        for (int64_t g = 0; g < group; g++) {
-            const float* p = scores + g * n + t0;
-            for (int64_t c = 0; c < nc; c++) {
-                __m256 s0 = _mm256_load_ps(acc[g] + 8 * c), s1 = _mm256_setzero_ps();
-                int64_t o = 0;
-                for (; o + 2 <= len; o += 2) {  /* two chains: FMA latency, not throughput, bounds one */
-                    s0 = _mm256_fmadd_ps(_mm256_set1_ps(p[o]), load8(vb, o * head_dim + 8 * c, bf), s0);
-                    s1 = _mm256_fmadd_ps(_mm256_set1_ps(p[o + 1]), load8(vb, (o + 1) * head_dim + 8 * c, bf), s1);
-                }
-                if (o < len) s0 = _mm256_fmadd_ps(_mm256_set1_ps(p[o]), load8(vb, o * head_dim + 8 * c, bf), s0);
-                _mm256_store_ps(acc[g] + 8 * c, _mm256_add_ps(s0, s1));
-            }
-        }
+        pv_block(acc, scores + t0, n, vb, len, nc, head_dim, G, CH, bf);
     }
-    for (int64_t g = 0; g < group; g++) {
+    for (int g = 0; g < G; g++) {
         if (bf) {
             uint16_t* op = (uint16_t*)out + g * head_dim;
             for (int64_t d = 0; d < head_dim; d++) op[d] = f32_to_bf16(acc[g][d]);
@@ -96,15 +136,28 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
     }
 }
 
+/* The task for a group size known at run time (1 .. 12; larger groups take the generic path). */
+static inline __attribute__((always_inline)) void task_avx2_any(const void* q, const void* kc, const void* vc, const int64_t* table,
+                                                                 int64_t n, int64_t block_size, int64_t block_stride,
+                                                                 int64_t head_off, int64_t group, int64_t head_dim, float scale,
+                                                                 void* out, float* scores, const int bf) {
+#define TASK_G(G_) case G_: task_avx2(q, kc, vc, table, n, block_size, block_stride, head_off, head_dim, scale, out, scores, G_, bf); break;
+    switch (group) {
+        TASK_G(1) TASK_G(2) TASK_G(3) TASK_G(4) TASK_G(5) TASK_G(6)
+        TASK_G(7) TASK_G(8) TASK_G(9) TASK_G(10) TASK_G(11) TASK_G(12)
+    }
+#undef TASK_G
+}
+
 static void task_f32_avx2(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t n,
                           int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, int64_t head_dim,
                           float scale, float* out, float* scores) {
-    task_avx2(q, kc, vc, table, n, block_size, block_stride, head_off, group, head_dim, scale, out, scores, 0);
+    task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, group, head_dim, scale, out, scores, 0);
 }
 
 static void task_bf16_avx2(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n,
                            int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, int64_t head_dim,
                            float scale, uint16_t* out, float* scores) {
-    task_avx2(q, kc, vc, table, n, block_size, block_stride, head_off, group, head_dim, scale, out, scores, 1);
+    task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, group, head_dim, scale, out, scores, 1);
 }
 #endif

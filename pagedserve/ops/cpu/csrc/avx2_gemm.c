@@ -32,24 +32,12 @@
 #define AG_BLOCK_BYTES (256 << 10) /* widened rows kept per block */
 
 #ifdef HAVE_AVX2_GEMM
-static inline __m256 ag_widen8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
+#include "avx2_math.h"
+#define ag_widen8 bf16x8_load
 
-/* 16 floats -> 16 bf16 (nearest even; NaN stays a quiet NaN, as f32_to_bf16 in bf16.h). */
+/* 16 floats -> 16 bf16 (nearest even; NaN stays a quiet NaN). */
 static inline __m256i ag_round16(__m256 a, __m256 b) {
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
-    __m256i r[2];
-    const __m256 v[2] = {a, b};
-    for (int i = 0; i < 2; i++) {
-        const __m256i u = _mm256_castps_si256(v[i]);
-        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
-        const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
-        const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-        r[i] = _mm256_blendv_epi8(rounded, nan, is_nan);
-    }
-    /* packus works per 128-bit lane: [a0-3 b0-3 | a4-7 b4-7] -> reorder the 64-bit quarters */
-    return _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+    return _mm256_set_m128i(bf16x8_round(b), bf16x8_round(a));
 }
 
 /* Store one row of a tile: acc + bias rounded to bf16 into y[n0 .. n0 + valid). */

@@ -40,6 +40,7 @@
 
 #include "bf16.h"
 #include "kv_int8.h"
+#include "avx2_math.h"
 
 /* Row of head_dim elements -> float32. */
 static inline void load_row(const void* src, int is_bf16, int64_t d, float* dst) {
@@ -71,21 +72,6 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* exp(x), 8 lanes: 2^n (built in the exponent bits) times the degree-6 polynomial of 2^f used
- * for AVX-512 below; x <= 0 here (scores minus their max), saturating to 0 below 2^-126. */
-static inline __m256 exp256(__m256 x) {
-    const __m256 y = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
-    const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(y, r);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.000154035303933816f), f, _mm256_set1_ps(0.00133335581464284f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00961812910762848f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0555041086648216f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240226506959101f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693147180559945f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 #endif
 
 static inline float dot(const float* a, const float* b, int64_t d) {
@@ -458,7 +444,7 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
             }
 #endif
 #ifdef HAVE_AVX2
-            if (!kv_int8 && head_dim % 8 == 0) {
+            if (!kv_int8 && head_dim % 8 == 0 && group <= AVX2_MAX_GROUP) {
                 if (is_bf16)
                     task_bf16_avx2((const uint16_t*)q + (t * num_heads + kh * group) * head_dim, (const uint16_t*)k_cache,
                                    (const uint16_t*)v_cache, table, n, block_size, block_stride, kh * block_size * head_dim,
@@ -557,7 +543,7 @@ int paged_attention_bf16_fast_path(int64_t group, int64_t head_dim) {
 #ifdef HAVE_BF16_FAST_PATH
     return fast_path_shape(group, head_dim);
 #elif defined(HAVE_AVX2)
-    return group <= MAX_GROUP && head_dim <= MAX_HEAD_DIM && head_dim % 8 == 0;
+    return group <= AVX2_MAX_GROUP && head_dim <= MAX_HEAD_DIM && head_dim % 8 == 0;
 #else
     (void)group;
     (void)head_dim;
