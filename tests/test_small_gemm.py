@@ -173,7 +173,8 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     path = tiny_model_factory(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
     _randomize_norms(path)
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=128, max_model_len=512)
-    amx = getattr(llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj, "amx_weight", None) is not None
+    qkv = llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj
+    any_rows = getattr(qkv, "amx_weight", None) is not None or getattr(qkv, "avx2_weight", None) is not None
     calls = []
     real = matmul.decode_layers
     monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
@@ -185,10 +186,10 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
         calls.clear()
         assert _run(llm, PROMPTS[:n]) == alone[:n]
         assert set(calls) == {n}
-    many = PROMPTS * 3  # 18 sequences: the C step with the AMX matmul, else the layer-by-layer path
+    many = PROMPTS * 3  # 18 sequences: the C step with the AMX or AVX2 matmul, else the layer-by-layer path
     calls.clear()
     assert _run(llm, many) == alone * 3
-    assert set(calls) == ({18} if amx else set())
+    assert set(calls) == ({18} if any_rows else set())
     monkeypatch.setattr(CpuBackend, "decode_step", lambda *a: False)
     calls.clear()
     assert [_run(llm, p)[0] for p in PROMPTS] == alone and _run(llm, PROMPTS) == alone

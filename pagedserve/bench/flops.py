@@ -51,8 +51,14 @@ def measure_matmul_flops(
     hidden: int, intermediate: int, dtype: torch.dtype, device: str | torch.device = "cpu", rows: int = 256, seconds: float = 1.0
 ) -> float:
     """Best achieved FLOP/s of ``[rows x K] @ [K x N]`` matmuls shaped like the model's MLP and
-    attention projections, in ``dtype``, within about ``seconds``."""
+    attention projections, in ``dtype``, within about ``seconds``. bf16 on a CPU where the
+    projections take the AVX2 bf16 matmul (float32 arithmetic) is measured in float32."""
     device = torch.device(device)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        from pagedserve.model.packed_linear import avx2_bf16
+
+        if avx2_bf16(dtype):
+            dtype = torch.float32
     shapes = [(hidden, intermediate), (intermediate, hidden), (hidden, hidden)]
     gen = torch.Generator().manual_seed(0)
     mats = []

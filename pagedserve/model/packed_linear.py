@@ -161,11 +161,13 @@ class PackedLinear(nn.Module):
 
     def decode_entries(self) -> Optional[list[int]]:
         """This projection's four entries in ``decode_step.c``'s layer table (weight address,
-        bias address or 0, and the small-M plan, or (0, -1) for the AMX matmul); None when
-        it has neither kernel (then the one-call decode step cannot run)."""
+        bias address or 0, and the small-M plan, or (0, -1) for the AMX matmul, (0, -2) for the
+        AVX2 one); None when it has none of them (then the one-call decode step cannot run)."""
         bias = 0 if self.bias is None else self.bias.data_ptr()
         if self.amx_weight is not None:
             return [self.amx_weight.data_ptr(), bias, 0, -1]
+        if self.avx2_weight is not None:
+            return [self.avx2_weight.data_ptr(), bias, 0, -2]
         if self.small_plan is None:
             return None
         return [torch.ops.mkldnn.data_ptr(self.packed_weight), bias, *self.small_plan]

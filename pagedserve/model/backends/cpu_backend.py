@@ -8,8 +8,8 @@
 - on the kernel's vectorised bf16 path (``prefill_kernel_preferred``) also RoPE + the KV-cache
   write in one C pass and prefill attention in the kernel (every K/V read from the cache);
   elsewhere (float32, other shapes) PyTorch RoPE and SDPA prefill, which are faster there;
-- decode-only steps in bf16, when every projection has the AMX matmul (any number of
-  sequences) or a small-M plan (1-16): the whole model in one C call (``csrc/decode_step.c``,
+- decode-only steps in bf16, when every projection has the AMX or the AVX2 matmul (any number
+  of sequences) or a small-M plan (1-16): the whole model in one C call (``csrc/decode_step.c``,
   the same ops in the same order, bit-identical to the layer-by-layer path);
 - greedy sampling's argmax over bf16 logits in C.
 """
@@ -105,8 +105,8 @@ class CpuBackend(TorchBackend):
         """Every layer of a decode step in one C call, overwriting ``hidden [M, hidden_size]``
         with the final normed states. Returns False, having done nothing, when the step or the
         model does not qualify: bf16, the attention kernel's fast path, no q/k norm, every
-        projection with the AMX matmul or a small-M plan (``pack_for_cpu``; with any of the
-        latter, at most 16 tokens), one decode group."""
+        projection with the AMX or AVX2 matmul or a small-M plan (``pack_for_cpu``; with any of
+        the latter, at most 16 tokens), one decode group."""
         groups = metadata.groups
         if hidden.dtype != torch.bfloat16 or len(groups) != 1 or not groups[0].is_decode:
             return False
@@ -148,7 +148,7 @@ class CpuBackend(TorchBackend):
             and kv_caches[0].dtype in (torch.bfloat16, torch.int8)
             and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in model.layers)
         )
-        rows, all_amx = [], True
+        rows, any_rows = [], True  # every projection takes any number of rows (AMX or AVX2 matmul)
         for layer, kv in zip(model.layers, kv_caches):
             if not ok:
                 break
@@ -159,12 +159,12 @@ class CpuBackend(TorchBackend):
                     ok = False
                     break
                 entries += e
-                all_amx = all_amx and lin.amx_weight is not None
+                any_rows = any_rows and (lin.amx_weight is not None or lin.avx2_weight is not None)
             if ok:
                 entries += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *kernels._kv_pointers(kv)]
                 rows.append(entries)
         if ok and rows and len(rows[0]) == matmul.decode_layer_entries():
             table = torch.tensor(rows, dtype=torch.int64)
-            self._decode_max_rows = 1 << 30 if all_amx else matmul.SMALL_GEMM_MAX_ROWS
+            self._decode_max_rows = 1 << 30 if any_rows else matmul.SMALL_GEMM_MAX_ROWS
         self._decode_table_cache = (key, table, kv_caches)
         return table

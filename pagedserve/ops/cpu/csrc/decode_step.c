@@ -1,11 +1,11 @@
 /*
  * A whole decode step of a Llama-family decoder in one call, in bf16 on the CPU: any number of
- * sequences when every projection has the AMX matmul, else 1-16. With few sequences the step
+ * sequences when every projection has the AMX or the AVX2 matmul, else 1-16. With few sequences the step
  * is a stream of small matmuls and element-wise ops; issued one by one from Python, their
  * dispatch (~10 us each, ~9 per layer) costs as much as a third of the step. This loop runs the
  * same ops in the same order as `DecoderLayer.forward_fused` (the same C functions:
- * add_rms_norm, rope_write_kv and silu_mul from fused_ops.c, the matmuls of amx_gemm.c or
- * small_gemm.c, and the paged attention kernel through a function pointer, since that library
+ * add_rms_norm, rope_write_kv and silu_mul from fused_ops.c, the matmuls of amx_gemm.c,
+ * avx2_gemm.c or small_gemm.c, and the paged attention kernel through a function pointer, since that library
  * is built with other floating-point flags), so its output is bit-identical to the
  * layer-by-layer path.
  *
@@ -38,12 +38,14 @@ int decode_layer_entries(void) { return L_ENTRIES; }
 
 #define P16(v) ((uint16_t*)(intptr_t)(v))
 
-#ifdef HAVE_SMALL_GEMM
-/* One projection of the layer table, e = its 4 entries: the AMX matmul (plan (0, -1)) or the
- * small-M one. */
-static inline int is_amx(const int64_t* e) { return e[2] == 0 && e[3] == -1; }
+#if defined(HAVE_SMALL_GEMM) || defined(HAVE_AVX2_GEMM)
+#define HAVE_DECODE_STEP 1
+/* One projection of the layer table, e = its 4 entries: the AMX matmul (plan (0, -1)), the
+ * AVX2 one (plan (0, -2)), both for any M, or the small-M one. */
+static inline int any_rows(const int64_t* e) { return e[2] == 0 && (e[3] == -1 || e[3] == -2); }
 static int projection(const uint16_t* x, int64_t M, int64_t K, const int64_t* e, uint16_t* y, int64_t N) {
-    if (is_amx(e)) return amx_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N);
+    if (e[2] == 0 && e[3] == -2) return avx2_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N);
+    if (e[2] == 0 && e[3] == -1) return amx_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N);
     return small_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N, e[2], e[3]);
 }
 #endif
@@ -60,11 +62,11 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
                        float scale, uint16_t* x, const uint16_t* final_norm, const int64_t* positions,
                        const int64_t* slots, const float* cos, const float* sin, const int64_t* block_tables,
                        int64_t max_blocks, const int64_t* seq_lens, void* attention, int kv_int8) {
-#ifdef HAVE_SMALL_GEMM
+#ifdef HAVE_DECODE_STEP
     if (M < 1 || hidden > MAX_DIM || head_dim > 1024) return -1;
     for (int64_t l = 0; l < num_layers; l++)
         for (int p = L_QKV_W; p <= L_DOWN_W; p += L_O_W - L_QKV_W)
-            if (M > SG_MAX_ROWS && !is_amx(layers + l * L_ENTRIES + p)) return -1;
+            if (M > SG_MAX_ROWS && !any_rows(layers + l * L_ENTRIES + p)) return -1;
     const attention_fn attn = (attention_fn)attention;
     const int64_t qs = num_heads * head_dim, kvs = num_kv_heads * head_dim, qkv_n = qs + 2 * kvs;
     uint16_t* buf = (uint16_t*)malloc(sizeof(uint16_t) * M * (3 * hidden + qkv_n + 2 * qs + 3 * inter));
