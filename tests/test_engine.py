@@ -457,7 +457,8 @@ def test_generate_prompt_forms(tiny_llm):
 def test_dtype_auto(tiny_dir):
     llm = LLM(tiny_dir, num_kv_blocks=16, max_model_len=256)  # dtype="auto"
     engine = llm.llm_engine
-    expected = torch.bfloat16 if (engine.core.worker.device.type == "cuda" or loader.cpu_has_bf16()) else torch.float32
+    cpu_bf16 = loader.cpu_has_bf16() or loader.avx2_bf16_packed()  # AVX-512 BF16 or AMX, or the AVX2 bf16 matmul
+    expected = torch.bfloat16 if (engine.core.worker.device.type == "cuda" or cpu_bf16) else torch.float32
     assert engine.core.worker.dtype == expected
     assert engine.core.worker.model_runner.kv_cache.dtype == expected
     assert next(engine.core.worker.model_runner.model.parameters()).dtype == expected

@@ -177,6 +177,8 @@ def run_hf(args: argparse.Namespace, requests: Sequence[SampleRequest], flops: M
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="pagedserve", choices=["pagedserve", "hf", "both"], help="both: one after the other, then the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
+    p.add_argument("--hf-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the hf backend (default: --dtype); e.g. float32 on a CPU without bf16 arithmetic, HF's faster dtype there")
     p.add_argument("--disable-detokenize", action="store_true", help="pagedserve: do not detokenize outputs")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up request of each backend")
     p.add_argument("--peak-tflops", type=float, default=None, help="matmul peak for MFU (TFLOP/s); default: measured")
@@ -208,6 +210,8 @@ def apply_num_threads(args: argparse.Namespace) -> None:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
+    from pagedserve.model import loader
+
     apply_num_threads(args)
     model_dir, tok, hf_config = load_tokenizer_and_config(args.model)
     device, dtype = _resolve_device_dtype(args)
@@ -223,7 +227,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         print(f"[pagedserve] done in {results['pagedserve'].elapsed_s:.1f} s")
         gc.collect()
     if args.backend in ("hf", "both"):
-        results["hf"] = run_hf(args, requests, flops, peak, model_dir, dtype, device)
+        hf_dtype = dtype if args.hf_dtype is None else loader.resolve_dtype(args.hf_dtype, device)
+        if hf_dtype != dtype:
+            print(f"[hf] runs in {dtype_name(hf_dtype)} (--hf-dtype)")
+        results["hf"] = run_hf(args, requests, flops, peak, model_dir, hf_dtype, device)
         print(f"[hf] done in {results['hf'].elapsed_s:.1f} s")
         gc.collect()
     if not args.peak_tflops:
@@ -248,6 +255,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             "command": "throughput",
             "model": model_dir,
             "dtype": dtype_name(dtype),
+            "hf_dtype": args.hf_dtype,
             "device": str(device),
             "dataset": args.dataset_name,
             "num_prompts": len(requests),

@@ -205,7 +205,13 @@ def load_eos_token_ids(model_dir: str, config, tokenizer) -> set[int]:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA and on CPUs with AVX-512 BF16 (or AMX), else float32."""
+    """``auto``: bfloat16 on CUDA, on CPUs with AVX-512 BF16 (or AMX), and on CPUs with AVX2 +
+    FMA where pagedserve's AVX2 bf16 matmul runs (bf16 weights, float32 arithmetic: faster than
+    float32 there, see benchmarks/README.md "AVX2"); else float32.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
@@ -215,7 +221,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_bf16() or avx2_bf16_packed() else torch.float32
+
+
+def avx2_bf16_packed() -> bool:
+    """bf16 projections take the AVX2 matmul here (packing on, kernels built)."""
+    from pagedserve.model.packed_linear import avx2_bf16, packing_available
+
+    return packing_available(torch.device("cpu"), torch.bfloat16) and avx2_bf16(torch.bfloat16)
 
 
 def cpu_has_bf16() -> bool:
