@@ -14,7 +14,7 @@
 # PYTHON (default .venv/bin/python of this checkout, else /work/main/.venv/bin/python; needs
 # torch, transformers, safetensors, numpy, sentencepiece-free tokenizers), JOBS (default 2).
 # The build runs under `nice -n 10`. The converter's `gguf` package comes from the sdist's
-# vendor/llama.cpp/gguf-py via PYTHONPATH; the only other download is a sentencepiece wheel
+# vendor/llama.cpp/gguf-py via PYTHONPATH; OUTTYPE (default bf16) is the converter's --outtype; the only other download is a sentencepiece wheel
 # (pip, pinned) into $LLAMACPP_CACHE/pydeps, which the converter imports.
 set -euo pipefail
 
@@ -27,6 +27,7 @@ BIN=$CACHE/bin
 PYDEPS=$CACHE/pydeps
 SENTENCEPIECE=0.2.3
 JOBS=${JOBS:-2}
+OUTTYPE=${OUTTYPE:-bf16}  # the converter's --outtype (f16: llama.cpp's fast type on CPUs without AVX512-BF16)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=/work/main/.venv/bin/python; fi
@@ -72,7 +73,7 @@ convert() {
     "$PYTHON" -m pip install --no-deps --only-binary :all: --target "$PYDEPS" "sentencepiece==$SENTENCEPIECE"
   fi
   PYTHONPATH=$LLAMA/gguf-py:$PYDEPS${PYTHONPATH:+:$PYTHONPATH} nice -n 10 "$PYTHON" "$LLAMA/convert_hf_to_gguf.py" \
-    "$hf" --outtype bf16 --outfile "$out.tmp"
+    "$hf" --outtype "$OUTTYPE" --outfile "$out.tmp"
   mv "$out.tmp" "$out"
   echo "converted: $out"
 }

@@ -163,7 +163,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
     prompts = [r.prompt_token_ids if args.prompt_format == "ids" else r.prompt for r in requests]
     sent_prompt_tokens = sum(r.prompt_len for r in requests)
     torch.set_num_threads(args.threads)
-    print(f"scenario {args.scenario}: {model_dir} (pagedserve, bf16) vs {gguf} (llama-server), {args.threads} threads each")
+    print(f"scenario {args.scenario}: {model_dir} (pagedserve, --dtype {args.dtype}) vs {gguf} (llama-server), {args.threads} threads each")
     print(f"{len(requests)} of W1's {len(w1)} requests (seed {args.seed}), {sent_prompt_tokens} prompt tokens "
           f"({min(r.prompt_len for r in requests)}-{max(r.prompt_len for r in requests)}) as {args.prompt_format}, "
           f"{args.output_len} output tokens each, {args.concurrency} concurrent clients, {args.rounds} rounds")

@@ -79,13 +79,15 @@ def avx2_bf16(dtype: torch.dtype) -> bool:
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN can pack weights of ``dtype`` on this CPU and gives the right product.
     bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises a RuntimeError elsewhere
-    (AVX2-only CPUs such as AMD Zen 3), where bf16 projections then stay on ``F.linear``."""
+    (AVX2-only CPUs such as AMD Zen 3), where bf16 projections take the AVX2 matmul
+    (:func:`avx2_bf16`) or, without it, ``F.linear``."""
     try:
         w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
         x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
         got = packed_linear(x, pack_weight(w)).float()
     except RuntimeError as e:
-        logger.info("oneDNN cannot pack %s weights on this CPU (%s); those projections use F.linear", dtype, str(e).splitlines()[0])
+        logger.info("oneDNN cannot pack %s weights on this CPU (%s); those projections take the AVX2 bf16 matmul where it runs, "
+                    "else F.linear", dtype, str(e).splitlines()[0])
         return False
     return bool(torch.allclose(got, x.float() @ w.float().t(), rtol=2e-2, atol=2e-2))
 
