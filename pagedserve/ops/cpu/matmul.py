@@ -50,14 +50,19 @@ def amx_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     """``x [M, K]`` (bf16, contiguous) times a weight in :func:`amx_layout`:
     ``[M, out_features]`` bf16; fp32 accumulation over k in order, one rounding (each row's
     result independent of M). Raises RuntimeError if the kernel rejects the shape."""
+    return _bf16_gemm("amx_gemm_bf16", x, weight, bias, out_features)
+
+
+def _bf16_gemm(name: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """Call the C matmul ``name`` (x, M, K, weight, bias, y, N; 0 on success) into a new bf16 ``y``."""
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
     if m == 0:
         return y
     assert x.dtype == torch.bfloat16 and x.is_contiguous()
-    rc = _get("decode").amx_gemm_bf16(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
+    rc = getattr(_get("decode"), name)(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
     if rc != 0:
-        raise RuntimeError(f"amx_gemm_bf16 rejected x {tuple(x.shape)} -> {out_features}")
+        raise RuntimeError(f"{name} failed ({rc}) for x {tuple(x.shape)} -> {out_features}")
     return y
 
 
@@ -87,15 +92,7 @@ def avx2_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     """``x [M, K]`` (bf16, contiguous) times a weight in :func:`avx2_layout`: ``[M,
     out_features]`` bf16; float32 FMA over k in order, bias, one rounding (each row's result
     independent of M). Raises RuntimeError if the kernel fails (unsupported CPU, no memory)."""
-    m, k = x.shape
-    y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    if m == 0:
-        return y
-    assert x.dtype == torch.bfloat16 and x.is_contiguous()
-    rc = _get("decode").avx2_gemm_bf16(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
-    if rc != 0:
-        raise RuntimeError(f"avx2_gemm_bf16 failed ({rc}) for x {tuple(x.shape)} -> {out_features}")
-    return y
+    return _bf16_gemm("avx2_gemm_bf16", x, weight, bias, out_features)
 
 
 def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
