@@ -104,7 +104,7 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
 }
 
 /* Read nbytes (a multiple of 256) with every OpenMP thread, each its contiguous share, with
- * 512-bit loads; returns a sum of what was read so the loads are not optimised away. Used by
+ * 512-bit (AVX2: 256-bit) loads; returns a sum of what was read so the loads are not optimised away. Used by
  * `bench latency` to measure the memory read bandwidth the decode weight stream is up against. */
 float stream_read(const void* buf, int64_t nbytes) {
     float total = 0.f;
@@ -122,6 +122,21 @@ float stream_read(const void* buf, int64_t nbytes) {
             a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + 256 * c + 192));
         }
         total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    }
+#elif defined(HAVE_AVX2_GEMM)
+#pragma omp parallel reduction(+ : total)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t chunks = nbytes / 256, c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
+        const char* p = (const char*)buf;
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int64_t c = c0; c < c1; c++)
+            for (int i = 0; i < 8; i++) a[i] = _mm256_add_ps(a[i], _mm256_loadu_ps((const float*)(p + 256 * c + 32 * i)));
+        for (int i = 1; i < 8; i++) a[0] = _mm256_add_ps(a[0], a[i]);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, a[0]);
+        for (int i = 0; i < 8; i++) total += lanes[i];
     }
 #else
     for (int64_t i = 0; i < nbytes; i += 64) total += ((const unsigned char*)buf)[i];
