@@ -109,6 +109,38 @@ static void ag_row_wide(const float* xf, int64_t K, const uint16_t* wp, const fl
     ag_store(a6, a7, bias + 3 * AG_NR, y + 3 * AG_NR, AG_NR);
 }
 
+/* M = 2 or 3 rows (compile-time) times two consecutive panels: 4M chains, where one panel has
+ * 2M; sums as in ag_tile. */
+static inline __attribute__((always_inline)) void ag_rows_pair(const float* xf, int64_t K, const uint16_t* wp,
+                                                                const float* bias, uint16_t* y, int64_t N, const int M) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    const int64_t ps = K * AG_NR;
+    for (int64_t k = 0; k < K; k++) {
+        const uint16_t* w = wp + k * AG_NR;
+        const __m256 w0 = ag_widen8(w), w1 = ag_widen8(w + 8), w2 = ag_widen8(w + ps), w3 = ag_widen8(w + ps + 8);
+        __m256 xv = _mm256_broadcast_ss(xf + k);
+        a0 = _mm256_fmadd_ps(xv, w0, a0); a1 = _mm256_fmadd_ps(xv, w1, a1);
+        a2 = _mm256_fmadd_ps(xv, w2, a2); a3 = _mm256_fmadd_ps(xv, w3, a3);
+        xv = _mm256_broadcast_ss(xf + K + k);
+        b0 = _mm256_fmadd_ps(xv, w0, b0); b1 = _mm256_fmadd_ps(xv, w1, b1);
+        b2 = _mm256_fmadd_ps(xv, w2, b2); b3 = _mm256_fmadd_ps(xv, w3, b3);
+        if (M > 2) {
+            xv = _mm256_broadcast_ss(xf + 2 * K + k);
+            c0 = _mm256_fmadd_ps(xv, w0, c0); c1 = _mm256_fmadd_ps(xv, w1, c1);
+            c2 = _mm256_fmadd_ps(xv, w2, c2); c3 = _mm256_fmadd_ps(xv, w3, c3);
+        }
+    }
+    ag_store(a0, a1, bias, y, AG_NR);
+    ag_store(a2, a3, bias + AG_NR, y + AG_NR, AG_NR);
+    ag_store(b0, b1, bias, y + N, AG_NR);
+    ag_store(b2, b3, bias + AG_NR, y + N + AG_NR, AG_NR);
+    if (M > 2) {
+        ag_store(c0, c1, bias, y + 2 * N, AG_NR);
+        ag_store(c2, c3, bias + AG_NR, y + 2 * N + AG_NR, AG_NR);
+    }
+}
+
 /* One panel for rows [0, mb) of the block. */
 static void ag_panel(const float* xf, int64_t mb, int64_t K, const uint16_t* wp, const float* wf, const float* bias16,
                      uint16_t* y, int64_t N, int64_t n0, int64_t valid) {
@@ -172,9 +204,15 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
             /* Several row tiles: widen each panel once into wf (L1/L2) for all of them. */
             float* wf = mb > AG_MR ? (float*)aligned_alloc(32, sizeof(float) * K * AG_NR) : NULL;
             int64_t p = p0;
-            if (mb == 1) /* full panels AG_WIDE at a time; the rest (and a partial last one) below */
+            /* 1-3 rows: full panels several at a time; the rest (and a partial last one) below */
+            if (mb == 1)
                 for (; p + AG_WIDE <= p1 && (p + AG_WIDE) * AG_NR <= N; p += AG_WIDE)
                     ag_row_wide(xf, K, w + p * K * AG_NR, bf + p * AG_NR, yb + p * AG_NR);
+            if (mb == 2 || mb == 3)
+                for (; p + 2 <= p1 && (p + 2) * AG_NR <= N; p += 2) {
+                    if (mb == 2) ag_rows_pair(xf, K, w + p * K * AG_NR, bf + p * AG_NR, yb + p * AG_NR, N, 2);
+                    else ag_rows_pair(xf, K, w + p * K * AG_NR, bf + p * AG_NR, yb + p * AG_NR, N, 3);
+                }
             for (; p < p1; p++) {
                 const uint16_t* wp = w + p * K * AG_NR;
                 const int64_t n0 = p * AG_NR, valid = N - n0 < AG_NR ? N - n0 : AG_NR;
