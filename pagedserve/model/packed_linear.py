@@ -141,8 +141,10 @@ class PackedLinear(nn.Module):
         if self.amx_weight is None and avx2_bf16(weight.dtype):
             self.avx2_weight = cpu_kernels.avx2_layout(weight)
             cpu_kernels.collapse_to_huge_pages(self.avx2_weight.data_ptr(), self.avx2_weight.numel() * 2)
-        own = self.amx_weight is not None or self.avx2_weight is not None
-        self.packed_weight: Optional[torch.Tensor] = None if own else pack_weight(weight)
+        # The weight in pagedserve's own layout and its matmul, or None: oneDNN's packed copy.
+        self._own = (self.amx_weight, cpu_kernels.amx_gemm) if self.amx_weight is not None else \
+            (self.avx2_weight, cpu_kernels.avx2_gemm) if self.avx2_weight is not None else None
+        self.packed_weight: Optional[torch.Tensor] = None if self._own else pack_weight(weight)
         self.small_plan: Optional[tuple[int, int]] = None
         self.pad_rows = self.packed_weight is not None and rows_independent(self.packed_weight, self.out_features, self.in_features)
 
@@ -151,13 +153,10 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx_weight is not None:
+        if self._own is not None:
+            weight, gemm = self._own
             shape = x.shape
-            y = cpu_kernels.amx_gemm(x.reshape(-1, shape[-1]).contiguous(), self.amx_weight, self.bias, self.out_features)
-            return y.view(*shape[:-1], self.out_features)
-        if self.avx2_weight is not None:
-            shape = x.shape
-            y = cpu_kernels.avx2_gemm(x.reshape(-1, shape[-1]).contiguous(), self.avx2_weight, self.bias, self.out_features)
+            y = gemm(x.reshape(-1, shape[-1]).contiguous(), weight, self.bias, self.out_features)
             return y.view(*shape[:-1], self.out_features)
         return packed_or_small_linear(x, self.packed_weight, self.bias, self.out_features, self.small_plan, self.pad_rows)
 

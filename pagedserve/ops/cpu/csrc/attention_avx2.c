@@ -23,8 +23,7 @@ static inline void prefetch_bytes(const void* p, int64_t nbytes) {
 
 /* Eight values at element i of a float32 (bf = 0) or bf16 (bf = 1) array, as float32. */
 static inline __attribute__((always_inline)) __m256 load8(const void* base, int64_t i, const int bf) {
-    if (bf)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + i))), 16));
+    if (bf) return bf16x8_load((const uint16_t*)base + i);
     return _mm256_loadu_ps((const float*)base + i);
 }
 

@@ -33,7 +33,7 @@
 
 #ifdef HAVE_AVX2_GEMM
 #include "avx2_math.h"
-#define ag_widen8 bf16x8_load
+#include "bf16.h"
 
 /* 16 floats -> 16 bf16 (nearest even; NaN stays a quiet NaN). */
 static inline __m256i ag_round16(__m256 a, __m256 b) {
@@ -63,8 +63,8 @@ static inline __attribute__((always_inline)) void ag_tile(const float* xf, int64
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const float *x0 = xf, *x1 = xf + K, *x2 = xf + 2 * K, *x3 = xf + 3 * K, *x4 = xf + 4 * K, *x5 = xf + 5 * K;
     for (int64_t k = 0; k < K; k++) {
-        const __m256 w0 = WIDE ? _mm256_load_ps(wf + k * AG_NR) : ag_widen8(wp + k * AG_NR);
-        const __m256 w1 = WIDE ? _mm256_load_ps(wf + k * AG_NR + 8) : ag_widen8(wp + k * AG_NR + 8);
+        const __m256 w0 = WIDE ? _mm256_load_ps(wf + k * AG_NR) : bf16x8_load(wp + k * AG_NR);
+        const __m256 w1 = WIDE ? _mm256_load_ps(wf + k * AG_NR + 8) : bf16x8_load(wp + k * AG_NR + 8);
         __m256 xv = _mm256_broadcast_ss(x0 + k);
         c00 = _mm256_fmadd_ps(xv, w0, c00);
         c01 = _mm256_fmadd_ps(xv, w1, c01);
@@ -94,14 +94,14 @@ static void ag_row_wide(const float* xf, int64_t K, const uint16_t* wp, const fl
     for (int64_t k = 0; k < K; k++) {
         const __m256 xv = _mm256_broadcast_ss(xf + k);
         const uint16_t* w = wp + k * AG_NR;
-        a0 = _mm256_fmadd_ps(xv, ag_widen8(w), a0);
-        a1 = _mm256_fmadd_ps(xv, ag_widen8(w + 8), a1);
-        a2 = _mm256_fmadd_ps(xv, ag_widen8(w + ps), a2);
-        a3 = _mm256_fmadd_ps(xv, ag_widen8(w + ps + 8), a3);
-        a4 = _mm256_fmadd_ps(xv, ag_widen8(w + 2 * ps), a4);
-        a5 = _mm256_fmadd_ps(xv, ag_widen8(w + 2 * ps + 8), a5);
-        a6 = _mm256_fmadd_ps(xv, ag_widen8(w + 3 * ps), a6);
-        a7 = _mm256_fmadd_ps(xv, ag_widen8(w + 3 * ps + 8), a7);
+        a0 = _mm256_fmadd_ps(xv, bf16x8_load(w), a0);
+        a1 = _mm256_fmadd_ps(xv, bf16x8_load(w + 8), a1);
+        a2 = _mm256_fmadd_ps(xv, bf16x8_load(w + ps), a2);
+        a3 = _mm256_fmadd_ps(xv, bf16x8_load(w + ps + 8), a3);
+        a4 = _mm256_fmadd_ps(xv, bf16x8_load(w + 2 * ps), a4);
+        a5 = _mm256_fmadd_ps(xv, bf16x8_load(w + 2 * ps + 8), a5);
+        a6 = _mm256_fmadd_ps(xv, bf16x8_load(w + 3 * ps), a6);
+        a7 = _mm256_fmadd_ps(xv, bf16x8_load(w + 3 * ps + 8), a7);
     }
     ag_store(a0, a1, bias, y, AG_NR);
     ag_store(a2, a3, bias + AG_NR, y + AG_NR, AG_NR);
@@ -118,7 +118,7 @@ static inline __attribute__((always_inline)) void ag_rows_pair(const float* xf, 
     const int64_t ps = K * AG_NR;
     for (int64_t k = 0; k < K; k++) {
         const uint16_t* w = wp + k * AG_NR;
-        const __m256 w0 = ag_widen8(w), w1 = ag_widen8(w + 8), w2 = ag_widen8(w + ps), w3 = ag_widen8(w + ps + 8);
+        const __m256 w0 = bf16x8_load(w), w1 = bf16x8_load(w + 8), w2 = bf16x8_load(w + ps), w3 = bf16x8_load(w + ps + 8);
         __m256 xv = _mm256_broadcast_ss(xf + k);
         a0 = _mm256_fmadd_ps(xv, w0, a0); a1 = _mm256_fmadd_ps(xv, w1, a1);
         a2 = _mm256_fmadd_ps(xv, w2, a2); a3 = _mm256_fmadd_ps(xv, w3, a3);
@@ -176,11 +176,7 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
     float* xf = (float*)malloc(sizeof(float) * (rows * K + panels * AG_NR));
     if (!xf) return -2;
     float* bf = xf + rows * K; /* bias widened, zero-padded to whole panels */
-    for (int64_t n = 0; n < panels * AG_NR; n++) {
-        union { uint32_t u; float f; } v;
-        v.u = (bias && n < N) ? (uint32_t)bias[n] << 16 : 0u;
-        bf[n] = v.f;
-    }
+    for (int64_t n = 0; n < panels * AG_NR; n++) bf[n] = (bias && n < N) ? bf16_to_f32(bias[n]) : 0.f;
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mb = M - r0 < rows ? M - r0 : rows;
         const uint16_t* xb = x + r0 * K;
@@ -190,13 +186,9 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < mb * K; i += 8) {
                 if (i + 8 <= mb * K) {
-                    _mm256_storeu_ps(xf + i, ag_widen8(xb + i));
+                    _mm256_storeu_ps(xf + i, bf16x8_load(xb + i));
                 } else {
-                    for (int64_t j = i; j < mb * K; j++) {
-                        union { uint32_t u; float f; } v;
-                        v.u = (uint32_t)xb[j] << 16;
-                        xf[j] = v.f;
-                    }
+                    for (int64_t j = i; j < mb * K; j++) xf[j] = bf16_to_f32(xb[j]);
                 }
             }
             const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -217,7 +209,7 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
                 const uint16_t* wp = w + p * K * AG_NR;
                 const int64_t n0 = p * AG_NR, valid = N - n0 < AG_NR ? N - n0 : AG_NR;
                 if (wf)
-                    for (int64_t i = 0; i < K * AG_NR; i += 8) _mm256_store_ps(wf + i, ag_widen8(wp + i));
+                    for (int64_t i = 0; i < K * AG_NR; i += 8) _mm256_store_ps(wf + i, bf16x8_load(wp + i));
                 ag_panel(xf, mb, K, wp, wf, bf + n0, yb, N, n0, valid);
             }
             free(wf);

@@ -54,10 +54,7 @@ static inline void load_row(const void* src, int is_bf16, int64_t d, float* dst)
             _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
         }
 #elif defined(HAVE_AVX2)
-        for (; i + 8 <= d; i += 8) {
-            __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(s + i))), 16);
-            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(w));
-        }
+        for (; i + 8 <= d; i += 8) _mm256_storeu_ps(dst + i, bf16x8_load(s + i));
 #endif
         for (; i < d; i++) dst[i] = bf16_to_f32(s[i]);
     } else {
