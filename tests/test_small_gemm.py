@@ -58,7 +58,7 @@ def test_small_gemm_bit_identical_to_onednn_batched(n, k, has_bias):
     bias = torch.randn(n, generator=g).to(torch.bfloat16) if has_bias else None
     packed = _pack_or_skip(w)
     plan = _plan_or_skip(packed, n, k, bias)
-    for m in (1, 2, 3, 4, 7, 16):
+    for m in (1, 2, 3, 4, 7, 16, 33, cpu_kernels.SMALL_GEMM_MAX_ROWS):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         got = cpu_kernels.small_gemm(x, packed, bias, n, plan)
         assert torch.equal(got, _onednn_batched(x, packed, bias)), (n, k, m)
@@ -129,7 +129,7 @@ def test_unsupported_shapes_fall_back_to_onednn():
     assert cpu_kernels.calibrate_small_gemm(packed.packed_weight, n, k, None) is None
     x = torch.randn(1, k).to(torch.bfloat16)
     assert torch.equal(packed(x), packed_linear(x, packed.packed_weight))
-    # the C entry point itself refuses what it cannot do (17 rows, N % 64 != 0)
+    # the C entry point itself refuses what it cannot do (SMALL_GEMM_MAX_ROWS + 1 rows, N % 64 != 0)
     lib = cpu_kernels.get_small_gemm_lib()
     m = cpu_kernels.SMALL_GEMM_MAX_ROWS + 1
     y = torch.empty(m, 128, dtype=torch.bfloat16)
@@ -168,11 +168,11 @@ def _randomize_norms(path):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, monkeypatch):
     """head_dim 64 (the attention kernel's fast path), GQA 2:1, qkv bias for qwen2. Decodes of
-    1-16 sequences take the C step; the same requests with the C step disabled give identical
+    1-SMALL_GEMM_MAX_ROWS sequences take the C step; the same requests with the C step disabled give identical
     tokens and logprobs, alone and batched, so batch size does not change the output."""
     path = tiny_model_factory(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
     _randomize_norms(path)
-    llm = LLM(path, dtype="bfloat16", num_kv_blocks=128, max_model_len=512)
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=512, max_model_len=512)
     qkv = llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj
     any_rows = getattr(qkv, "amx_weight", None) is not None or getattr(qkv, "avx2_weight", None) is not None
     calls = []
@@ -186,10 +186,13 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
         calls.clear()
         assert _run(llm, PROMPTS[:n]) == alone[:n]
         assert set(calls) == {n}
-    many = PROMPTS * 3  # 18 sequences: the C step with the AMX or AVX2 matmul, else the layer-by-layer path
     calls.clear()
-    assert _run(llm, many) == alone * 3
-    assert set(calls) == ({18} if any_rows else set())
+    assert _run(llm, PROMPTS * 3) == alone * 3  # 18 sequences: within the small-M limit too
+    assert set(calls) == {18}
+    reps = -(-(cpu_kernels.SMALL_GEMM_MAX_ROWS + 1) // len(PROMPTS))  # past the small-M limit
+    calls.clear()  # the C step with the AMX or AVX2 matmul, else the layer-by-layer path
+    assert _run(llm, PROMPTS * reps) == alone * reps
+    assert (max(calls, default=0) > cpu_kernels.SMALL_GEMM_MAX_ROWS) == any_rows
     monkeypatch.setattr(CpuBackend, "decode_step", lambda *a: False)
     calls.clear()
     assert [_run(llm, p)[0] for p in PROMPTS] == alone and _run(llm, PROMPTS) == alone

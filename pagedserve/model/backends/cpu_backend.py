@@ -9,7 +9,7 @@
   write in one C pass and prefill attention in the kernel (every K/V read from the cache);
   elsewhere (float32, other shapes) PyTorch RoPE and SDPA prefill, which are faster there;
 - decode-only steps in bf16, when every projection has the AMX or the AVX2 matmul (any number
-  of sequences) or a small-M plan (1-16): the whole model in one C call (``csrc/decode_step.c``,
+  of sequences) or a small-M plan (1-64): the whole model in one C call (``csrc/decode_step.c``,
   the same ops in the same order, bit-identical to the layer-by-layer path);
 - greedy sampling's argmax over bf16 logits in C.
 """

@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.ops.cpu.build import _get, get_lib
 
-SMALL_GEMM_MAX_ROWS = 16  # SG_MAX_ROWS in small_gemm.c
+SMALL_GEMM_MAX_ROWS = 64  # SG_MAX_ROWS in small_gemm.c
 
 
 def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
@@ -101,7 +101,7 @@ def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
 
 
 def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, plan: tuple[int, int]) -> torch.Tensor:
-    """``x [M, K]`` (bf16, contiguous, 1 <= M <= 16) times a packed weight whose ``plan`` came
+    """``x [M, K]`` (bf16, contiguous, 1 <= M <= SMALL_GEMM_MAX_ROWS) times a packed weight whose ``plan`` came
     from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
     batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
     lib = _get("decode")  # not get_small_gemm_lib(): plans made at load stay usable if the env changes

@@ -1,6 +1,6 @@
 /*
  * A whole decode step of a Llama-family decoder in one call, in bf16 on the CPU: any number of
- * sequences when every projection has the AMX or the AVX2 matmul, else 1-16. With few sequences the step
+ * sequences when every projection has the AMX or the AVX2 matmul, else 1-64. With few sequences the step
  * is a stream of small matmuls and element-wise ops; issued one by one from Python, their
  * dispatch (~10 us each, ~9 per layer) costs as much as a third of the step. This loop runs the
  * same ops in the same order as `DecoderLayer.forward_fused` (the same C functions:
