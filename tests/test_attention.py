@@ -171,18 +171,19 @@ def test_kernel_refuses_wrong_dtypes_and_shapes():
     assert not ok(q, cache, bt, torch.zeros(2, dtype=torch.int32), lens, 0.125, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 16), (8, 2, 32), (16, 1, 16)])
-def test_prefill_row_equals_decode_row(num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size,head_dim", [(9, 3, 16, 64), (8, 2, 32, 64), (16, 1, 16, 64), (16, 8, 16, 128)])
+def test_prefill_row_equals_decode_row(num_heads, num_kv_heads, block_size, head_dim):
     """A prefill chunk's row (computed with the other rows of its chunk, on AMX in tiles of
-    several tokens) is the same bits as that token decoded alone: chunking and batching do
-    not change attention output."""
+    several tokens; with AVX512-BF16, in one task per token over all KV heads) is the same bits
+    as that token decoded alone (one task per KV head): chunking and batching do not change
+    attention output."""
     parts = [(0, 40), (23, 18), (0, 1), (64, 33)]
     seq_lens = [c + q for c, q in parts]
-    cache, tables = _paged_case(seq_lens, num_kv_heads, 64, block_size, torch.bfloat16, seed=3)
+    cache, tables = _paged_case(seq_lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=3)
     max_blocks = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
     T = sum(q for _, q in parts)
-    q = torch.randn(T, num_heads, 64).to(torch.bfloat16)
+    q = torch.randn(T, num_heads, head_dim).to(torch.bfloat16)
     token_seq = torch.tensor([i for i, (_, ql) in enumerate(parts) for _ in range(ql)])
     token_lens = torch.tensor([p + 1 for c, ql in parts for p in range(c, c + ql)])
     chunk = torch.empty_like(q)
