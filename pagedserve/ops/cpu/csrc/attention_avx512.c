@@ -257,7 +257,9 @@ static inline int fast_path_shape(int64_t group, int64_t head_dim) {
 
 /* Query tokens per thread from which a call runs one task per token (decode_token_bf16) rather
  * than per (token, KV head): enough tasks to share between the threads. */
+#ifndef TOKEN_TASKS_PER_THREAD
 #define TOKEN_TASKS_PER_THREAD 4
+#endif
 
 static inline int token_tasks_preferred(int64_t num_tokens, int64_t num_kv_heads) {
     return num_kv_heads > 1 && num_kv_heads <= TOKEN_TASK_MAX_KV_HEADS && num_tokens >= TOKEN_TASKS_PER_THREAD * omp_get_max_threads();

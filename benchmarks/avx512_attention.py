@@ -1,0 +1,94 @@
+"""Decode attention on a CPU with AVX512-BF16 (no AMX): one task per (query token, KV head)
+against one task per query token over all KV heads (``csrc/attention_avx512.c``; what the
+kernel picks with at least 4 tokens per thread), in the same script.
+
+Both sides are ``paged_attention.c`` as the engine builds it, the peer with
+``-DTOKEN_TASKS_PER_THREAD`` set out of reach; their outputs are checked bit-identical. Work:
+32 decode rows of 148-560 tokens over SmolLM2's 9 query / 3 KV heads (head_dim 64, bf16,
+16-token blocks), 30 layers of distinct caches (read cold, as in a step), with each sequence's
+blocks in order (as after a prefill) and scattered over a pool 1.5x the blocks in use. Rounds
+alternate the two; medians and the ratio are printed, and the K/V bytes read per second.
+
+    .venv/bin/python benchmarks/avx512_attention.py [--rounds 9] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+
+CSRC = os.path.join(os.path.dirname(__file__), "..", "pagedserve", "ops", "cpu", "csrc")
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, SEQS, LAYERS = 9, 3, 64, 16, 32, 30
+
+
+def build(flags: list[str], out: str):
+    subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=fast", *flags,
+                    os.path.join(CSRC, "paged_attention.c"), "-o", out, "-lm"], check=True)
+    fn = ctypes.CDLL(out).paged_attention_bf16
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
+    return fn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the libraries' OpenMP starts
+    grep = subprocess.run(["grep", "-m1", "-o", "avx512_bf16", "/proc/cpuinfo"], capture_output=True, text=True)
+    if "avx512_bf16" not in grep.stdout:
+        raise SystemExit("needs a CPU with AVX512-BF16 (elsewhere the kernel takes another path)")
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(148, 561, (SEQS,), generator=g)
+    nblocks = [math.ceil(int(n) / BLOCK) for n in lens]
+    pool = int(sum(nblocks) * 1.5)
+    caches = [torch.randn(2, pool, KV_HEADS, BLOCK, HEAD_DIM, generator=g).bfloat16() for _ in range(LAYERS)]
+    q = torch.randn(SEQS, HEADS, HEAD_DIM, generator=g).bfloat16()
+    layouts = {"blocks in order": torch.arange(sum(nblocks)), "blocks scattered": torch.randperm(pool, generator=g)[: sum(nblocks)]}
+    nbytes = sum(int(n) for n in lens) * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS
+    with tempfile.TemporaryDirectory() as tmp:
+        fns = {"per (token, KV head)": build(["-DTOKEN_TASKS_PER_THREAD=1000000"], os.path.join(tmp, "head.so")),
+               "per token": build([], os.path.join(tmp, "token.so"))}
+        for layout, ids in layouts.items():
+            tables = torch.zeros(SEQS, max(nblocks), dtype=torch.int64)
+            at = 0
+            for i, nb in enumerate(nblocks):
+                tables[i, :nb] = ids[at: at + nb]
+                at += nb
+            outs = {name: torch.empty_like(q) for name in fns}
+
+            def run(name):
+                fn, out = fns[name], outs[name]
+                for c in caches:
+                    k = c.data_ptr()
+                    rc = fn(q.data_ptr(), k, k + c.stride(0) * 2, tables.data_ptr(), tables.shape[1], None, lens.data_ptr(),
+                            out.data_ptr(), SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, 0.125)
+                    assert rc == 0
+
+            for name in fns:
+                run(name)
+            first, second = outs.values()
+            assert torch.equal(first, second), "the two task orders must give the same bits"
+            times = {name: [] for name in fns}
+            for _ in range(args.rounds):
+                for name in fns:
+                    t0 = time.perf_counter()
+                    run(name)
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            a, b = med.values()
+            print(f"{layout}, {args.threads} threads, 30 layers: " + ", ".join(
+                f"{k} {v:.2f} ms ({nbytes / v / 1e6:.1f} GB/s)" for k, v in med.items()) + f"; ratio {a / b:.2f}x (bit-identical)")
+
+
+if __name__ == "__main__":
+    main()
