@@ -116,6 +116,16 @@ def test_c_attention_matches_attention_over_the_dequantized_cache(dtype, num_hea
     alone = torch.empty_like(q2[1:2])
     assert cpu_kernels.paged_attention_cpu(q2[1:2].contiguous(), cache, tables, token_seq[1:2].contiguous(), token_lens[1:2].contiguous(), scale, alone, bs)
     assert torch.equal(alone, out2[1:2])
+    # 24 rows in one call (AVX512-BF16: one task per token over all KV heads) equal each row alone
+    seq3 = torch.arange(24, dtype=torch.int64) % len(lens)
+    lens3 = torch.tensor(lens, dtype=torch.int64)[seq3]
+    q3 = torch.randn(24, num_heads, head_dim).to(dtype)
+    out3 = torch.empty_like(q3)
+    assert cpu_kernels.paged_attention_cpu(q3, cache, tables, seq3, lens3, scale, out3, bs)
+    for i in (0, 5, 11, 23):
+        one = torch.empty_like(q3[i : i + 1])
+        assert cpu_kernels.paged_attention_cpu(q3[i : i + 1].contiguous(), cache, tables, seq3[i : i + 1].contiguous(), lens3[i : i + 1].contiguous(), scale, one, bs)
+        assert torch.equal(one, out3[i : i + 1]), i
     # a wrong block size is refused, not read out of bounds
     assert not cpu_kernels.paged_attention_cpu(query, cache, tables, None, torch.tensor(lens), scale, out, 32)
 

@@ -193,10 +193,9 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
                                    (uint16_t*)out, num_tokens, num_heads, num_kv_heads, block_size, scale, kv_int8);
 #endif
 #ifdef HAVE_BF16_FAST_PATH
-    if (is_bf16 && !kv_int8 && fast_path_shape(group, head_dim) && token_tasks_preferred(num_tokens, num_kv_heads))
-        return paged_attention_tokens_bf16((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, block_tables,
-                                           max_blocks, token_seq, token_lens, (uint16_t*)out, num_tokens, num_heads,
-                                           num_kv_heads, head_dim, block_size, scale);
+    if (is_bf16 && fast_path_shape(group, head_dim) && token_tasks_preferred(num_tokens, num_kv_heads))
+        return paged_attention_tokens((const uint16_t*)q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens,
+                                      (uint16_t*)out, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, kv_int8);
 #endif
     const int64_t esize = is_bf16 ? 2 : 4;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;  /* elements */
