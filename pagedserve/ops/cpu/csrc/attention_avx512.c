@@ -36,6 +36,11 @@ static inline __m512 hsum16(__m512 a[16]) {
  * (num_kv_heads * block_size * head_dim values) instead of one head's slice of it: on AMD
  * Zen 4, 1.8x the read rate of the scattered slices (benchmarks/README.md). */
 
+static inline __attribute__((always_inline)) void zero_rows(__m512 (*acc)[8], const int G, const int NV) {
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
+}
+
 /* Scores of G query rows (q: G rows of NV * 16 bf16) against the `len` keys at kb (tokens
  * t0 .. t0 + len of the sequence) into scores[g * n + t0 + o], times scale. */
 static inline __attribute__((always_inline)) void bf16_scores_block(
@@ -141,8 +146,7 @@ static inline __attribute__((always_inline)) void decode_task_bf16(
     }
     bf16_probabilities(scores, pbf, G, n);
     __m512 acc[4][8];  /* [g][2 * chunk + (0: unpacklo dims, 1: unpackhi dims)] */
-    for (int g = 0; g < G; g++)
-        for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
+    zero_rows(acc, G, NV);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
         if (t0 + PF_DIST * block_size < n) prefetch_block(vc + table[t0 / block_size + PF_DIST] * block_stride + head_off, blk_bytes);
@@ -170,9 +174,7 @@ static inline __attribute__((always_inline)) void decode_token_bf16(
     }
     for (int64_t h = 0; h < nkv; h++) bf16_probabilities(scores + h * G * n, pbf + h * G * n, G, n);
     __m512 acc[TOKEN_TASK_MAX_KV_HEADS][4][8];
-    for (int64_t h = 0; h < nkv; h++)
-        for (int g = 0; g < G; g++)
-            for (int v = 0; v < NV; v++) acc[h][g][v] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < nkv; h++) zero_rows(acc[h], G, NV);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
         if (t0 + PF_DIST * block_size < n) prefetch_block(vc + table[t0 / block_size + PF_DIST] * block_stride, block_stride * 2);
@@ -265,8 +267,7 @@ static inline __attribute__((always_inline)) void decode_task_q8(
     }
     softmax_rows(scores, G, n);
     __m512 acc[4][8];
-    for (int g = 0; g < G; g++)
-        for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
+    zero_rows(acc, G, NV);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
         if (t0 + PF_DIST * block_size < n) prefetch_block((const uint16_t*)(vc + table[t0 / block_size + PF_DIST] * block_stride + head_off), cell_bytes);
@@ -294,9 +295,7 @@ static inline __attribute__((always_inline)) void decode_token_q8(
     }
     for (int64_t h = 0; h < nkv; h++) softmax_rows(scores + h * G * n, G, n);
     __m512 acc[TOKEN_TASK_MAX_KV_HEADS][4][8];
-    for (int64_t h = 0; h < nkv; h++)
-        for (int g = 0; g < G; g++)
-            for (int v = 0; v < NV; v++) acc[h][g][v] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < nkv; h++) zero_rows(acc[h], G, NV);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
         if (t0 + PF_DIST * block_size < n) prefetch_block((const uint16_t*)(vc + table[t0 / block_size + PF_DIST] * block_stride), block_stride);
