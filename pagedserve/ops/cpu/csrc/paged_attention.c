@@ -192,18 +192,19 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
         return paged_attention_amx((const uint16_t*)q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens,
                                    (uint16_t*)out, num_tokens, num_heads, num_kv_heads, block_size, scale, kv_int8);
 #endif
+    int64_t max_n = 1;
+    for (int64_t t = 0; t < num_tokens; t++) max_n = token_lens[t] > max_n ? token_lens[t] : max_n;
 #ifdef HAVE_BF16_FAST_PATH
-    if (is_bf16 && fast_path_shape(group, head_dim) && token_tasks_preferred(num_tokens, num_kv_heads))
+    if (is_bf16 && fast_path_shape(group, head_dim) && token_tasks_preferred(num_tokens, num_heads, num_kv_heads, max_n))
         return paged_attention_tokens((const uint16_t*)q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens,
-                                      (uint16_t*)out, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, kv_int8);
+                                      (uint16_t*)out, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, kv_int8,
+                                      max_n);
 #endif
     const int64_t esize = is_bf16 ? 2 : 4;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;  /* elements */
     const int64_t q8_bytes = Q8_BYTES(block_size, head_dim);  /* int8 cache: one (block, KV head) */
     const char* kc = (const char*)k_cache;
     const char* vc = (const char*)v_cache;
-    int64_t max_n = 1;
-    for (int64_t t = 0; t < num_tokens; t++) max_n = token_lens[t] > max_n ? token_lens[t] : max_n;
     int failed = 0;
 #pragma omp parallel
     {
