@@ -200,6 +200,32 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     assert_engine_idle(llm)
 
 
+def test_decode_step_rows_capped_by_a_wide_projection(tiny_model_factory, monkeypatch):
+    """A projection with more than SMALL_GEMM_WIDE_K inputs (down_proj, K = 2048) caps the small-M
+    kernel, and with it the C decode step, at SMALL_GEMM_WIDE_K_ROWS rows (oneDNN is faster past
+    that on such weights); the tokens are the same either way."""
+    assert matmul.small_gemm_max_rows(576) == matmul.small_gemm_max_rows(1536) == matmul.SMALL_GEMM_MAX_ROWS
+    assert matmul.small_gemm_max_rows(2048) == matmul.SMALL_GEMM_WIDE_K_ROWS < matmul.SMALL_GEMM_MAX_ROWS
+    path = tiny_model_factory("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=2048, num_hidden_layers=2)
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=512, max_model_len=512)
+    down = llm.llm_engine.core.worker.model.layers[0].mlp.down_proj
+    if getattr(down, "amx_weight", None) is not None or getattr(down, "avx2_weight", None) is not None:
+        pytest.skip("the AMX or AVX2 matmul takes any number of rows here")
+    calls = []
+    real = matmul.decode_layers
+    monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
+    alone = [_run(llm, p)[0] for p in PROMPTS]
+    if not calls:
+        pytest.skip("the C decode step does not run on this CPU")
+    calls.clear()
+    assert _run(llm, PROMPTS * 2) == alone * 2
+    assert set(calls) == {12}  # 12 decodes: the C step
+    calls.clear()
+    assert _run(llm, PROMPTS * 3) == alone * 3
+    assert not calls  # 18 decodes: layer by layer, oneDNN
+    assert_engine_idle(llm)
+
+
 def test_onednn_path_one_row_matches_batched():
     """Without a plan, one row goes through oneDNN as two (its one-row kernel sums K = 1536 in
     another order, ~1 output in 10^4), so it equals the row computed in a batch."""

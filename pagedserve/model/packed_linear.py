@@ -199,9 +199,10 @@ def packed_or_small_linear(
 ) -> torch.Tensor:
     """:func:`packed_linear` (on :func:`onednn_rows` rows when ``pad_rows``, which
     :func:`rows_independent` decides per weight shape), or the small-M kernel for a contiguous
-    bf16 ``x [M <= SMALL_GEMM_MAX_ROWS, in]`` when ``small_plan`` is set (the same result bit for bit as
-    oneDNN's batched kernel)."""
-    if small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and x.is_contiguous() and x.dtype == torch.bfloat16:
+    bf16 ``x [M <= small_gemm_max_rows(in), in]`` when ``small_plan`` is set (the same result bit
+    for bit as oneDNN's batched kernel)."""
+    if (small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.small_gemm_max_rows(x.shape[1])
+            and x.is_contiguous() and x.dtype == torch.bfloat16):
         return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)
     if not pad_rows:
         if x.dim() == 2 and x.shape[0] == 1:  # see onednn_rows: never one row
