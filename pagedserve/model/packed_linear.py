@@ -28,7 +28,7 @@ weights, and bf16 weights are kept in the layout of pagedserve's AVX2 matmul
 (``csrc/avx2_gemm.c``): bf16 in memory, widened to float32 in registers, float32 FMA over k in
 order, so each row's result is independent of the other rows there too.
 
-Elsewhere, inputs of 1-64 rows (decodes of up to 64 sequences) skip oneDNN:
+Elsewhere, inputs of 1-64 rows (1-16 for weights of more than 1,536 inputs: ``small_gemm_max_rows``) skip oneDNN:
 ``pagedserve.ops.cpu.small_gemm`` streams the same packed buffer with no per-call set-up,
 bit-identical to oneDNN's batched result (its partial-sum structure is calibrated per weight
 shape at load time; shapes that do not match keep oneDNN). The packed buffers are also moved
