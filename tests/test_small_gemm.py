@@ -172,7 +172,7 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     tokens and logprobs, alone and batched, so batch size does not change the output."""
     path = tiny_model_factory(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
     _randomize_norms(path)
-    llm = LLM(path, dtype="bfloat16", num_kv_blocks=512, max_model_len=512)
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=512, max_model_len=512, max_num_seqs=128)
     qkv = llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj
     any_rows = getattr(qkv, "amx_weight", None) is not None or getattr(qkv, "avx2_weight", None) is not None
     calls = []

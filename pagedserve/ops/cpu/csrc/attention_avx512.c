@@ -159,11 +159,12 @@ static inline __attribute__((always_inline)) void decode_task_bf16(
 
 /* One query token, all nkv KV heads (q, out: nkv * G rows), each block's K (then V) of every
  * head in turn: the same per-row arithmetic as decode_task_bf16, so a row's result does not
- * depend on which of the two ran it. scores, pbf: nkv * G * n each. */
+ * depend on which of the two ran it. scores, pbf: nkv * G * n each; acc: nkv accumulator sets
+ * (heap: 16 KiB for 8 heads in each of the 16 inlined instantiations would crowd a thread's stack). */
 static inline __attribute__((always_inline)) void decode_token_bf16(
     const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n,
     int64_t block_size, int64_t block_stride, int64_t nkv, const int G, float scale,
-    uint16_t* out, float* scores, uint16_t* pbf, const int NV) {
+    uint16_t* out, float* scores, uint16_t* pbf, __m512 (*acc)[4][8], const int NV) {
     const int64_t head_elems = block_size * NV * 16;
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
@@ -173,7 +174,6 @@ static inline __attribute__((always_inline)) void decode_token_bf16(
             bf16_scores_block(q + h * G * NV * 16, kb + h * head_elems, len, n, t0, G, scale, scores + h * G * n, NV);
     }
     for (int64_t h = 0; h < nkv; h++) bf16_probabilities(scores + h * G * n, pbf + h * G * n, G, n);
-    __m512 acc[TOKEN_TASK_MAX_KV_HEADS][4][8];
     for (int64_t h = 0; h < nkv; h++) zero_rows(acc[h], G, NV);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
@@ -277,10 +277,12 @@ static inline __attribute__((always_inline)) void decode_task_q8(
 }
 
 /* One query token, all nkv KV heads, over the int8 cache (cells of a block are adjacent:
- * block_stride = nkv cells); scores: nkv * G * n. Same per-row arithmetic as decode_task_q8. */
+ * block_stride = nkv cells); scores: nkv * G * n; acc as for decode_token_bf16. Same per-row
+ * arithmetic as decode_task_q8. */
 static inline __attribute__((always_inline)) void decode_token_q8(
     const uint16_t* q, const char* kc, const char* vc, const int64_t* table, int64_t n, int64_t block_size,
-    int64_t block_stride, int64_t nkv, const int G, float scale, uint16_t* out, float* scores, const int NV) {
+    int64_t block_stride, int64_t nkv, const int G, float scale, uint16_t* out, float* scores, __m512 (*acc)[4][8],
+    const int NV) {
     const int64_t cell_bytes = Q8_BYTES(block_size, NV * 16);
     float kbuf[16 * 128];
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
@@ -294,7 +296,6 @@ static inline __attribute__((always_inline)) void decode_token_q8(
         }
     }
     for (int64_t h = 0; h < nkv; h++) softmax_rows(scores + h * G * n, G, n);
-    __m512 acc[TOKEN_TASK_MAX_KV_HEADS][4][8];
     for (int64_t h = 0; h < nkv; h++) zero_rows(acc[h], G, NV);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
@@ -337,7 +338,8 @@ static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const 
     int failed = 0;
 #pragma omp parallel
     {
-    float* scores = (float*)malloc((sizeof(float) + sizeof(uint16_t)) * num_heads * max_n);
+    __m512 (*acc)[4][8] = (__m512 (*)[4][8])aligned_alloc(64, sizeof(__m512) * TOKEN_TASK_MAX_KV_HEADS * 4 * 8);
+    float* scores = acc ? (float*)malloc((sizeof(float) + sizeof(uint16_t)) * num_heads * max_n) : NULL;
     uint16_t* pbf = scores ? (uint16_t*)(scores + num_heads * max_n) : NULL;
     if (scores == NULL) {
 #pragma omp atomic write
@@ -353,10 +355,10 @@ static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const 
         do {                                                                                                                 \
             if (kv_int8)                                                                                                     \
                 decode_token_q8(qp, (const char*)k_cache, (const char*)v_cache, table, token_lens[t], block_size,         \
-                                block_stride, num_kv_heads, G_, scale, op, scores, NV_);                                     \
+                                block_stride, num_kv_heads, G_, scale, op, scores, acc, NV_);                                     \
             else                                                                                                             \
                 decode_token_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, token_lens[t], block_size, \
-                                  block_stride, num_kv_heads, G_, scale, op, scores, pbf, NV_);                              \
+                                  block_stride, num_kv_heads, G_, scale, op, scores, pbf, acc, NV_);                              \
         } while (0)
         switch ((head_dim == 64 ? 0 : 4) + (group < 4 ? group : 4)) {
             case 1: TOKEN_TASK(1, 4); break;
@@ -371,6 +373,7 @@ static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const 
 #undef TOKEN_TASK
     }
     free(scores);
+    free(acc);
     }
     return failed ? -2 : 0;
 }
