@@ -150,6 +150,18 @@ def _run(llm, prompts, params=LOGPROBS):
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
 
+def _decode_step_calls(llm, monkeypatch):
+    """Spy on the C decode step (a list of its row counts, cleared by the caller) and run each of
+    PROMPTS alone; skips where the step does not run. Returns (calls, alone outputs)."""
+    calls = []
+    real = matmul.decode_layers
+    monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
+    alone = [_run(llm, p)[0] for p in PROMPTS]
+    if not calls:
+        pytest.skip("the C decode step does not run on this CPU")
+    return calls, alone
+
+
 def _randomize_norms(path):
     """HF initialises RMSNorm weights to 1, which would hide a mixed-up norm weight."""
     import os
@@ -175,12 +187,7 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=512, max_model_len=512, max_num_seqs=128)
     qkv = llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj
     any_rows = getattr(qkv, "amx_weight", None) is not None or getattr(qkv, "avx2_weight", None) is not None
-    calls = []
-    real = matmul.decode_layers
-    monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
-    alone = [_run(llm, p)[0] for p in PROMPTS]
-    if not calls:
-        pytest.skip("the C decode step does not run on this CPU")
+    calls, alone = _decode_step_calls(llm, monkeypatch)
     assert set(calls) == {1}
     for n in (2, 3, 4, 6):
         calls.clear()
@@ -211,12 +218,7 @@ def test_decode_step_rows_capped_by_a_wide_projection(tiny_model_factory, monkey
     down = llm.llm_engine.core.worker.model.layers[0].mlp.down_proj
     if getattr(down, "amx_weight", None) is not None or getattr(down, "avx2_weight", None) is not None:
         pytest.skip("the AMX or AVX2 matmul takes any number of rows here")
-    calls = []
-    real = matmul.decode_layers
-    monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
-    alone = [_run(llm, p)[0] for p in PROMPTS]
-    if not calls:
-        pytest.skip("the C decode step does not run on this CPU")
+    calls, alone = _decode_step_calls(llm, monkeypatch)
     calls.clear()
     assert _run(llm, PROMPTS * 2) == alone * 2
     assert set(calls) == {12}  # 12 decodes: the C step
