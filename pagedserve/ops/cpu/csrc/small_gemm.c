@@ -12,7 +12,7 @@
  * is read from memory by the first group and from L1/L2 by the others, so up to 16 rows cost
  * little more than one (measured: all of SmolLM2's matmuls, 16 rows 10.0 ms vs oneDNN 10.6 ms;
  * 1 row 6.3 vs 7.4 ms on a slow-memory moment of the shared host). On AMD Zen 4 it also beats
- * oneDNN at 32-64 rows (1.08-1.29x at 32, 1.03-1.2x at 64: benchmarks/README.md).
+ * oneDNN at 32-64 rows (1.08-1.29x at 32, 1.03-1.05x at 64 on 2 MiB pages: benchmarks/README.md).
  *
  * Rounding: fp32 accumulation with vdpbf16ps over k pairs in order, in partial sums (one per
  * `chain` k pairs of the first `body` pairs, then one for the rest) added to a running total,
