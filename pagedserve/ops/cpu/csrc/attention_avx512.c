@@ -191,6 +191,20 @@ static inline int fast_path_shape(int64_t group, int64_t head_dim) {
     return group <= 4 && (head_dim == 64 || head_dim == 128);
 }
 
+/* TASK(G, NV) for a fast-path shape, one instantiation per (group, head_dim / 16): compile-time
+ * constants for the task, so its loops unroll and the accumulators can stay in registers. */
+#define FAST_PATH_DISPATCH(group, head_dim, TASK)                  \
+    switch (((head_dim) == 64 ? 0 : 4) + ((group) < 4 ? (group) : 4)) { \
+        case 1: TASK(1, 4); break;                                 \
+        case 2: TASK(2, 4); break;                                 \
+        case 3: TASK(3, 4); break;                                 \
+        case 4: TASK(4, 4); break;                                 \
+        case 5: TASK(1, 8); break;                                 \
+        case 6: TASK(2, 8); break;                                 \
+        case 7: TASK(3, 8); break;                                 \
+        default: TASK(4, 8); break;                                \
+    }
+
 /* Query tokens per thread from which a call runs one task per token (decode_token_bf16) rather
  * than per (token, KV head): enough tasks to share between the threads. */
 #ifndef TOKEN_TASKS_PER_THREAD
@@ -241,16 +255,7 @@ static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const 
                 decode_token_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, token_lens[t], block_size, \
                                   block_stride, num_kv_heads, G_, scale, op, scores, pbf, acc, NV_);                              \
         } while (0)
-        switch ((head_dim == 64 ? 0 : 4) + (group < 4 ? group : 4)) {
-            case 1: TOKEN_TASK(1, 4); break;
-            case 2: TOKEN_TASK(2, 4); break;
-            case 3: TOKEN_TASK(3, 4); break;
-            case 4: TOKEN_TASK(4, 4); break;
-            case 5: TOKEN_TASK(1, 8); break;
-            case 6: TOKEN_TASK(2, 8); break;
-            case 7: TOKEN_TASK(3, 8); break;
-            default: TOKEN_TASK(4, 8); break;
-        }
+        FAST_PATH_DISPATCH(group, head_dim, TOKEN_TASK)
 #undef TOKEN_TASK
     }
     free(scores);

@@ -225,29 +225,16 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
             if (is_bf16 && fast_path_shape(group, head_dim)) {
                 const uint16_t* qp = (const uint16_t*)q + (t * num_heads + kh * group) * head_dim;
                 uint16_t* op = (uint16_t*)out + (t * num_heads + kh * group) * head_dim;
-/* one instantiation per (group, head_dim / 16): compile-time constants for the task */
-#define DISPATCH(TASK)                                                     \
-                switch ((head_dim == 64 ? 0 : 4) + (group < 4 ? group : 4)) {  \
-                    case 1: TASK(1, 4); break;                             \
-                    case 2: TASK(2, 4); break;                             \
-                    case 3: TASK(3, 4); break;                             \
-                    case 4: TASK(4, 4); break;                             \
-                    case 5: TASK(1, 8); break;                             \
-                    case 6: TASK(2, 8); break;                             \
-                    case 7: TASK(3, 8); break;                             \
-                    default: TASK(4, 8); break;                            \
-                }
 #define TASK_Q8(G_, NV_) decode_task_q8(qp, kc, vc, table, n, block_size, num_kv_heads * q8_bytes, kh * q8_bytes, G_, scale, op, scores, NV_)
 #define TASK_BF16(G_, NV_) decode_task_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, n, block_size, \
                                             block_stride, kh * block_size * head_dim, G_, scale, op, scores, pbf, NV_)
                 if (kv_int8) {
-                    DISPATCH(TASK_Q8)
+                    FAST_PATH_DISPATCH(group, head_dim, TASK_Q8)
                 } else {
-                    DISPATCH(TASK_BF16)
+                    FAST_PATH_DISPATCH(group, head_dim, TASK_BF16)
                 }
 #undef TASK_Q8
 #undef TASK_BF16
-#undef DISPATCH
                 continue;
             }
 #endif
