@@ -17,9 +17,11 @@ own process, as ``pagedserve serve`` runs it) and, in this order:
 
     .venv/bin/python benchmarks/step_time.py                      # fixed budget vs 200 ms
     .venv/bin/python benchmarks/step_time.py --targets 0,100,200,400
+    .venv/bin/python benchmarks/step_time.py --targets 0,200:0,200:4 --model DIR   # ms:decode multiple
 
 Every prompt is fresh random token ids (no prefix-cache hits). The engine runs with default
-flags but ``max_step_ms`` (0 = off: the fixed 2,048-token budget) and a 1 GiB KV cache.
+flags but ``max_step_ms`` (0 = off: the fixed 2,048-token budget), ``max_step_decode_multiple``
+(after a colon; default 4) and a 1 GiB KV cache.
 """
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ async def disconnect_scenario(base: str, model: str, rng: random.Random, llm: An
     return done
 
 
-def run_setting(target: float, args: argparse.Namespace) -> dict[str, Any]:
+def run_setting(target: float, multiple: float, args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     from app_utils import serve
@@ -123,7 +125,8 @@ def run_setting(target: float, args: argparse.Namespace) -> dict[str, Any]:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM(EngineConfig(model=args.model, max_step_ms=target, kv_cache_memory_bytes=1 << 30), engine_process=True)
+    llm = AsyncLLM(EngineConfig(model=args.model, max_step_ms=target, max_step_decode_multiple=multiple,
+                                kv_cache_memory_bytes=1 << 30), engine_process=True)
     rng = random.Random(args.seed)
     try:
         with serve(llm) as base:
@@ -145,7 +148,8 @@ def run_setting(target: float, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--targets", default="0,200", help="max_step_ms values, comma-separated (0 = fixed token budget)")
+    ap.add_argument("--targets", default="0,200", help="max_step_ms values, comma-separated (0 = fixed token budget); "
+                    "MS:M also sets max_step_decode_multiple to M (default 4)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=160)
@@ -156,9 +160,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     results = {}
-    for t in [float(x) for x in args.targets.split(",")]:
-        results[t] = r = run_setting(t, args)
-        label = "fixed budget 2048" if t == 0 else f"max_step_ms {t:g}"
+    for item in args.targets.split(","):
+        ms, _, mult = item.partition(":")
+        t, m = float(ms), float(mult or 4.0)
+        results[t if not mult else item] = r = run_setting(t, m, args)
+        label = "fixed budget 2048" if t == 0 else f"max_step_ms {t:g}" + (f", multiple {m:g}" if mult else "")
         print(f"{label:18s} ITL p50 {r['itl_p50']:6.0f} p99 {r['itl_p99']:6.0f} max {r['itl_max']:6.0f} ms | "
               f"output {r['out_tok_s']:5.0f} tok/s | prefill beside decodes {r['prefill_tok_s']:5.0f} tok/s "
               f"(TTFT {r['long_ttft_s']:.2f} s), alone {args.long_len / r['alone_ttft_s']:5.0f} tok/s | "
@@ -167,7 +173,7 @@ def main() -> None:
         f = results[0.0]
         for t, r in results.items():
             if t:
-                print(f"max_step_ms {t:g} vs fixed: p99 ITL x{r['itl_p99'] / f['itl_p99']:.2f}, output tok/s "
+                print(f"max_step_ms {t} vs fixed: p99 ITL x{r['itl_p99'] / f['itl_p99']:.2f}, output tok/s "
                       f"x{r['out_tok_s'] / f['out_tok_s']:.3f}, prefill tok/s beside decodes x{r['prefill_tok_s'] / f['prefill_tok_s']:.3f}, "
                       f"alone x{f['alone_ttft_s'] / r['alone_ttft_s']:.3f}, worst short request after a disconnect "
                       f"{max(r['disconnect_s']):.2f} s vs {max(f['disconnect_s']):.2f} s")

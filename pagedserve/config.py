@@ -20,6 +20,9 @@ from pagedserve.kv_transfer_config import KVTransferConfig  # noqa: F401  (part 
 DEFAULT_TOKEN_BUDGET = 2048
 # Step-time target (ms): see benchmarks/README.md, "Issue 15: bounded step time", for the choice.
 SERVING_MAX_STEP_MS = 200.0  # the server's default; offline engines default to off (as vLLM's usage-context defaults)
+# A prefilling step may also last this many times its decodes alone (benchmarks/README.md,
+# "Issue 15: a step target relative to the machine").
+DEFAULT_MAX_STEP_DECODE_MULTIPLE = 4.0
 
 
 def _flag(help: str, *names: str, **argparse_kwargs: Any) -> Any:
@@ -61,6 +64,13 @@ class EngineConfig:
             step. Decodes are never held back for it and a step's first prefill chunk always
             gets at least max(16, block_size) tokens, so a target below the decode step time
             slows prefills but starves nobody. No effect with chunked prefill off.
+        max_step_decode_multiple: with ``max_step_ms`` on, a step that prefills may last up to
+            this many times the predicted time of its decodes alone (of a one-token step when
+            none run) where that is longer than ``max_step_ms``: the target of a step is
+            ``max(max_step_ms, multiple x predicted decodes-alone time)``. Where one decode step
+            nears ``max_step_ms`` (a big model, a slow CPU) prefill would otherwise get a few
+            tokens per step; running streams slow down at most this many times while prompts
+            are prefilled. 0 = ``max_step_ms`` alone (a fixed bound). Default 4.
         seed: global seed (sampling of requests without their own seed).
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:i]".
         served_model_name: names the API answers to (a string is one name); the first is the
@@ -118,6 +128,9 @@ class EngineConfig:
     max_step_ms: Optional[float] = field(default=None, metadata=_flag(
         "step-time target in ms: prefill chunks are sized from the measured step cost to keep each step under it "
         f"(0 = off; default: {SERVING_MAX_STEP_MS:g} for serve, off offline)"))
+    max_step_decode_multiple: float = field(default=DEFAULT_MAX_STEP_DECODE_MULTIPLE, metadata=_flag(
+        "with --max-step-ms on, a prefilling step may also last this many times its decodes alone "
+        "(the step target is the larger of the two; 0 = --max-step-ms alone)"))
     seed: int = field(default=0, metadata=_flag("global sampling seed"))
     device: str = field(default="auto", metadata=_flag("auto, cpu or cuda"))
     served_model_name: Optional[list[str]] = field(default=None, metadata=_flag("model name(s) the API answers to (the first is reported)", nargs="+"))
@@ -186,6 +199,10 @@ class EngineConfig:
             raise ValueError(f"max_step_ms must be a number of milliseconds >= 0 (0 = off), got {self.max_step_ms!r}")
         if self.max_step_ms is not None:
             self.max_step_ms = float(self.max_step_ms)
+        m = self.max_step_decode_multiple
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0:
+            raise ValueError(f"max_step_decode_multiple must be a number >= 0 (0 = max_step_ms alone), got {m!r}")
+        self.max_step_decode_multiple = float(m)
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = dataclasses.asdict(KVTransferConfig.from_value(self.kv_transfer_config))
         if self.long_prefill_token_threshold < 0:

@@ -28,13 +28,16 @@ def make_kv_manager(num_blocks: int = 16, caching: bool = True, identity: str = 
 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, max_model_len: Optional[int] = None,
-                   chunked: bool = True, threshold: int = 0, caching: bool = True, max_step_ms: float = 0.0) -> Scheduler:
+                   chunked: bool = True, threshold: int = 0, caching: bool = True, max_step_ms: float = 0.0,
+                   max_step_decode_multiple: float = 0.0) -> Scheduler:
     """A scheduler over a fresh pool of ``num_blocks`` blocks of ``B`` tokens. The step-time
     bound is off unless ``max_step_ms`` is given (the token-budget tests pin the plain rule;
-    with it on, ``step(..., step_ms=...)`` plays the clock)."""
+    with it on, ``step(..., step_ms=...)`` plays the clock); its decode multiple is off unless
+    given, so that ``max_step_ms`` is the fixed target."""
     cfg = EngineConfig(
         block_size=B, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold, enable_prefix_caching=caching, max_step_ms=max_step_ms,
+        max_step_decode_multiple=max_step_decode_multiple,
     ).resolved(max_model_len or num_blocks * B)
     sched = Scheduler(cfg, make_kv_manager(num_blocks, caching, "unit"))
     sched.fake_worker = FakeWorker()

@@ -118,11 +118,12 @@ def test_prefix_caching_on_matches_off(tiny_dir, batch_prompts, reference_tokens
 def test_bounded_step_time_matches_the_fixed_budget(tiny_dir, batch_prompts, reference_tokens):
     # max_step_ms sizes prefill chunks from measured step times: off (the fixed token budget),
     # a target no step can meet (after the 256-token cold start every chunk is the 16-token
-    # floor, beside up to 32 decodes) and a small one (chunk sizes follow the clock). The
-    # greedy tokens are the same in all three.
-    for target in (0.0, 0.001, 3.0):
+    # floor, beside up to 32 decodes; the decode multiple off) and a small one with the default
+    # multiple 4 of the decodes alone (chunk sizes follow the clock). The greedy tokens are the
+    # same in all three.
+    for target, multiple in ((0.0, 4.0), (0.001, 0.0), (3.0, 4.0)):
         llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=1024, max_model_len=512, enable_prefix_caching=False,
-                  max_step_ms=target, num_threads=1, trace_buffer_steps=100_000)
+                  max_step_ms=target, max_step_decode_multiple=multiple, num_threads=1, trace_buffer_steps=100_000)
         assert _tokens(llm.generate(batch_prompts, GREEDY16, use_tqdm=False)) == reference_tokens, target
         trace = llm.get_step_trace()
         if target == 0.0:
@@ -133,6 +134,10 @@ def test_bounded_step_time_matches_the_fixed_budget(tiny_dir, batch_prompts, ref
             chunks = [e["num_tokens"] for r in trace[1:] for e in r["scheduled"] if e["phase"] == "prefill"]
             assert max(chunks) == 16 and chunks.count(16) > 100
             assert all(r["predicted_ms"] > 0 for r in trace[1:] if r["scheduled"])
+            assert {r["target_ms"] for r in trace[1:] if r["target_ms"] is not None} == {0.001}
+        else:
+            targets = [r["target_ms"] for r in trace[1:] if r["target_ms"] is not None]
+            assert targets and min(targets) >= 3.0
         assert_engine_idle(llm)
 
 

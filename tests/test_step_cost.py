@@ -10,7 +10,7 @@ import pytest
 
 from core_utils import B, Scheduled, check_invariants, make_request, make_scheduler, plan, step
 from pagedserve.config import EngineConfig
-from pagedserve.core.sched.step_cost import COLD_START_TOKENS, PLAN_FRACTION, StepCostModel, StepTimeBudget, attention_pairs
+from pagedserve.core.sched.step_cost import COLD_START_TOKENS, PLAN_FRACTION, StepCostModel, StepTimeBudget, attention_pairs, step_target_ms
 
 _uid = iter(range(10**9))
 
@@ -166,6 +166,11 @@ def test_config_field_and_flag():
     EngineConfig.add_cli_args(ap)
     assert EngineConfig.from_cli_args(ap.parse_args(["--max-step-ms", "75"])).max_step_ms == 75.0
     assert EngineConfig.from_cli_args(ap.parse_args(["--max-step-ms", "0"])).max_step_ms == 0.0
+    assert EngineConfig().max_step_decode_multiple == 4.0
+    assert EngineConfig.from_cli_args(ap.parse_args(["--max-step-decode-multiple", "0"])).max_step_decode_multiple == 0.0
+    for bad in (-1.0, float("nan"), float("inf"), "4", True):
+        with pytest.raises(ValueError, match="max_step_decode_multiple"):
+            EngineConfig(max_step_decode_multiple=bad)
 
 
 def test_a_prefill_alone_is_cut_to_the_target_after_a_cold_start():
@@ -263,3 +268,35 @@ def test_random_arrivals_with_a_noisy_clock_keep_the_invariants():
             break
         step(s, step_ms=noisy)
     assert not s.has_unfinished_requests() and n > 50
+
+
+# -- a target relative to the decodes (max_step_decode_multiple) ----------------------------
+def test_step_target_is_the_larger_of_the_bound_and_the_decode_multiple():
+    m = _model(2.0, 0.5)
+    assert step_target_ms(StepCostModel(), 200.0, 4.0, 16, 0) == 200.0  # nothing measured yet
+    assert step_target_ms(m, 200.0, 0.0, 300, 0) == 200.0  # multiple off: the fixed target
+    assert step_target_ms(m, 200.0, 4.0, 16, 0) == 200.0  # 4 x (2 + 8) = 40 ms < 200
+    assert step_target_ms(m, 200.0, 4.0, 300, 0) == pytest.approx(4 * (2 + 150))  # decodes alone 152 ms
+    assert step_target_ms(m, 5.0, 4.0, 0, 0) == pytest.approx(4 * 2.5)  # no decodes: a one-token step
+
+
+def test_slow_decodes_leave_prefill_the_multiple_of_their_own_time():
+    # 8 decodes cost 2 + 4 = 6 ms against a 5 ms bound: with a fixed target the prefill crawls by
+    # the 16-token floor (test above); with multiple 4 the step may last 24 ms, planned at 90 %:
+    # 2 + 0.5 * (8 + n) <= 21.6 -> n = 31, cut to 28 to end on a block (B = 4).
+    s = make_scheduler(num_blocks=512, budget=2048, max_num_seqs=16, max_step_ms=5.0, max_step_decode_multiple=4.0)
+    cost = linear_cost(2.0, 0.5)
+    for i in range(8):
+        add(s, f"d{i}", 6, max_tokens=200)
+    for _ in range(5):
+        step(s, step_ms=cost)
+    add(s, "long", 400, max_tokens=1)
+    chunks, targets = [], []
+    while "long" in s.requests:
+        p = plan(step(s, step_ms=cost))
+        assert all(p.get(f"d{i}") == 1 for i in range(8))
+        chunks.append(p["long"])
+        targets.append(s.last_target_ms)
+        assert cost([Scheduled("x", 0, 8 + p["long"], [], [], False)]) <= 24.0  # every step within its target
+    assert targets[0] == pytest.approx(24.0)
+    assert chunks == [28] * 14 + [8]

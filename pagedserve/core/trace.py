@@ -16,6 +16,10 @@ and lists, so it goes through msgpack and JSON unchanged:
 ``predicted_ms`` (float or None)
     the step-cost model's prediction of ``duration_ms`` when the step was planned (see
     ``EngineConfig.max_step_ms``); None when the bound is off or before its first measurement.
+``target_ms`` (float or None)
+    the step's time target when it was planned with prefill under the bound:
+    ``max(max_step_ms, max_step_decode_multiple x`` its decodes' predicted time alone); None
+    when the bound is off or nothing prefilled.
 ``scheduled`` (list of dicts, in scheduling order)
     ``request_id`` (str), ``phase`` ("prefill" or "decode"), ``num_tokens`` (tokens computed
     for it this step), ``num_computed_tokens`` (tokens in its KV cache before the step),
@@ -129,6 +133,7 @@ class StepTracer:
             "token_budget": scheduler.config.max_num_batched_tokens,
             "num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
             "predicted_ms": getattr(scheduler, "last_predicted_ms", None),
+            "target_ms": getattr(scheduler, "last_target_ms", None),
             "scheduled": scheduled,
             "preempted": list(scheduler_output.preempted_req_ids),
             "finished": finished,

@@ -45,6 +45,12 @@ class EngineCoreInfo:
     block_hash_seed: bytes = b""
 
 
+def _describe_step_target(config) -> str:
+    """The step-time target as the start-up log line states it."""
+    m = config.max_step_decode_multiple
+    return f"{config.max_step_ms:g} ms" + (f" or {m:g}x the step's decodes alone, the larger" if m else "")
+
+
 class EngineCore:
     """Scheduler + worker for one model.
 
@@ -92,7 +98,7 @@ class EngineCore:
             spec.num_blocks, B, spec.num_blocks * B, spec.num_blocks * spec.block_bytes / 2**20, spec.block_bytes // B,
             "int8" if self.config.kv_cache_dtype == "int8" else str(self.worker.dtype).replace("torch.", ""),
             self.config.max_model_len, self.config.max_num_batched_tokens,
-            f"{self.config.max_step_ms:g} ms" if self.scheduler.step_cost is not None else "off", time.monotonic() - t0,
+            _describe_step_target(self.config) if self.scheduler.step_cost is not None else "off", time.monotonic() - t0,
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:

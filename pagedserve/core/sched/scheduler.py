@@ -14,7 +14,8 @@ waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_k
 Bounded step time (``EngineConfig.max_step_ms``, on by default): a :class:`StepCostModel` fits
 the step's wall time against its tokens and attention pairs from the durations ``EngineCore``
 reports (:meth:`Scheduler.record_step_time`), and each prefill chunk is cut to what still fits
-90 % of the target once the step's decodes are counted (:class:`StepTimeBudget`). It applies whether or
+90 % of the target once the step's decodes are counted (:class:`StepTimeBudget`; the target is
+``max_step_ms``, or ``max_step_decode_multiple`` times the decodes alone when longer). It applies whether or
 not decodes are running: a prefill alone is cut too, so anything that waits for the end of a
 step (a new request's admission, an abort from a client that went away, a deadline) waits at
 most about one target. Decodes always run, and a step's first prefill chunk gets at least
@@ -75,6 +76,7 @@ class Scheduler(RemoteKVMixin):
         self.step_cost = StepCostModel() if config.max_step_ms and config.enable_chunked_prefill else None
         self.last_step_features = (0, 0)
         self.last_predicted_ms: Optional[float] = None
+        self.last_target_ms: Optional[float] = None  # the step's target when it prefilled under the bound
         self._init_remote_kv(kv_connector)
 
     # -- queue management ------------------------------------------------------------------
@@ -166,7 +168,9 @@ class Scheduler(RemoteKVMixin):
         new_ids: set[str] = set()
         kv = self.kv_cache_manager
         limit = None if self.step_cost is None else StepTimeBudget.for_step(
-            self.step_cost, self.config.max_step_ms, self.running, bool(self.waiting), self.config.block_size)
+            self.step_cost, self.config.max_step_ms, self.running, bool(self.waiting), self.config.block_size,
+            self.config.max_step_decode_multiple)
+        self.last_target_ms = None if limit is None else limit.step_target_ms
         decodes_left = limit.num_decodes if limit is not None else 0  # not scheduled yet: kept from prefills
 
         # 1) running requests, in admission order; preempt from the back when blocks run out.

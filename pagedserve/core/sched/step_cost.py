@@ -24,7 +24,9 @@ one), and chunk sizes grow by doubling while the model learns.
 :class:`StepTimeBudget` is the per-step bookkeeping the scheduler uses: the decodes of the step
 are reserved first (they always run), then each prefill chunk gets the tokens that still fit
 ``PLAN_FRACTION`` (90 %) of the target, but the step's first chunk gets at least ``floor_tokens``
-(prefills always advance).
+(prefills always advance). A step's target is :func:`step_target_ms`: ``max_step_ms``, or a
+multiple of what the step's decodes alone are predicted to cost when that is longer (on a slow
+CPU or a big model, where one decode step nears ``max_step_ms``).
 """
 from __future__ import annotations
 
@@ -175,6 +177,22 @@ def _ridge_solve(xx: tuple, xy: tuple, subset: tuple[int, ...]) -> Optional[list
     return [m[i][k] / m[i][i] for i in range(k)]
 
 
+def step_target_ms(model: StepCostModel, max_step_ms: float, decode_multiple: float, num_decodes: int, decode_pairs: int) -> float:
+    """A prefilling step's target (ms): ``max(max_step_ms, decode_multiple x`` the predicted
+    time of the step's ``num_decodes`` decodes alone (``decode_pairs`` attention pairs; a
+    one-token step when there are none)). ``max_step_ms`` alone before the first measurement
+    or with ``decode_multiple`` 0.
+
+    Where a decode step costs a good part of ``max_step_ms`` (a 1B model on a few CPU cores:
+    150-170 ms for 16 decodes against a 200 ms target), a fixed target leaves prefill a few
+    tokens per step, at a fraction of the matmul rate. Relative to the decodes, running streams
+    slow down at most ``decode_multiple`` times while prompts are prefilled, on any machine."""
+    if decode_multiple <= 0:
+        return max_step_ms
+    alone = model.predict(max(1, num_decodes), decode_pairs)
+    return max_step_ms if alone is None else max(max_step_ms, decode_multiple * alone)
+
+
 class StepTimeBudget:
     """One step's time bookkeeping for the scheduler (built by it each step).
 
@@ -197,17 +215,25 @@ class StepTimeBudget:
         self.block_size = block_size
         self.max_tokens = max(model.max_step_tokens(), decode_tokens)
         self.num_prefills = 0
+        self.step_target_ms: Optional[float] = None  # the step's target before PLAN_FRACTION (for_step)
 
     @classmethod
-    def for_step(cls, model: StepCostModel, target_ms: float, running: list, any_waiting: bool,
-                 block_size: int) -> Optional["StepTimeBudget"]:
+    def for_step(cls, model: StepCostModel, max_step_ms: float, running: list, any_waiting: bool,
+                 block_size: int, decode_multiple: float = 0.0) -> Optional["StepTimeBudget"]:
         """The budget of a step over the ``running`` requests (objects with ``num_tokens`` and
-        ``num_computed_tokens``), planned against ``PLAN_FRACTION`` of ``target_ms``; None when
-        nothing prefills (decodes alone are never cut)."""
+        ``num_computed_tokens``); None when nothing prefills (decodes alone are never cut).
+
+        The step's target (ms, kept in ``step_target_ms``) is :func:`step_target_ms` of
+        ``max_step_ms``, ``decode_multiple`` and the predicted time of the step's decodes
+        alone; the step is planned against ``PLAN_FRACTION`` of it."""
         decodes = [r.num_computed_tokens for r in running if r.num_tokens - r.num_computed_tokens == 1]
         if not any_waiting and len(decodes) == len(running):
             return None
-        return cls(model, PLAN_FRACTION * target_ms, len(decodes), sum(decodes) + len(decodes), max(16, block_size), block_size)
+        pairs = sum(decodes) + len(decodes)
+        target = step_target_ms(model, max_step_ms, decode_multiple, len(decodes), pairs)
+        budget = cls(model, PLAN_FRACTION * target, len(decodes), pairs, max(16, block_size), block_size)
+        budget.step_target_ms = target
+        return budget
 
     def prefill_chunk(self, num_tokens: int, num_computed_tokens: int) -> int:
         """Tokens (<= ``num_tokens``, the most the token budget allows) of a prefill chunk that
