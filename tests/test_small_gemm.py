@@ -360,6 +360,11 @@ def test_padded_and_cut_rows_equal_the_exact_product(dtype, monkeypatch):
     exact = packed_linear(x, layer.packed_weight, b)
     for m in (1, 3, 17, 63, 65, 128, 129, 300):
         assert torch.equal(layer(x[:m]), exact[:m]), m
+    # Largest first: the padding rows of the reused scratch buffer now hold earlier rows.
+    first = layer(x[100:227])
+    for m in (127, 126, 99, 65, 61, 5):
+        assert torch.equal(layer(x[:m]), exact[:m]), m
+    assert torch.equal(first, exact[100:227])  # an earlier result is not a view of the scratch buffer
     assert torch.equal(layer(x[:6].view(2, 3, 72)), exact[:6].view(2, 3, 200))
     assert layer(x[:0]).shape == (0, 200)
     assert torch.allclose(exact.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2 * float(exact.float().abs().max()))
