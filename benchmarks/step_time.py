@@ -173,7 +173,7 @@ def main() -> None:
         f = results[0.0]
         for t, r in results.items():
             if t:
-                print(f"max_step_ms {t} vs fixed: p99 ITL x{r['itl_p99'] / f['itl_p99']:.2f}, output tok/s "
+                print(f"max_step_ms {t if isinstance(t, str) else format(t, 'g')} vs fixed: p99 ITL x{r['itl_p99'] / f['itl_p99']:.2f}, output tok/s "
                       f"x{r['out_tok_s'] / f['out_tok_s']:.3f}, prefill tok/s beside decodes x{r['prefill_tok_s'] / f['prefill_tok_s']:.3f}, "
                       f"alone x{f['alone_ttft_s'] / r['alone_ttft_s']:.3f}, worst short request after a disconnect "
                       f"{max(r['disconnect_s']):.2f} s vs {max(f['disconnect_s']):.2f} s")

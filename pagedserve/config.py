@@ -70,7 +70,7 @@ class EngineConfig:
             ``max(max_step_ms, multiple x predicted decodes-alone time)``. Where one decode step
             nears ``max_step_ms`` (a big model, a slow CPU) prefill would otherwise get a few
             tokens per step; running streams slow down at most this many times while prompts
-            are prefilled. 0 = ``max_step_ms`` alone (a fixed bound). Default 4.
+            are prefilled. 0 = ``max_step_ms`` alone (a fixed bound); else >= 1. Default 4.
         seed: global seed (sampling of requests without their own seed).
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:i]".
         served_model_name: names the API answers to (a string is one name); the first is the
@@ -200,8 +200,8 @@ class EngineConfig:
         if self.max_step_ms is not None:
             self.max_step_ms = float(self.max_step_ms)
         m = self.max_step_decode_multiple
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0:
-            raise ValueError(f"max_step_decode_multiple must be a number >= 0 (0 = max_step_ms alone), got {m!r}")
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or (m != 0 and m < 1):
+            raise ValueError(f"max_step_decode_multiple must be 0 (max_step_ms alone) or a number >= 1, got {m!r}")
         self.max_step_decode_multiple = float(m)
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = dataclasses.asdict(KVTransferConfig.from_value(self.kv_transfer_config))

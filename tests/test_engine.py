@@ -138,6 +138,7 @@ def test_bounded_step_time_matches_the_fixed_budget(tiny_dir, batch_prompts, ref
         else:
             targets = [r["target_ms"] for r in trace[1:] if r["target_ms"] is not None]
             assert targets and min(targets) >= 3.0
+            assert max(targets) > 3.0  # 4x some steps' decodes alone is over 3 ms
         assert_engine_idle(llm)
 
 

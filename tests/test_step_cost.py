@@ -168,7 +168,7 @@ def test_config_field_and_flag():
     assert EngineConfig.from_cli_args(ap.parse_args(["--max-step-ms", "0"])).max_step_ms == 0.0
     assert EngineConfig().max_step_decode_multiple == 4.0
     assert EngineConfig.from_cli_args(ap.parse_args(["--max-step-decode-multiple", "0"])).max_step_decode_multiple == 0.0
-    for bad in (-1.0, float("nan"), float("inf"), "4", True):
+    for bad in (-1.0, 0.5, float("nan"), float("inf"), "4", True):
         with pytest.raises(ValueError, match="max_step_decode_multiple"):
             EngineConfig(max_step_decode_multiple=bad)
 
@@ -300,3 +300,44 @@ def test_slow_decodes_leave_prefill_the_multiple_of_their_own_time():
         assert cost([Scheduled("x", 0, 8 + p["long"], [], [], False)]) <= 24.0  # every step within its target
     assert targets[0] == pytest.approx(24.0)
     assert chunks == [28] * 14 + [8]
+
+
+def test_the_multiple_waits_for_a_fit_it_can_trust():
+    # One 256-token step of 1,500 ms: the fit's fixed cost is a guess (a third of it or so), and
+    # 4x a one-token step from it would be ~2 s. Until 3 measurements in 2 size ranges, and one
+    # within 16x the decodes' size, the target is max_step_ms.
+    m = StepCostModel()
+    m.observe(256, 0, 1500.0)
+    assert m.predict(1, 0) > 200 / 4  # the guess that would have inflated the target
+    assert step_target_ms(m, 200.0, 4.0, 0, 0) == 200.0
+    m.observe(256, 0, 1500.0)
+    m.observe(300, 0, 1700.0)
+    assert step_target_ms(m, 200.0, 4.0, 0, 0) == 200.0  # one size range: still a guess
+    m.observe(40, 0, 300.0)
+    assert step_target_ms(m, 200.0, 4.0, 0, 0) == 200.0  # 40 tokens: over 16x a one-token step
+    assert step_target_ms(m, 200.0, 4.0, 8, 0) == pytest.approx(4 * m.predict(8, 0))  # 8 decodes: within 16x
+    m.observe(10, 0, 110.0)
+    assert step_target_ms(m, 200.0, 4.0, 0, 0) == pytest.approx(4 * m.predict(1, 0))
+
+
+def test_the_decodes_attention_pairs_count_in_their_time_alone():
+    m = StepCostModel()
+    for t, p in ((1, 100), (8, 4000), (16, 2000), (64, 30000), (200, 20000), (300, 90000)):
+        m.observe(t, p, 2.0 + 0.5 * t + 0.2 * p / 1000)
+    running = [type("R", (), {"num_tokens": c + 1, "num_computed_tokens": c})() for c in (999, 1999, 2999)]
+    budget = StepTimeBudget.for_step(m, 1.0, running, True, B, decode_multiple=4.0)
+    pairs = 1000 + 2000 + 3000  # each decode attends to its context and itself
+    assert budget.step_target_ms == pytest.approx(4 * (2.0 + 0.5 * 3 + 0.2 * pairs / 1000), rel=1e-6)
+    assert budget.num_pairs == pairs
+
+
+def test_target_ms_only_for_steps_that_prefill():
+    s = make_scheduler(num_blocks=512, budget=2048, max_num_seqs=2, max_step_ms=5.0, max_step_decode_multiple=4.0)
+    cost = linear_cost(2.0, 0.5)
+    add(s, "a", 6, max_tokens=50)
+    add(s, "b", 6, max_tokens=50)
+    assert plan(step(s, step_ms=cost)) == {"a": 6, "b": 6} and s.last_target_ms == 5.0  # cold: max_step_ms
+    add(s, "c", 6, max_tokens=1)  # waits: max_num_seqs is full
+    for _ in range(4):
+        assert plan(step(s, step_ms=cost)) == {"a": 1, "b": 1}
+        assert s.last_target_ms is None  # nothing prefilled

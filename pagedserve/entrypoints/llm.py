@@ -135,7 +135,7 @@ class LLM:
         """What the engine did in its last steps: one dict per step with ``step >= since_step``
         (every buffered one when None), oldest first, at most ``limit``. Fields (see
         :mod:`pagedserve.core.trace`): ``step``, ``time``, ``duration_ms``, ``token_budget``,
-        ``num_scheduled_tokens``, ``predicted_ms``, ``scheduled`` (``request_id``, ``phase`` "prefill"/"decode",
+        ``num_scheduled_tokens``, ``predicted_ms``, ``target_ms``, ``scheduled`` (``request_id``, ``phase`` "prefill"/"decode",
         ``num_tokens``, ``num_computed_tokens``, ``num_prompt_tokens``, ``admitted``,
         ``prefix_hit_tokens``), ``preempted``, ``finished`` (``request_id``,
         ``finish_reason``), ``num_running``, ``num_waiting`` and the block counts

@@ -227,7 +227,8 @@ def _padded_linear(rows: torch.Tensor, packed: torch.Tensor, bias: Optional[torc
     """:func:`packed_linear` of ``rows [n <= ONEDNN_MAX_ROWS, in]`` on :func:`onednn_rows` rows.
 
     The rows are copied into the head of a scratch buffer kept per (in_features, dtype) and
-    thread; its padding rows hold zeros or the rows of an earlier call. Either way they change
+    thread (in inference mode, as the engine runs; otherwise a padded copy is made); its padding
+    rows hold zeros or the rows of an earlier call. Either way they change
     no output row (padding is used only where rows are independent), and no fresh padded
     input is allocated and faulted in per call (a mixed step of ~140 rows spent 5-7 ms in
     those allocations and copies, about 4 % of it)."""
@@ -235,13 +236,15 @@ def _padded_linear(rows: torch.Tensor, packed: torch.Tensor, bias: Optional[torc
     padded = onednn_rows(n)
     if padded == n:
         return packed_linear(rows.contiguous(), packed, bias)
+    if not torch.is_inference_mode_enabled():  # the buffer is an inference tensor: no in-place use, no graph, outside
+        return packed_linear(torch.cat([rows, rows.new_zeros(padded - n, k)]), packed, bias)[:n]
     bufs = getattr(_pad_buffers, "by_shape", None)
     if bufs is None:
         bufs = _pad_buffers.by_shape = {}
     buf = bufs.get((k, rows.dtype))
     if buf is None or buf.shape[0] < padded:
         grown = max(padded, 64, 2 * (0 if buf is None else buf.shape[0]))  # doubling: few re-allocations
-        buf = bufs[(k, rows.dtype)] = rows.new_zeros(min(grown, ONEDNN_MAX_ROWS), k)
+        buf = bufs[(k, rows.dtype)] = rows.new_zeros(max(padded, min(grown, ONEDNN_MAX_ROWS)), k)
     x = buf[:padded]
     x[:n].copy_(rows)
     return packed_linear(x, packed, bias)[:n]
@@ -267,7 +270,7 @@ def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int
     try:
         cpu_kernels.collapse_to_huge_pages(*cpu_kernels._packed_address(packed))
     except (RuntimeError, AttributeError):
-        pass
+        x[:n].copy_(rows)
     key = (out_features, in_features, bias is not None)
     if key not in plans:
         plans[key] = cpu_kernels.calibrate_small_gemm(packed, out_features, in_features, bias)

@@ -170,7 +170,6 @@ class Scheduler(RemoteKVMixin):
         limit = None if self.step_cost is None else StepTimeBudget.for_step(
             self.step_cost, self.config.max_step_ms, self.running, bool(self.waiting), self.config.block_size,
             self.config.max_step_decode_multiple)
-        self.last_target_ms = None if limit is None else limit.step_target_ms
         decodes_left = limit.num_decodes if limit is not None else 0  # not scheduled yet: kept from prefills
 
         # 1) running requests, in admission order; preempt from the back when blocks run out.
@@ -269,6 +268,7 @@ class Scheduler(RemoteKVMixin):
             pairs = sum(attention_pairs(n, c) for _, c, n in scheduled)
             self.last_step_features = (out.total_num_scheduled_tokens, pairs)
             self.last_predicted_ms = self.step_cost.predict(out.total_num_scheduled_tokens, pairs) if scheduled else None
+            self.last_target_ms = limit.step_target_ms if limit is not None and limit.num_prefills else None
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()

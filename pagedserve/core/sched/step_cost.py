@@ -133,6 +133,15 @@ class StepCostModel:
             return None
         return c[0] + c[1] * num_tokens + c[2] * num_pairs / 1000.0
 
+    def trusted_for(self, num_tokens: int) -> bool:
+        """Whether a prediction for a step of ``num_tokens`` tokens interpolates rather than
+        guesses: at least 3 measurements in at least 2 size ranges, the smallest of them at most
+        16x ``num_tokens`` (power-of-two ranges). After one or two prefill-sized steps the fit
+        spreads their time over its coefficients and a one-token step can come out at a third
+        of a 256-token one."""
+        return (self.num_observed >= 3 and len(self.buckets) >= 2
+                and min(self.buckets) <= max(1, num_tokens).bit_length() + 4)
+
     def max_step_tokens(self) -> int:
         """Most tokens a step may hold while the fit is trusted: twice the largest step
         measured, and at least ``COLD_START_TOKENS`` (tokens)."""
@@ -180,14 +189,14 @@ def _ridge_solve(xx: tuple, xy: tuple, subset: tuple[int, ...]) -> Optional[list
 def step_target_ms(model: StepCostModel, max_step_ms: float, decode_multiple: float, num_decodes: int, decode_pairs: int) -> float:
     """A prefilling step's target (ms): ``max(max_step_ms, decode_multiple x`` the predicted
     time of the step's ``num_decodes`` decodes alone (``decode_pairs`` attention pairs; a
-    one-token step when there are none)). ``max_step_ms`` alone before the first measurement
-    or with ``decode_multiple`` 0.
+    one-token step when there are none)). ``max_step_ms`` alone with ``decode_multiple`` 0 or
+    while that prediction is not trusted (:meth:`StepCostModel.trusted_for`).
 
     Where a decode step costs a good part of ``max_step_ms`` (a 1B model on a few CPU cores:
     150-170 ms for 16 decodes against a 200 ms target), a fixed target leaves prefill a few
     tokens per step, at a fraction of the matmul rate. Relative to the decodes, running streams
     slow down at most ``decode_multiple`` times while prompts are prefilled, on any machine."""
-    if decode_multiple <= 0:
+    if decode_multiple <= 0 or not model.trusted_for(max(1, num_decodes)):
         return max_step_ms
     alone = model.predict(max(1, num_decodes), decode_pairs)
     return max_step_ms if alone is None else max(max_step_ms, decode_multiple * alone)
