@@ -191,13 +191,20 @@ def test_a_prefill_alone_is_cut_to_the_target_after_a_cold_start():
     assert all(cost([Scheduled("long", 0, p, [], [], False)]) <= 45.0 for p in plans[3:])
 
 
-def test_decodes_run_every_step_and_the_prefill_gets_the_rest():
-    s = make_scheduler(num_blocks=512, budget=2048, max_num_seqs=16, max_step_ms=30.0)
+def _eight_decoding(**kw):
+    """A scheduler (``make_scheduler(num_blocks=512, budget=2048, max_num_seqs=16, **kw)``) with 8
+    requests decoding under the clock fixed 2 ms + 0.5 ms per token, measured for 5 steps."""
+    s = make_scheduler(num_blocks=512, budget=2048, max_num_seqs=16, **kw)
     cost = linear_cost(2.0, 0.5)
     for i in range(8):
         add(s, f"d{i}", 6, max_tokens=200)
     for _ in range(5):
-        step(s, step_ms=cost)  # the decoders are decoding, and the model has measured them
+        step(s, step_ms=cost)
+    return s, cost
+
+
+def test_decodes_run_every_step_and_the_prefill_gets_the_rest():
+    s, cost = _eight_decoding(max_step_ms=30.0)  # 8 decoders, measured
     add(s, "long", 400, max_tokens=1)
     chunks = []
     while "long" in s.requests:
@@ -213,12 +220,7 @@ def test_decodes_run_every_step_and_the_prefill_gets_the_rest():
 
 
 def test_a_target_below_the_decode_cost_still_advances_the_prefill_by_the_floor():
-    s = make_scheduler(num_blocks=512, budget=2048, max_num_seqs=16, max_step_ms=5.0)
-    cost = linear_cost(2.0, 0.5)
-    for i in range(8):
-        add(s, f"d{i}", 6, max_tokens=200)
-    for _ in range(5):
-        step(s, step_ms=cost)
+    s, cost = _eight_decoding(max_step_ms=5.0)  # 8 decoders, measured
     add(s, "long", 100, max_tokens=1)
     add(s, "next", 40, max_tokens=1)
     chunks = []
@@ -284,12 +286,7 @@ def test_slow_decodes_leave_prefill_the_multiple_of_their_own_time():
     # 8 decodes cost 2 + 4 = 6 ms against a 5 ms bound: with a fixed target the prefill crawls by
     # the 16-token floor (test above); with multiple 4 the step may last 24 ms, planned at 90 %:
     # 2 + 0.5 * (8 + n) <= 21.6 -> n = 31, cut to 28 to end on a block (B = 4).
-    s = make_scheduler(num_blocks=512, budget=2048, max_num_seqs=16, max_step_ms=5.0, max_step_decode_multiple=4.0)
-    cost = linear_cost(2.0, 0.5)
-    for i in range(8):
-        add(s, f"d{i}", 6, max_tokens=200)
-    for _ in range(5):
-        step(s, step_ms=cost)
+    s, cost = _eight_decoding(max_step_ms=5.0, max_step_decode_multiple=4.0)  # 8 decoders, measured
     add(s, "long", 400, max_tokens=1)
     chunks, targets = [], []
     while "long" in s.requests:
