@@ -228,10 +228,10 @@ def _padded_linear(rows: torch.Tensor, packed: torch.Tensor, bias: Optional[torc
 
     The rows are copied into the head of a scratch buffer kept per (in_features, dtype) and
     thread (in inference mode, as the engine runs; otherwise a padded copy is made); its padding
-    rows hold zeros or the rows of an earlier call. Either way they change
-    no output row (padding is used only where rows are independent), and no fresh padded
-    input is allocated and faulted in per call (a mixed step of ~140 rows spent 5-7 ms in
-    those allocations and copies, about 4 % of it)."""
+    rows hold zeros or the rows of an earlier call. Either way they change no output row
+    (padding is used only where rows are independent), and no fresh padded input is made per
+    call (1.02x for the matmuls of a ~140-row step: benchmarks/README.md, "Padding without a
+    fresh tensor")."""
     n, k = rows.shape
     padded = onednn_rows(n)
     if padded == n:
@@ -270,7 +270,7 @@ def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int
     try:
         cpu_kernels.collapse_to_huge_pages(*cpu_kernels._packed_address(packed))
     except (RuntimeError, AttributeError):
-        x[:n].copy_(rows)
+        pass
     key = (out_features, in_features, bias is not None)
     if key not in plans:
         plans[key] = cpu_kernels.calibrate_small_gemm(packed, out_features, in_features, bias)
