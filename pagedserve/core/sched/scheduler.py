@@ -9,17 +9,8 @@ hit. Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, 
 code. When a running request cannot get a block, the most recently admitted running request is
 preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new is
 admitted in that step. A decode instance's request whose prompt KV comes from a prefill instance
-waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`).
-
-Bounded step time (``EngineConfig.max_step_ms``, on by default): a :class:`StepCostModel` fits
-the step's wall time against its tokens and attention pairs from the durations ``EngineCore``
-reports (:meth:`Scheduler.record_step_time`), and each prefill chunk is cut to what still fits
-90 % of the target once the step's decodes are counted (:class:`StepTimeBudget`; the target is
-``max_step_ms``, or ``max_step_decode_multiple`` times the decodes alone when longer). It applies whether or
-not decodes are running: a prefill alone is cut too, so anything that waits for the end of a
-step (a new request's admission, an abort from a client that went away, a deadline) waits at
-most about one target. Decodes always run, and a step's first prefill chunk gets at least
-max(16, block_size) tokens, so prefills always advance.
+waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`). Prefill
+chunks are also cut to a step-time target (see :mod:`.step_time`).
 """
 from __future__ import annotations
 
@@ -34,11 +25,11 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
 from pagedserve.core.sched.remote_kv import RemoteKVMixin
 from pagedserve.core.sched.stop import check_stop
-from pagedserve.core.sched.step_cost import StepCostModel, StepTimeBudget, attention_pairs
+from pagedserve.core.sched.step_time import StepTimeMixin
 from pagedserve.core.structured_output import StructuredOutputManager
 
 
-class Scheduler(RemoteKVMixin):
+class Scheduler(RemoteKVMixin, StepTimeMixin):
     """Decides who runs each step; owns the request queues and the KV cache manager.
 
     Args:
@@ -71,12 +62,7 @@ class Scheduler(RemoteKVMixin):
         self.scheduled_requests: dict[str, Request] = {}
         self.num_with_deadline = 0
         self.timed_out: list[Request] = []  # finished at their deadline, reported by the next update
-        # Bounded step time: the cost model, and the last schedule()'s (tokens, attention pairs)
-        # and predicted duration (ms), for record_step_time and the step trace.
-        self.step_cost = StepCostModel() if config.max_step_ms and config.enable_chunked_prefill else None
-        self.last_step_features = (0, 0)
-        self.last_predicted_ms: Optional[float] = None
-        self.last_target_ms: Optional[float] = None  # the step's target when it prefilled under the bound
+        self._init_step_time()
         self._init_remote_kv(kv_connector)
 
     # -- queue management ------------------------------------------------------------------
@@ -139,12 +125,6 @@ class Scheduler(RemoteKVMixin):
             num_tokens = min(num_tokens, thr)
         return min(num_tokens, budget)
 
-    def record_step_time(self, duration_ms: float) -> None:
-        """Teach the step-cost model the measured wall time (ms) of the step the last
-        ``schedule()`` planned (``EngineCore.step`` calls this after each step)."""
-        if self.step_cost is not None:
-            self.step_cost.observe(*self.last_step_features, duration_ms)
-
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
         self.num_block_ids_on_worker.pop(req.request_id, None)
@@ -167,9 +147,7 @@ class Scheduler(RemoteKVMixin):
         scheduled: list[tuple[Request, int, int]] = []
         new_ids: set[str] = set()
         kv = self.kv_cache_manager
-        limit = None if self.step_cost is None else StepTimeBudget.for_step(
-            self.step_cost, self.config.max_step_ms, self.running, bool(self.waiting), self.config.block_size,
-            self.config.max_step_decode_multiple)
+        limit = self._step_time_budget()
         decodes_left = limit.num_decodes if limit is not None else 0  # not scheduled yet: kept from prefills
 
         # 1) running requests, in admission order; preempt from the back when blocks run out.
@@ -264,11 +242,7 @@ class Scheduler(RemoteKVMixin):
             out.num_scheduled_tokens[rid] = num_new
             req.num_computed_tokens = num_computed + num_new
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
-        if self.step_cost is not None:
-            pairs = sum(attention_pairs(n, c) for _, c, n in scheduled)
-            self.last_step_features = (out.total_num_scheduled_tokens, pairs)
-            self.last_predicted_ms = self.step_cost.predict(out.total_num_scheduled_tokens, pairs) if scheduled else None
-            self.last_target_ms = limit.step_target_ms if limit is not None and limit.num_prefills else None
+        self._note_step_plan(scheduled, out.total_num_scheduled_tokens, limit)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
