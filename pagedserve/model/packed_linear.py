@@ -28,7 +28,7 @@ weights, and bf16 weights are kept in the layout of pagedserve's AVX2 matmul
 (``csrc/avx2_gemm.c``): bf16 in memory, widened to float32 in registers, float32 FMA over k in
 order, so each row's result is independent of the other rows there too.
 
-Elsewhere, inputs of 1-64 rows (1-16 for weights of more than 1,536 inputs: ``small_gemm_max_rows``) skip oneDNN:
+Elsewhere, inputs of 1-64 rows skip oneDNN:
 ``pagedserve.ops.cpu.small_gemm`` streams the same packed buffer with no per-call set-up,
 bit-identical to oneDNN's batched result (its partial-sum structure is calibrated per weight
 shape at load time; shapes that do not match keep oneDNN). The packed buffers are also moved
@@ -200,9 +200,9 @@ def packed_or_small_linear(
 ) -> torch.Tensor:
     """:func:`packed_linear` (on :func:`onednn_rows` rows when ``pad_rows``, which
     :func:`rows_independent` decides per weight shape), or the small-M kernel for a contiguous
-    bf16 ``x [M <= small_gemm_max_rows(in), in]`` when ``small_plan`` is set (the same result bit
+    bf16 ``x [M <= SMALL_GEMM_MAX_ROWS, in]`` when ``small_plan`` is set (the same result bit
     for bit as oneDNN's batched kernel)."""
-    if (small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.small_gemm_max_rows(x.shape[1])
+    if (small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS
             and x.is_contiguous() and x.dtype == torch.bfloat16):
         return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)
     if not pad_rows:

@@ -106,7 +106,7 @@ class CpuBackend(TorchBackend):
         with the final normed states. Returns False, having done nothing, when the step or the
         model does not qualify: bf16, the attention kernel's fast path, no q/k norm, every
         projection with the AMX or AVX2 matmul or a small-M plan (``pack_for_cpu``; with any of
-        the latter, at most ``matmul.small_gemm_max_rows`` of its widest projection), one decode group."""
+        the latter, at most ``matmul.SMALL_GEMM_MAX_ROWS`` rows), one decode group."""
         groups = metadata.groups
         if hidden.dtype != torch.bfloat16 or len(groups) != 1 or not groups[0].is_decode:
             return False
@@ -149,7 +149,6 @@ class CpuBackend(TorchBackend):
             and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in model.layers)
         )
         rows, any_rows = [], True  # every projection takes any number of rows (AMX or AVX2 matmul)
-        small_rows = matmul.SMALL_GEMM_MAX_ROWS  # else the fewest the small-M kernel is given for one of them
         for layer, kv in zip(model.layers, kv_caches):
             if not ok:
                 break
@@ -162,12 +161,11 @@ class CpuBackend(TorchBackend):
                 entries += e
                 if lin.amx_weight is None and lin.avx2_weight is None:
                     any_rows = False
-                    small_rows = min(small_rows, matmul.small_gemm_max_rows(lin.in_features))
             if ok:
                 entries += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *kernels._kv_pointers(kv)]
                 rows.append(entries)
         if ok and rows and len(rows[0]) == matmul.decode_layer_entries():
             table = torch.tensor(rows, dtype=torch.int64)
-            self._decode_max_rows = 1 << 30 if any_rows else small_rows
+            self._decode_max_rows = 1 << 30 if any_rows else matmul.SMALL_GEMM_MAX_ROWS
         self._decode_table_cache = (key, table, kv_caches)
         return table

@@ -20,12 +20,10 @@ from pagedserve.ops.cpu.matmul import (
     get_small_gemm_lib,
     memory_read_bandwidth,
     small_gemm,
-    small_gemm_max_rows,
 )
 
 __all__ = [
     "get_lib", "get_fused_lib", "get_decode_lib", "add_rms_norm", "argmax_bf16", "fused_ops_usable", "paged_attention_cpu",
     "prefill_kernel_preferred", "rope_write_kv", "silu_mul", "SMALL_GEMM_MAX_ROWS", "calibrate_small_gemm",
     "collapse_to_huge_pages", "decode_layer_entries", "decode_layers", "get_small_gemm_lib", "memory_read_bandwidth", "small_gemm",
-    "small_gemm_max_rows",
 ]

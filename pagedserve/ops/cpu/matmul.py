@@ -15,17 +15,6 @@ import torch
 from pagedserve.ops.cpu.build import _get, get_lib
 
 SMALL_GEMM_MAX_ROWS = 64  # SG_MAX_ROWS in small_gemm.c
-SMALL_GEMM_WIDE_K = 1536  # weights with more inputs take at most SMALL_GEMM_WIDE_K_ROWS rows
-SMALL_GEMM_WIDE_K_ROWS = 16
-
-
-def small_gemm_max_rows(in_features: int) -> int:
-    """Most rows the small-M kernel is given for a weight of ``in_features`` (K) inputs. It
-    streams each 64-output block (K x 128 bytes) once and rereads it from cache for every 4 rows,
-    which pays while blocks are small: measured on AMD Zen 4 against oneDNN, SmolLM2's weights
-    (K 576, 1536) gain up to 64 rows (1.05-1.29x at 32-64), Llama-3.2-1B's shapes (K 2048,
-    8192) lose from ~12 (0.96x at 16, 0.81-0.85x at 32-64; ``benchmarks/small_gemm_rows.py``)."""
-    return SMALL_GEMM_MAX_ROWS if in_features <= SMALL_GEMM_WIDE_K else SMALL_GEMM_WIDE_K_ROWS
 
 
 def get_small_gemm_lib() -> Optional[ctypes.CDLL]:

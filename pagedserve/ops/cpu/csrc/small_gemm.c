@@ -8,11 +8,12 @@
  * into at load time (`PackedLinear`; layout AB16b64a2b = [N/64][K/2][64][2]: 64 outputs, then
  * pairs of k), one 64-output block at a time, so every block is one contiguous stream.
  *
- * Rows are taken 4 at a time per block (accumulators in registers); the block, K * 128 bytes,
- * is read from memory by the first group and from L1/L2 by the others, so up to 16 rows cost
- * little more than one (measured: all of SmolLM2's matmuls, 16 rows 10.0 ms vs oneDNN 10.6 ms;
- * 1 row 6.3 vs 7.4 ms on a slow-memory moment of the shared host). On AMD Zen 4 it also beats
- * oneDNN at 32-64 rows (1.08-1.29x at 32, 1.03-1.05x at 64 on 2 MiB pages: benchmarks/README.md).
+ * Rows are taken 4 at a time (accumulators in registers). Up to 4 rows make one pass over each
+ * block; more rows take the block 64 k pairs (16 KiB) at a time, every group of 4 rows passing
+ * over that chunk from L1 while the next chunk is prefetched, so streaming the weights overlaps
+ * the arithmetic. Measured on AMD Zen 4 against oneDNN (benchmarks/README.md): SmolLM2's
+ * matmuls 2.6x at 1 row, 1.5-1.8x at 16-64; Llama-3.2-1B's shapes 1.6x at 1 row, 1.3x at 16,
+ * 1.05x at 64.
  *
  * Rounding: fp32 accumulation with vdpbf16ps over k pairs in order, in partial sums (one per
  * `chain` k pairs of the first `body` pairs, then one for the rest) added to a running total,
@@ -36,6 +37,7 @@
 #define SG_NBLK 64       /* outputs per packed block */
 #define SG_ROW_GROUP 4   /* rows per register-resident pass over a block */
 #define SG_MAX_ROWS 64
+#define SG_KC 64         /* k pairs per chunk (16 KiB of a block) when more than 4 rows share it */
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_SMALL_GEMM 1
@@ -89,21 +91,105 @@ static inline __attribute__((always_inline)) void sg_block(const uint16_t* x, in
     }
 }
 
-/* Output blocks [b0, b1): each block streamed from memory once, then reused from L1/L2 (K * 128
- * bytes, 72 KiB for K = 576) by the following groups of 4 rows. */
-static void sg_range(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                     int64_t N, int64_t b0, int64_t b1, int64_t chain, int64_t body) {
-    for (int64_t b = b0; b < b1; b++)
-        for (int64_t r = 0; r < M; r += SG_ROW_GROUP) {
-            const uint16_t* xr = x + r * K;
-            uint16_t* yr = y + r * N;
-            switch (M - r < SG_ROW_GROUP ? M - r : SG_ROW_GROUP) {
-                case 1: sg_block(xr, K, w, bias, yr, N, b, chain, body, 1); break;
-                case 2: sg_block(xr, K, w, bias, yr, N, b, chain, body, 2); break;
-                case 3: sg_block(xr, K, w, bias, yr, N, b, chain, body, 3); break;
-                default: sg_block(xr, K, w, bias, yr, N, b, chain, body, 4); break;
+/* End (exclusive) of the partial sum that k pair k belongs to: `chain` pairs up to `body`, then
+ * one to K2 (the same segments as sg_block's loop). */
+static inline int64_t sg_seg_end(int64_t k, int64_t chain, int64_t body, int64_t K2) {
+    if (k >= body) return K2;
+    const int64_t e = (k / chain + 1) * chain;
+    return e < body ? e : body;
+}
+
+/* Pairs [c0, c1) of block `wb` for row group g of G (M <= 4 rows, fixed at compile time): the
+ * rows' partial sums come in and go out through `part_mem` and completed ones are added to `acc`
+ * (both fp32, [rows][64]), so a block's sums are the same operations in the same order as
+ * sg_block's, only cut into chunks. Each group also prefetches its 1/G share of the next chunk. */
+static inline __attribute__((always_inline)) void sg_chunk(const uint16_t* x, int64_t K, const uint16_t* wb,
+                                                             int64_t c0, int64_t c1, int64_t chain, int64_t body,
+                                                             float* acc, float* part_mem, const int M, int64_t g, int64_t G) {
+    const int64_t K2 = K / 2;
+    const uint32_t* xp = (const uint32_t*)x;
+    __m512 part[SG_ROW_GROUP][4];
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < 4; j++) part[m][j] = _mm512_loadu_ps(part_mem + m * SG_NBLK + j * 16);
+    for (int64_t k0 = c0; k0 < c1;) {
+        const int64_t seg_end = sg_seg_end(k0, chain, body, K2);
+        const int64_t k1 = seg_end < c1 ? seg_end : c1;
+        for (int64_t k = k0; k < k1; k++) {
+            const uint16_t* wk = wb + k * (2 * SG_NBLK);
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+            const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+            const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+            {   /* the next chunk into L2, spread evenly over all G groups' passes over this one */
+                const char* q = (const char*)(wb + c1 * 2 * SG_NBLK) + ((g * (c1 - c0) + (k - c0)) * 256) / G;
+                for (int64_t off = 0; off < 256 / G; off += 64) _mm_prefetch(q + off, _MM_HINT_T1);
+            }
+            for (int m = 0; m < M; m++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * K2 + k]);
+                part[m][0] = _mm512_dpbf16_ps(part[m][0], xv, w0);
+                part[m][1] = _mm512_dpbf16_ps(part[m][1], xv, w1);
+                part[m][2] = _mm512_dpbf16_ps(part[m][2], xv, w2);
+                part[m][3] = _mm512_dpbf16_ps(part[m][3], xv, w3);
             }
         }
+        if (k1 == seg_end)
+            for (int m = 0; m < M; m++)
+                for (int j = 0; j < 4; j++) {
+                    float* a = acc + m * SG_NBLK + j * 16;
+                    _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), part[m][j]));
+                    part[m][j] = _mm512_setzero_ps();
+                }
+        k0 = k1;
+    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(part_mem + m * SG_NBLK + j * 16, part[m][j]);
+}
+
+/* Output blocks [b0, b1). Up to 4 rows: one register-resident pass per block (sg_block). More
+ * rows: the block is taken SG_KC pairs at a time (16 KiB, held in L1) and every group of 4 rows
+ * passes over that chunk while the next one is prefetched into L2, so the weights stream from
+ * memory during the arithmetic. (Before, one group streamed a whole block, K * 128 bytes, 1 MiB
+ * for K = 8192, with the arithmetic waiting on memory, and the others reread it from L2 with the
+ * memory idle: 1.4-1.5x slower at 16-32 rows, benchmarks/README.md.) */
+static void sg_range(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                     int64_t N, int64_t b0, int64_t b1, int64_t chain, int64_t body) {
+    if (M <= SG_ROW_GROUP) {
+        for (int64_t b = b0; b < b1; b++) switch (M) {
+                case 1: sg_block(x, K, w, bias, y, N, b, chain, body, 1); break;
+                case 2: sg_block(x, K, w, bias, y, N, b, chain, body, 2); break;
+                case 3: sg_block(x, K, w, bias, y, N, b, chain, body, 3); break;
+                default: sg_block(x, K, w, bias, y, N, b, chain, body, 4); break;
+            }
+        return;
+    }
+    const int64_t K2 = K / 2, G = (M + SG_ROW_GROUP - 1) / SG_ROW_GROUP;
+    float acc[SG_MAX_ROWS * SG_NBLK] __attribute__((aligned(64)));
+    float part[SG_MAX_ROWS * SG_NBLK] __attribute__((aligned(64)));
+    for (int64_t b = b0; b < b1; b++) {
+        const uint16_t* wb = w + b * K * SG_NBLK;
+        for (int64_t i = 0; i < M * SG_NBLK; i++) acc[i] = part[i] = 0.0f;
+        for (int64_t c0 = 0; c0 < K2; c0 += SG_KC) {
+            const int64_t c1 = c0 + SG_KC < K2 ? c0 + SG_KC : K2;
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t r = g * SG_ROW_GROUP;
+                const uint16_t* xr = x + r * K;
+                float *ar = acc + r * SG_NBLK, *pr = part + r * SG_NBLK;
+                switch (M - r < SG_ROW_GROUP ? M - r : SG_ROW_GROUP) {
+                    case 1: sg_chunk(xr, K, wb, c0, c1, chain, body, ar, pr, 1, g, G); break;
+                    case 2: sg_chunk(xr, K, wb, c0, c1, chain, body, ar, pr, 2, g, G); break;
+                    case 3: sg_chunk(xr, K, wb, c0, c1, chain, body, ar, pr, 3, g, G); break;
+                    default: sg_chunk(xr, K, wb, c0, c1, chain, body, ar, pr, 4, g, G); break;
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < 4; j++) {
+                const int64_t n = b * SG_NBLK + j * 16;
+                const __m512 a = _mm512_load_ps(acc + m * SG_NBLK + j * 16);
+                const __m512 v = bias ? _mm512_add_ps(a, sg_bias16(bias, n)) : a;
+                _mm256_storeu_si256((__m256i*)(y + m * N + n), (__m256i)_mm512_cvtneps_pbh(v));
+            }
+    }
 }
 #endif
 
