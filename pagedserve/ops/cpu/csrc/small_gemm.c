@@ -47,6 +47,24 @@ static inline __m512 sg_bias16(const uint16_t* bias, int64_t n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n))), 16));
 }
 
+/* part[m][0..3] += row m's k pair k times the pair's 64 outputs (wk), for M <= 4 rows; between
+ * the loads and the arithmetic, prefetches pf_bytes from pf into L2. */
+static inline __attribute__((always_inline)) void sg_pair(__m512 part[SG_ROW_GROUP][4], const uint32_t* xp, int64_t K2, int64_t k,
+                                                            const uint16_t* wk, const int M, const char* pf, int64_t pf_bytes) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    for (int64_t off = 0; off < pf_bytes; off += 64) _mm_prefetch(pf + off, _MM_HINT_T1);
+    for (int m = 0; m < M; m++) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * K2 + k]);
+        part[m][0] = _mm512_dpbf16_ps(part[m][0], xv, w0);
+        part[m][1] = _mm512_dpbf16_ps(part[m][1], xv, w1);
+        part[m][2] = _mm512_dpbf16_ps(part[m][2], xv, w2);
+        part[m][3] = _mm512_dpbf16_ps(part[m][3], xv, w3);
+    }
+}
+
 /* Output block b of M <= 4 rows (fixed at compile time) of y = x @ W^T (+ bias); x and y point
  * at the group's first row, rows K and N elements apart. */
 static inline __attribute__((always_inline)) void sg_block(const uint16_t* x, int64_t K, const uint16_t* w,
@@ -65,18 +83,7 @@ static inline __attribute__((always_inline)) void sg_block(const uint16_t* x, in
             for (int m = 0; m < M; m++)
                 for (int j = 0; j < 4; j++) part[m][j] = _mm512_setzero_ps();
             for (int64_t k = k0; k < k1; k++) {
-                const uint16_t* wk = wb + k * (2 * SG_NBLK);
-                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
-                const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
-                const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
-                const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
-                for (int m = 0; m < M; m++) {
-                    const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * K2 + k]);
-                    part[m][0] = _mm512_dpbf16_ps(part[m][0], xv, w0);
-                    part[m][1] = _mm512_dpbf16_ps(part[m][1], xv, w1);
-                    part[m][2] = _mm512_dpbf16_ps(part[m][2], xv, w2);
-                    part[m][3] = _mm512_dpbf16_ps(part[m][3], xv, w3);
-                }
+                sg_pair(part, xp, K2, k, wb + k * (2 * SG_NBLK), M, 0, 0);
             }
             for (int m = 0; m < M; m++)
                 for (int j = 0; j < 4; j++) acc[m][j] = _mm512_add_ps(acc[m][j], part[m][j]);
@@ -115,22 +122,9 @@ static inline __attribute__((always_inline)) void sg_chunk(const uint16_t* x, in
         const int64_t seg_end = sg_seg_end(k0, chain, body, K2);
         const int64_t k1 = seg_end < c1 ? seg_end : c1;
         for (int64_t k = k0; k < k1; k++) {
-            const uint16_t* wk = wb + k * (2 * SG_NBLK);
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
-            const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
-            const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
-            {   /* the next chunk into L2, spread evenly over all G groups' passes over this one */
-                const char* q = (const char*)(wb + c1 * 2 * SG_NBLK) + ((g * (c1 - c0) + (k - c0)) * 256) / G;
-                for (int64_t off = 0; off < 256 / G; off += 64) _mm_prefetch(q + off, _MM_HINT_T1);
-            }
-            for (int m = 0; m < M; m++) {
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * K2 + k]);
-                part[m][0] = _mm512_dpbf16_ps(part[m][0], xv, w0);
-                part[m][1] = _mm512_dpbf16_ps(part[m][1], xv, w1);
-                part[m][2] = _mm512_dpbf16_ps(part[m][2], xv, w2);
-                part[m][3] = _mm512_dpbf16_ps(part[m][3], xv, w3);
-            }
+            /* the next chunk into L2, spread evenly over all G groups' passes over this one */
+            const char* q = (const char*)(wb + c1 * 2 * SG_NBLK) + ((g * (c1 - c0) + (k - c0)) * 256) / G;
+            sg_pair(part, xp, K2, k, wb + k * (2 * SG_NBLK), M, q, 256 / G);
         }
         if (k1 == seg_end)
             for (int m = 0; m < M; m++)
