@@ -3,9 +3,9 @@ AVX512-BF16 and no AMX (where pagedserve uses both): a model's projections (``--
 smollm2``: SmolLM2-135M's, 30 layers and the LM head; ``1b``: Llama-3.2-1B's, 4 layers), distinct
 weights read cold as in a step, on 2 MiB pages as the engine keeps them, through oneDNN's packed
 bf16 kernel and through the small-M kernel reading the same packed buffers with its calibrated
-plans (bit-identical outputs), at several row counts. ``--peer-rev REV`` adds the small-M
-kernel as built from an earlier commit (its ``csrc/`` from ``git show``), checked to give the same
-bits. Rounds alternate; medians and ratios per row count are printed. The engine sends decode
+plans (bit-identical outputs; checked at calibration), at several row counts. ``--peer-rev REV``
+adds the small-M kernel as built from an earlier commit (its ``csrc/`` from ``git show``),
+checked to give the same bits as this one. Rounds alternate; medians and ratios per row count are printed. The engine sends decode
 steps of up to ``SMALL_GEMM_MAX_ROWS`` sequences to the small-M kernel.
 
     .venv/bin/python benchmarks/small_gemm_rows.py [--shapes smollm2|1b] [--rows 1,8,16,32,48,64]
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -43,8 +44,11 @@ def peer_kernel(rev: str):
         with open(os.path.join(tmp, name), "wb") as fh:
             fh.write(subprocess.run(["git", "-C", root, "show", f"{rev}:{rel}/{name}"], check=True, capture_output=True).stdout)
     so = os.path.join(tmp, "decode.so")
-    subprocess.run(["cc", *build._COMMON_FLAGS, *build._LIBS["decode"][1], os.path.join(tmp, "decode_step.c"), "-o", so, "-lm"], check=True)
-    fn = ctypes.CDLL(so).small_gemm_bf16
+    try:
+        subprocess.run(["cc", *build._COMMON_FLAGS, *build._LIBS["decode"][1], os.path.join(tmp, "decode_step.c"), "-o", so, "-lm"], check=True)
+        fn = ctypes.CDLL(so).small_gemm_bf16  # stays mapped after the file is removed
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes, fn.restype = [p, i64, i64, p, p, p, i64, i64, i64], ctypes.c_int
     return fn

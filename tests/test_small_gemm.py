@@ -209,10 +209,10 @@ def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, m
     assert_engine_idle(llm)
 
 
-def test_decode_step_wide_projection_takes_every_small_row_count(tiny_model_factory, monkeypatch):
-    """down_proj with K = 2048 (32 chunks of the kernel's k loop, partial sums ending inside
-    chunks): decodes of up to SMALL_GEMM_MAX_ROWS sequences take the C step with the small-M
-    kernel, and each sequence's tokens and logprobs equal its own run alone."""
+def test_decode_step_wide_projection_up_to_the_row_limit(tiny_model_factory, monkeypatch):
+    """down_proj with K = 2048 (16 chunks of the kernel's k loop), which used to cap the C step at
+    16 rows: 12, 18 and 60 decodes take the C step with the small-M kernel, and each sequence's
+    tokens and logprobs equal its own run alone."""
     path = tiny_model_factory("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=2048, num_hidden_layers=2)
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=512, max_model_len=512, max_num_seqs=128)
     down = llm.llm_engine.core.worker.model.layers[0].mlp.down_proj
@@ -226,19 +226,24 @@ def test_decode_step_wide_projection_takes_every_small_row_count(tiny_model_fact
     assert_engine_idle(llm)
 
 
-@pytest.mark.parametrize("k,chain,body", [(576, 256, 256), (2048, 50, 130), (2048, 512, 1024), (1088, 7, 0), (8192, 64, 4096)])
+@pytest.mark.parametrize("k,chain,body", [(576, 256, 256), (2048, 50, 130), (2048, 512, 1024), (1088, 7, 0), (8192, 64, 4096), (96, 100, 48)])
 def test_rows_together_equal_rows_alone_for_any_plan(k, chain, body):
     """More than 4 rows run the k loop in chunks of 64 pairs, carrying partial sums between
     chunks; 4 rows or fewer keep them in registers for the whole of K. The same plan must give
-    the same bits either way, wherever its partial sums begin and end relative to the chunks."""
-    n = 128
+    the same bits either way, wherever its partial sums begin and end relative to the chunks
+    (a wrong order shows in ~1 output in 10^3-10^4, hence 512 outputs a row), with a bias, and
+    with a last group of 1, 2 or 3 rows."""
+    n = 512
     g = torch.Generator().manual_seed(k + chain)
     packed = _pack_or_skip((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
     assert matmul._packed_address(packed)[1] == n * k * 2  # the unpadded layout the kernel reads
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
     x = torch.randn(cpu_kernels.SMALL_GEMM_MAX_ROWS, k, generator=g).to(torch.bfloat16)
     alone = torch.cat([cpu_kernels.small_gemm(x[i : i + 1], packed, None, n, (chain, body)) for i in range(x.shape[0])])
-    for m in (5, 8, 13, cpu_kernels.SMALL_GEMM_MAX_ROWS):
+    for m in (5, 6, 7, 8, 13, 30, cpu_kernels.SMALL_GEMM_MAX_ROWS):
         assert torch.equal(cpu_kernels.small_gemm(x[:m], packed, None, n, (chain, body)), alone[:m]), m
+    alone_b = torch.cat([cpu_kernels.small_gemm(x[i : i + 1], packed, bias, n, (chain, body)) for i in range(11)])
+    assert torch.equal(cpu_kernels.small_gemm(x[:11], packed, bias, n, (chain, body)), alone_b)
     exact = x[:8].double() @ torch.ops.mkldnn._linear_pointwise(torch.eye(k, dtype=torch.bfloat16), packed, None, "none", [], "").double()
     assert (alone[:8].double() - exact).abs().max() <= 0.01 * exact.abs().max() + 1e-3
 

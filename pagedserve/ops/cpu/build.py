@@ -3,7 +3,7 @@ compiler and called through ctypes (no torch headers, so a build takes about a s
 
 Three libraries from ``csrc/``: ``paged_attention.c`` (the paged attention kernel),
 ``fused_ops.c`` (fused RMSNorm + residual add, SiLU-and-mul, RoPE + KV-cache write, row argmax)
-and ``decode_step.c`` (bf16 matmuls of 1-16 rows straight from oneDNN's packed weights,
+and ``decode_step.c`` (bf16 matmuls of 1-64 rows straight from oneDNN's packed weights,
 ``small_gemm.c``, the AMX and AVX2 bf16 matmuls ``amx_gemm.c`` and ``avx2_gemm.c``, and a whole
 decode step's layer loop for small batches). Each shared
 object is cached under ``$PAGEDSERVE_CACHE/kernels`` keyed by the sources, the compiler flags

@@ -12,8 +12,8 @@
  * block; more rows take the block 64 k pairs (16 KiB) at a time, every group of 4 rows passing
  * over that chunk from L1 while the next chunk is prefetched, so streaming the weights overlaps
  * the arithmetic. Measured on AMD Zen 4 against oneDNN (benchmarks/README.md): SmolLM2's
- * matmuls 2.6x at 1 row, 1.5-1.8x at 16-64; Llama-3.2-1B's shapes 1.6x at 1 row, 1.3x at 16,
- * 1.05x at 64.
+ * matmuls 2.1x at 1 row, 1.9x at 16, 1.15x at 64; Llama-3.2-1B's shapes 1.8x at 1 row, 1.5x at
+ * 16, 1.1x at 64.
  *
  * Rounding: fp32 accumulation with vdpbf16ps over k pairs in order, in partial sums (one per
  * `chain` k pairs of the first `body` pairs, then one for the rest) added to a running total,
@@ -115,6 +115,8 @@ static inline __attribute__((always_inline)) void sg_chunk(const uint16_t* x, in
                                                              float* acc, float* part_mem, const int M, int64_t g, int64_t G) {
     const int64_t K2 = K / 2;
     const uint32_t* xp = (const uint32_t*)x;
+    const int64_t pf_step = 256 / G; /* bytes of the next chunk (256 a k pair) per k, this group's share */
+    const char* pf = (const char*)(wb + c1 * 2 * SG_NBLK) + g * (c1 - c0) * pf_step;
     __m512 part[SG_ROW_GROUP][4];
     for (int m = 0; m < M; m++)
         for (int j = 0; j < 4; j++) part[m][j] = _mm512_loadu_ps(part_mem + m * SG_NBLK + j * 16);
@@ -123,8 +125,7 @@ static inline __attribute__((always_inline)) void sg_chunk(const uint16_t* x, in
         const int64_t k1 = seg_end < c1 ? seg_end : c1;
         for (int64_t k = k0; k < k1; k++) {
             /* the next chunk into L2, spread evenly over all G groups' passes over this one */
-            const char* q = (const char*)(wb + c1 * 2 * SG_NBLK) + ((g * (c1 - c0) + (k - c0)) * 256) / G;
-            sg_pair(part, xp, K2, k, wb + k * (2 * SG_NBLK), M, q, 256 / G);
+            sg_pair(part, xp, K2, k, wb + k * (2 * SG_NBLK), M, pf + (k - c0) * pf_step, pf_step);
         }
         if (k1 == seg_end)
             for (int m = 0; m < M; m++)
