@@ -43,7 +43,6 @@
 #define HAVE_SMALL_GEMM 1
 
 static inline __m512 sg_bias16(const uint16_t* bias, int64_t n) {
-    if (!bias) return _mm512_setzero_ps();
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n))), 16));
 }
 
@@ -65,6 +64,20 @@ static inline __attribute__((always_inline)) void sg_pair(__m512 part[SG_ROW_GRO
     }
 }
 
+/* End (exclusive) of the partial sum that k pair k belongs to: `chain` pairs up to `body`, then
+ * one to K2. */
+static inline int64_t sg_seg_end(int64_t k, int64_t chain, int64_t body, int64_t K2) {
+    if (k >= body) return K2;
+    const int64_t e = (k / chain + 1) * chain;
+    return e < body ? e : body;
+}
+
+/* y[n .. n+16) = acc (+ bias[n .. n+16)), rounded to bf16 (nearest even). */
+static inline void sg_store16(uint16_t* y, __m512 acc, const uint16_t* bias, int64_t n) {
+    const __m512 v = bias ? _mm512_add_ps(acc, sg_bias16(bias, n)) : acc;
+    _mm256_storeu_si256((__m256i*)(y + n), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 /* Output block b of M <= 4 rows (fixed at compile time) of y = x @ W^T (+ bias); x and y point
  * at the group's first row, rows K and N elements apart. */
 static inline __attribute__((always_inline)) void sg_block(const uint16_t* x, int64_t K, const uint16_t* w,
@@ -72,38 +85,22 @@ static inline __attribute__((always_inline)) void sg_block(const uint16_t* x, in
                                                              int64_t chain, int64_t body, const int M) {
     const int64_t K2 = K / 2;
     const uint32_t* xp = (const uint32_t*)x; /* k pairs */
-    {
-        const uint16_t* wb = w + b * K * SG_NBLK;
-        __m512 acc[SG_ROW_GROUP][4];
+    const uint16_t* wb = w + b * K * SG_NBLK;
+    __m512 acc[SG_ROW_GROUP][4];
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K2;) {
+        const int64_t k1 = sg_seg_end(k0, chain, body, K2);
+        __m512 part[SG_ROW_GROUP][4];
         for (int m = 0; m < M; m++)
-            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
-        for (int64_t k0 = 0; k0 < K2;) {
-            const int64_t k1 = k0 < body ? (k0 + chain < body ? k0 + chain : body) : K2;
-            __m512 part[SG_ROW_GROUP][4];
-            for (int m = 0; m < M; m++)
-                for (int j = 0; j < 4; j++) part[m][j] = _mm512_setzero_ps();
-            for (int64_t k = k0; k < k1; k++) {
-                sg_pair(part, xp, K2, k, wb + k * (2 * SG_NBLK), M, 0, 0);
-            }
-            for (int m = 0; m < M; m++)
-                for (int j = 0; j < 4; j++) acc[m][j] = _mm512_add_ps(acc[m][j], part[m][j]);
-            k0 = k1;
-        }
+            for (int j = 0; j < 4; j++) part[m][j] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) sg_pair(part, xp, K2, k, wb + k * (2 * SG_NBLK), M, 0, 0);
         for (int m = 0; m < M; m++)
-            for (int j = 0; j < 4; j++) {
-                const int64_t n = b * SG_NBLK + j * 16;
-                const __m512 v = bias ? _mm512_add_ps(acc[m][j], sg_bias16(bias, n)) : acc[m][j];
-                _mm256_storeu_si256((__m256i*)(y + m * N + n), (__m256i)_mm512_cvtneps_pbh(v));
-            }
+            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_add_ps(acc[m][j], part[m][j]);
+        k0 = k1;
     }
-}
-
-/* End (exclusive) of the partial sum that k pair k belongs to: `chain` pairs up to `body`, then
- * one to K2 (the same segments as sg_block's loop). */
-static inline int64_t sg_seg_end(int64_t k, int64_t chain, int64_t body, int64_t K2) {
-    if (k >= body) return K2;
-    const int64_t e = (k / chain + 1) * chain;
-    return e < body ? e : body;
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < 4; j++) sg_store16(y + m * N, acc[m][j], bias, b * SG_NBLK + j * 16);
 }
 
 /* Pairs [c0, c1) of block `wb` for row group g of G (M <= 4 rows, fixed at compile time): the
@@ -178,12 +175,7 @@ static void sg_range(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
             }
         }
         for (int64_t m = 0; m < M; m++)
-            for (int j = 0; j < 4; j++) {
-                const int64_t n = b * SG_NBLK + j * 16;
-                const __m512 a = _mm512_load_ps(acc + m * SG_NBLK + j * 16);
-                const __m512 v = bias ? _mm512_add_ps(a, sg_bias16(bias, n)) : a;
-                _mm256_storeu_si256((__m256i*)(y + m * N + n), (__m256i)_mm512_cvtneps_pbh(v));
-            }
+            for (int j = 0; j < 4; j++) sg_store16(y + m * N, _mm512_load_ps(acc + m * SG_NBLK + j * 16), bias, b * SG_NBLK + j * 16);
     }
 }
 #endif
