@@ -148,6 +148,7 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine import serial
+    from pagedserve.engine.gc_heap import freeze_gc_heap
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -174,6 +175,7 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
         from pagedserve.engine.core import EngineCore
 
         core = EngineCore(EngineConfig(**config))
+        logger.debug("pagedserve engine core: %d objects frozen for the collector", freeze_gc_heap())
         send(["ready", core.info])
         try:
             run_busy_loop(core, recv, send, parent_alive=parent_alive, kv_events=kv_events)

@@ -118,6 +118,7 @@ def run_server(args: Any) -> int:
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.gc_heap import freeze_gc_heap
     from pagedserve.entrypoints.openai.api_server import build_app
 
     config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
@@ -146,6 +147,7 @@ def run_server(args: Any) -> int:
             except BaseException:
                 llm.shutdown()
                 raise
+            freeze_gc_heap()  # start-up objects out of the collector's walks (see gc_heap)
             loading.ready(app, llm)
             logger.info("pagedserve: serving %s on http://%s:%d%s (engine core pid %d)", ", ".join(llm.served_model_names),
                         server_args.host, server_args.port, " (API key required)" if server_args.api_key else "", llm.engine_pid)
