@@ -83,29 +83,29 @@ def main() -> None:
         raise SystemExit(f"no small-M plan for some shapes: {plans}")
     params = sum(w.numel() for w in weights)
     print(f"{args.threads} threads, {len(weights)} weights ({params / 1e6:.1f} M params), plans {plans}")
-    ks, ns = {k for _, k in shapes}, {w.shape[0] for w in weights}
+    ks = {k for _, k in shapes}
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in ks}
         fns = {"oneDNN": lambda: [packed_linear(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
         outs = {}
         for name, fn in kernels.items():
-            ys = {n: torch.empty(m, n, dtype=torch.bfloat16) for n in ns}
+            ys = [torch.empty(m, w.shape[0], dtype=torch.bfloat16) for w in weights]  # one output per weight
             outs[name] = ys
-            calls = [(xs[w.shape[1]].data_ptr(), w.shape[1], torch.ops.mkldnn.data_ptr(p), ys[w.shape[0]].data_ptr(), w.shape[0], *plans[tuple(w.shape)])
-                     for w, p in zip(weights, packed)]
+            calls = [(xs[w.shape[1]].data_ptr(), w.shape[1], torch.ops.mkldnn.data_ptr(p), y.data_ptr(), w.shape[0], *plans[tuple(w.shape)])
+                     for w, p, y in zip(weights, packed, ys)]
 
             def run(fn=fn, calls=calls):
                 for x, k, wp, y, n, chain, body in calls:
                     if fn(x, m, k, wp, None, y, n, chain, body) != 0:
-                        raise RuntimeError(f"small_gemm_bf16 refused {m} rows (SG_MAX_ROWS)")
+                        raise RuntimeError(f"small_gemm_bf16 refused {m} rows of {k} inputs")
 
             fns[name] = run
         times = {name: [] for name in fns}
         for fn in fns.values():
             fn()
-        first = next(iter(outs.values()))
-        if any(not torch.equal(ys[n], first[n]) for ys in outs.values() for n in ns):
-            raise SystemExit(f"M = {m}: the kernels' outputs differ")
+        for name, ys in outs.items():  # every weight's output against oneDNN's
+            if any(not torch.equal(y, packed_linear(xs[w.shape[1]], p)) for w, p, y in zip(weights, packed, ys)):
+                raise SystemExit(f"M = {m}: {name}'s output differs from oneDNN's")
         for _ in range(args.rounds):
             for name, fn in fns.items():
                 t0 = time.perf_counter()

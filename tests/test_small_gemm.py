@@ -14,7 +14,6 @@ from conftest import assert_engine_idle
 from pagedserve import LLM, SamplingParams
 from pagedserve.ops import cpu as cpu_kernels
 from pagedserve.ops.cpu import matmul
-from pagedserve.model.backends import CpuBackend
 from pagedserve.model.packed_linear import PackedLinear, onednn_packs, pack_weight, packed_linear, packing_available
 
 
@@ -60,7 +59,7 @@ def test_small_gemm_bit_identical_to_onednn_batched(n, k, has_bias):
     bias = torch.randn(n, generator=g).to(torch.bfloat16) if has_bias else None
     packed = _pack_or_skip(w)
     plan = _plan_or_skip(packed, n, k, bias)
-    for m in (1, 2, 3, 4, 7, 16, 33, cpu_kernels.SMALL_GEMM_MAX_ROWS):
+    for m in (1, 2, 3, 4, 7, 16, 33, cpu_kernels.SMALL_GEMM_MAX_ROWS, 300 if n < 10000 else 70):  # the C step's prefill sizes
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         got = cpu_kernels.small_gemm(x, packed, bias, n, plan)
         assert torch.equal(got, _onednn_batched(x, packed, bias)), (n, k, m)
@@ -131,99 +130,13 @@ def test_unsupported_shapes_fall_back_to_onednn():
     assert cpu_kernels.calibrate_small_gemm(packed.packed_weight, n, k, None) is None
     x = torch.randn(1, k).to(torch.bfloat16)
     assert torch.equal(packed(x), packed_linear(x, packed.packed_weight))
-    # the C entry point itself refuses what it cannot do (SMALL_GEMM_MAX_ROWS + 1 rows, N % 64 != 0)
+    # the C entry point itself refuses what it cannot do (N % 64 != 0, odd K, no rows)
     lib = cpu_kernels.get_small_gemm_lib()
-    m = cpu_kernels.SMALL_GEMM_MAX_ROWS + 1
-    y = torch.empty(m, 128, dtype=torch.bfloat16)
-    xm = torch.randn(m, 64).to(torch.bfloat16)
-    assert lib.small_gemm_bf16(xm.data_ptr(), m, 64, 0, None, y.data_ptr(), 128, 32, 32) == -1
+    y = torch.empty(2, 128, dtype=torch.bfloat16)
+    xm = torch.randn(2, 64).to(torch.bfloat16)
     assert lib.small_gemm_bf16(xm.data_ptr(), 1, 64, 0, None, y.data_ptr(), 100, 32, 32) == -1
-
-
-# -- the one-call decode step -------------------------------------------------------------------
-PROMPTS = [
-    {"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 40, 130, 19, 64, 3)
-]
-LOGPROBS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
-
-
-def _run(llm, prompts, params=LOGPROBS):
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
-
-
-def _decode_step_calls(llm, monkeypatch):
-    """Spy on the C decode step (a list of its row counts, cleared by the caller) and run each of
-    PROMPTS alone; skips where the step does not run. Returns (calls, alone outputs)."""
-    calls = []
-    real = matmul.decode_layers
-    monkeypatch.setattr(matmul, "decode_layers", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
-    alone = [_run(llm, p)[0] for p in PROMPTS]
-    if not calls:
-        pytest.skip("the C decode step does not run on this CPU")
-    return calls, alone
-
-
-def _randomize_norms(path):
-    """HF initialises RMSNorm weights to 1, which would hide a mixed-up norm weight."""
-    import os
-
-    from safetensors.torch import load_file, save_file
-
-    f = os.path.join(path, "model.safetensors")
-    weights = load_file(f)
-    g = torch.Generator().manual_seed(5)
-    for name, t in weights.items():
-        if name.endswith("norm.weight"):
-            weights[name] = 1 + 0.2 * torch.randn(t.shape, generator=g).to(t.dtype)
-    save_file(weights, f, metadata={"format": "pt"})
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_decode_step_bit_identical_to_layer_by_layer(kind, tiny_model_factory, monkeypatch):
-    """head_dim 64 (the attention kernel's fast path), GQA 2:1, qkv bias for qwen2. Decodes of
-    1-SMALL_GEMM_MAX_ROWS sequences take the C step; the same requests with the C step disabled give identical
-    tokens and logprobs, alone and batched, so batch size does not change the output."""
-    path = tiny_model_factory(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
-    _randomize_norms(path)
-    llm = LLM(path, dtype="bfloat16", num_kv_blocks=512, max_model_len=512, max_num_seqs=128)
-    qkv = llm.llm_engine.core.worker.model.layers[0].self_attn.qkv_proj
-    any_rows = getattr(qkv, "amx_weight", None) is not None or getattr(qkv, "avx2_weight", None) is not None
-    calls, alone = _decode_step_calls(llm, monkeypatch)
-    assert set(calls) == {1}
-    for n in (2, 3, 4, 6):
-        calls.clear()
-        assert _run(llm, PROMPTS[:n]) == alone[:n]
-        assert set(calls) == {n}
-    calls.clear()
-    assert _run(llm, PROMPTS * 3) == alone * 3  # 18 sequences: within the small-M limit too
-    assert set(calls) == {18}
-    reps = -(-(cpu_kernels.SMALL_GEMM_MAX_ROWS + 1) // len(PROMPTS))  # past the small-M limit
-    calls.clear()  # the C step with the AMX or AVX2 matmul, else the layer-by-layer path
-    assert _run(llm, PROMPTS * reps) == alone * reps
-    assert (max(calls, default=0) > cpu_kernels.SMALL_GEMM_MAX_ROWS) == any_rows
-    monkeypatch.setattr(CpuBackend, "decode_step", lambda *a: False)
-    calls.clear()
-    assert [_run(llm, p)[0] for p in PROMPTS] == alone and _run(llm, PROMPTS) == alone
-    assert not calls
-    assert_engine_idle(llm)
-
-
-def test_decode_step_wide_projection_up_to_the_row_limit(tiny_model_factory, monkeypatch):
-    """down_proj with K = 2048 (16 chunks of the kernel's k loop), which used to cap the C step at
-    16 rows: 12, 18 and 60 decodes take the C step with the small-M kernel, and each sequence's
-    tokens and logprobs equal its own run alone."""
-    path = tiny_model_factory("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=2048, num_hidden_layers=2)
-    llm = LLM(path, dtype="bfloat16", num_kv_blocks=512, max_model_len=512, max_num_seqs=128)
-    down = llm.llm_engine.core.worker.model.layers[0].mlp.down_proj
-    if getattr(down, "amx_weight", None) is not None or getattr(down, "avx2_weight", None) is not None:
-        pytest.skip("the AMX or AVX2 matmul takes any number of rows here")
-    calls, alone = _decode_step_calls(llm, monkeypatch)
-    for reps in (2, 3, cpu_kernels.SMALL_GEMM_MAX_ROWS // len(PROMPTS)):  # 12, 18, 60 decodes
-        calls.clear()
-        assert _run(llm, PROMPTS * reps) == alone * reps
-        assert max(calls) == len(PROMPTS) * reps
-    assert_engine_idle(llm)
+    assert lib.small_gemm_bf16(xm.data_ptr(), 1, 63, 0, None, y.data_ptr(), 128, 32, 32) == -1
+    assert lib.small_gemm_bf16(xm.data_ptr(), 0, 64, 0, None, y.data_ptr(), 128, 32, 32) == -1
 
 
 @pytest.mark.parametrize("k,chain,body", [(576, 256, 256), (2048, 50, 130), (2048, 512, 1024), (1088, 7, 0), (8192, 64, 4096), (96, 100, 48)])
@@ -238,9 +151,9 @@ def test_rows_together_equal_rows_alone_for_any_plan(k, chain, body):
     packed = _pack_or_skip((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
     assert matmul._packed_address(packed)[1] == n * k * 2  # the unpadded layout the kernel reads
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    x = torch.randn(cpu_kernels.SMALL_GEMM_MAX_ROWS, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(cpu_kernels.SMALL_GEMM_MAX_ROWS + 75, k, generator=g).to(torch.bfloat16)
     alone = torch.cat([cpu_kernels.small_gemm(x[i : i + 1], packed, None, n, (chain, body)) for i in range(x.shape[0])])
-    for m in (5, 6, 7, 8, 13, 30, cpu_kernels.SMALL_GEMM_MAX_ROWS):
+    for m in (5, 6, 7, 8, 13, 30, cpu_kernels.SMALL_GEMM_MAX_ROWS, cpu_kernels.SMALL_GEMM_MAX_ROWS + 75):  # past 64: pieces of 64
         assert torch.equal(cpu_kernels.small_gemm(x[:m], packed, None, n, (chain, body)), alone[:m]), m
     alone_b = torch.cat([cpu_kernels.small_gemm(x[i : i + 1], packed, bias, n, (chain, body)) for i in range(11)])
     assert torch.equal(cpu_kernels.small_gemm(x[:11], packed, bias, n, (chain, body)), alone_b)

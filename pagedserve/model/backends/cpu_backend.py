@@ -8,9 +8,9 @@
 - on the kernel's vectorised bf16 path (``prefill_kernel_preferred``) also RoPE + the KV-cache
   write in one C pass and prefill attention in the kernel (every K/V read from the cache);
   elsewhere (float32, other shapes) PyTorch RoPE and SDPA prefill, which are faster there;
-- decode-only steps in bf16, when every projection has the AMX or the AVX2 matmul (any number
-  of sequences) or a small-M plan (1-64): the whole model in one C call (``csrc/decode_step.c``,
-  the same ops in the same order, bit-identical to the layer-by-layer path);
+- every step in bf16 (decodes, prefill chunks or both) when every projection has the AMX or
+  the AVX2 matmul or a small-M plan: the whole model in one C call (``csrc/decode_step.c``, the
+  same ops in the same order, bit-identical to the layer-by-layer path);
 - greedy sampling's argmax over bf16 logits in C.
 """
 from __future__ import annotations
@@ -52,6 +52,16 @@ def cpu_kernels_usable(hidden_size: int, num_heads: int, num_kv_heads: int, head
     )
 
 
+# Steps with prefill tokens take the one-call C step up to this many tokens. Measured on a Zen 4
+# (AVX512-BF16, small-M kernel; benchmarks/c_step_paths.py), SmolLM2-135M, C step against the
+# layer-by-layer path: 1.25x at 64 + 8 decodes, 1.11x at 232 + 24, 1.07x at 512, 0.98x at 1,024
+# and 0.92x at 2,048 prompt tokens.
+C_STEP_MAX_PREFILL_ROWS = 512
+# ... and only where no small-M projection is wider than this (inputs): the 1.1B model's down
+# projection (K = 8,192; 64 rows of it fill a 1 MiB L2) ran 0.97-0.98x at 256-512 tokens.
+C_STEP_SMALL_GEMM_MAX_K = 4096
+
+
 class CpuBackend(TorchBackend):
     """C kernels for one model on the CPU (built after ``cpu_kernels_usable`` said yes)."""
 
@@ -60,7 +70,7 @@ class CpuBackend(TorchBackend):
     def __init__(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.fused_rope = kernels.prefill_kernel_preferred(dtype, num_heads, num_kv_heads, head_dim)
         self._decode_table_cache: Optional[tuple] = None
-        self._decode_max_rows = matmul.SMALL_GEMM_MAX_ROWS
+        self._prefill_max_rows = 0  # steps with prefill tokens take the C step up to this many tokens
 
     def begin_forward(self, model: Any, positions: torch.Tensor, metadata: AttentionMetadata, kv_caches: list, dtype: torch.dtype) -> Any:
         if not self.fused_rope:
@@ -100,26 +110,30 @@ class CpuBackend(TorchBackend):
             return kernels.argmax_bf16(x)
         return torch_argmax(x)
 
-    # -- the whole decode step in one C call ------------------------------------------------
+    # -- the whole step in one C call -------------------------------------------------------
     def decode_step(self, model: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: AttentionMetadata) -> bool:
-        """Every layer of a decode step in one C call, overwriting ``hidden [M, hidden_size]``
-        with the final normed states. Returns False, having done nothing, when the step or the
-        model does not qualify: bf16, the attention kernel's fast path, no q/k norm, every
-        projection with the AMX or AVX2 matmul or a small-M plan (``pack_for_cpu``; with any of
-        the latter, at most ``matmul.SMALL_GEMM_MAX_ROWS`` rows), one decode group."""
+        """Every layer of a step (decodes, prefill chunks or both) in one C call, overwriting
+        ``hidden [M, hidden_size]`` with the final normed states. Returns False, having done
+        nothing, when the step or the model does not qualify: bf16, the attention kernel's fast
+        path, no q/k norm, every projection with the AMX or AVX2 matmul or a small-M plan
+        (``pack_for_cpu``); with prefill tokens, at most ``_prefill_max_rows`` tokens
+        (:data:`C_STEP_MAX_PREFILL_ROWS`, or 0 where a small-M projection is wider than
+        :data:`C_STEP_SMALL_GEMM_MAX_K`)."""
         groups = metadata.groups
-        if hidden.dtype != torch.bfloat16 or len(groups) != 1 or not groups[0].is_decode:
+        if hidden.dtype != torch.bfloat16 or not groups:
             return False
         table = self._decode_table(model, kv_caches)
-        if table is None or hidden.shape[0] > self._decode_max_rows:
+        if table is None:
+            return False
+        if not (len(groups) == 1 and groups[0].is_decode) and hidden.shape[0] > self._prefill_max_rows:
             return False
         attn = model.layers[0].self_attn
-        g = groups[0]
         _check_range("positions", positions, model.rotary_emb.cos_cache.shape[0])
         _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0].shape[1] * metadata.block_size)
+        block_tables, token_seq, token_lens = _one_group(groups, hidden.shape[0])
         rc = matmul.decode_layers(
             table, hidden, model.norm.weight, positions, metadata.slot_mapping, model.rotary_emb.cos_cache,
-            model.rotary_emb.sin_cache, g.block_tables, g.seq_lens, num_heads=attn.num_heads,
+            model.rotary_emb.sin_cache, block_tables, token_lens, token_seq=token_seq, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=model.config.intermediate_size,
             block_size=metadata.block_size, eps=model.norm.eps, scale=attn.scale, kv_int8=kv_caches[0].dtype == torch.int8,
         )
@@ -148,7 +162,7 @@ class CpuBackend(TorchBackend):
             and kv_caches[0].dtype in (torch.bfloat16, torch.int8)
             and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in model.layers)
         )
-        rows, any_rows = [], True  # every projection takes any number of rows (AMX or AVX2 matmul)
+        rows, widest_small = [], 0  # the widest input of a projection on the small-M kernel
         for layer, kv in zip(model.layers, kv_caches):
             if not ok:
                 break
@@ -160,12 +174,33 @@ class CpuBackend(TorchBackend):
                     break
                 entries += e
                 if lin.amx_weight is None and lin.avx2_weight is None:
-                    any_rows = False
+                    widest_small = max(widest_small, lin.in_features)
             if ok:
                 entries += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *kernels._kv_pointers(kv)]
                 rows.append(entries)
         if ok and rows and len(rows[0]) == matmul.decode_layer_entries():
             table = torch.tensor(rows, dtype=torch.int64)
-            self._decode_max_rows = 1 << 30 if any_rows else matmul.SMALL_GEMM_MAX_ROWS
+            self._prefill_max_rows = C_STEP_MAX_PREFILL_ROWS if widest_small <= C_STEP_SMALL_GEMM_MAX_K else 0
         self._decode_table_cache = (key, table, kv_caches)
         return table
+
+
+def _one_group(groups: list, num_tokens: int) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """The step's attention groups (decodes, then prefill chunks, in the flat batch's order) as
+    one: ``(block_tables [num_seqs, max_blocks], token_seq [num_tokens] or None, token_lens
+    [num_tokens])``, int64; token_seq None for a decode-only step (token t is sequence t).
+    Narrower tables are padded with block 0 (read by no token)."""
+    if len(groups) == 1 and groups[0].is_decode:
+        return groups[0].block_tables, None, groups[0].seq_lens
+    width = max(g.block_tables.shape[1] for g in groups)
+    tables, seqs, lens, first = [], [], [], 0
+    for g in groups:
+        bt = g.block_tables
+        tables.append(bt if bt.shape[1] == width else torch.nn.functional.pad(bt, (0, width - bt.shape[1])))
+        seqs.append(torch.arange(first, first + g.num_seqs, dtype=torch.int64) if g.is_decode else g.token_seq + first)
+        lens.append(g.seq_lens if g.is_decode else g.token_lens)
+        first += g.num_seqs
+    token_seq, token_lens = torch.cat(seqs), torch.cat(lens)
+    if token_seq.shape[0] != num_tokens:
+        raise ValueError(f"the attention groups cover {token_seq.shape[0]} tokens, the step has {num_tokens}")
+    return torch.cat(tables), token_seq, token_lens

@@ -3,9 +3,9 @@ compiler and called through ctypes (no torch headers, so a build takes about a s
 
 Three libraries from ``csrc/``: ``paged_attention.c`` (the paged attention kernel),
 ``fused_ops.c`` (fused RMSNorm + residual add, SiLU-and-mul, RoPE + KV-cache write, row argmax)
-and ``decode_step.c`` (bf16 matmuls of 1-64 rows straight from oneDNN's packed weights,
-``small_gemm.c``, the AMX and AVX2 bf16 matmuls ``amx_gemm.c`` and ``avx2_gemm.c``, and a whole
-decode step's layer loop for small batches). Each shared
+and ``decode_step.c`` (bf16 matmuls straight from oneDNN's packed weights, built for 1-64
+rows, ``small_gemm.c``, the AMX and AVX2 bf16 matmuls ``amx_gemm.c`` and ``avx2_gemm.c``, and a
+whole step's layer loop). Each shared
 object is cached under ``$PAGEDSERVE_CACHE/kernels`` keyed by the sources, the compiler flags
 and the CPU. It links ``libgomp.so.1``, which the dynamic loader resolves to the OpenMP runtime
 torch already loaded, so the kernels share torch's thread pool and thread count.
@@ -100,7 +100,7 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
         lib.decode_layer_entries.restype = ctypes.c_int
         lib.decode_layer_entries.argtypes = []
         lib.decode_layers_bf16.restype = ctypes.c_int
-        lib.decode_layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, p, p, i64, p, p, i32]
+        lib.decode_layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, p, p, i64, p, p, p, i32]
         lib.stream_read.restype = f32
         lib.stream_read.argtypes = [p, i64]
     else:

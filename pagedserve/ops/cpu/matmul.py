@@ -1,5 +1,5 @@
 """ctypes wrappers of the bf16 matmuls of ``csrc/`` and of the one-call decode step
-(``csrc/decode_step.c``): the small-M matmul on oneDNN's packed weights (``small_gemm.c``), with
+(``csrc/decode_step.c``, decodes and prefill chunks): the small-M matmul on oneDNN's packed weights (``small_gemm.c``), with
 the per-shape calibration that makes it bit-identical to oneDNN's batched output; the AMX
 and AVX2 bf16 matmuls on their own weight layouts (``amx_gemm.c``, ``avx2_gemm.c``); 2 MiB pages for the weights; and a
 memory-bandwidth probe."""
@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.ops.cpu.build import _get, get_lib
 
-SMALL_GEMM_MAX_ROWS = 64  # SG_MAX_ROWS in small_gemm.c
+SMALL_GEMM_MAX_ROWS = 64  # the layer-by-layer path's projections take the small-M kernel up to here (SG_MAX_ROWS in small_gemm.c)
 
 
 def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
@@ -101,7 +101,7 @@ def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
 
 
 def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, plan: tuple[int, int]) -> torch.Tensor:
-    """``x [M, K]`` (bf16, contiguous, 1 <= M <= SMALL_GEMM_MAX_ROWS) times a packed weight whose ``plan`` came
+    """``x [M, K]`` (bf16, contiguous, M >= 1; past SMALL_GEMM_MAX_ROWS 64 rows at a time) times a packed weight whose ``plan`` came
     from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
     batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
     lib = _get("decode")  # not get_small_gemm_lib(): plans made at load stay usable if the env changes
@@ -217,8 +217,9 @@ def decode_layers(
     cos: torch.Tensor,
     sin: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    token_lens: torch.Tensor,
     *,
+    token_seq: Optional[torch.Tensor] = None,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -228,8 +229,8 @@ def decode_layers(
     scale: float,
     kv_int8: bool = False,
 ) -> int:
-    """Every decoder layer and the final RMSNorm of a decode step of ``M`` sequences (at most 16
-    unless every projection has the AMX matmul), in one C call (``decode_step.c``), bf16.
+    """Every decoder layer and the final RMSNorm of a step of ``M`` tokens (decodes, prefill
+    chunks or both), in one C call (``decode_step.c``), bf16.
 
     Args:
         table: ``[num_layers, decode_layer_entries()]`` int64: per layer the packed weights,
@@ -237,9 +238,11 @@ def decode_layers(
             weights and the layer's K and V cache addresses.
         hidden: ``[M, hidden_size]`` contiguous bf16 embeddings, overwritten with the final
             normed hidden states.
-        positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables: ``[M, max_blocks]``
-            int64; cos, sin: float32 ``[max_positions, head_dim]``. Positions and slots must be
-            in range (the C code does not check).
+        positions, slot_mapping, token_lens: ``[M]`` int64 (token_lens: tokens each token
+            attends to, its position + 1); block_tables: ``[num_seqs, max_blocks]`` int64;
+            token_seq: ``[M]`` int64, each token's row of block_tables (None: row t, a decode
+            step); cos, sin: float32 ``[max_positions, head_dim]``. Positions, slots and
+            token_seq must be in range (the C code does not check).
         kv_int8: the caches in the table are the int8 layout of :mod:`pagedserve.ops.kv_int8`.
     Returns:
         0 on success; -1 unsupported shape, -2 out of memory, -3 attention failed.
@@ -248,11 +251,13 @@ def decode_layers(
     attn_fn = get_lib().paged_attention_q8_bf16 if kv_int8 else get_lib().paged_attention_bf16
     attention = ctypes.cast(attn_fn, ctypes.c_void_p).value
     m, hid = hidden.shape
-    assert hidden.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous() and positions.is_contiguous()
+    assert hidden.is_contiguous() and block_tables.is_contiguous() and token_lens.is_contiguous() and positions.is_contiguous()
+    assert token_seq is None or (token_seq.is_contiguous() and token_seq.dtype == torch.int64 and token_seq.shape[0] == m)
     return lib.decode_layers_bf16(
         table.data_ptr(), table.shape[0], m, hid, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale,
         hidden.data_ptr(), final_norm.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos.data_ptr(),
-        sin.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), attention, int(kv_int8),
+        sin.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], None if token_seq is None else token_seq.data_ptr(),
+        token_lens.data_ptr(), attention, int(kv_int8),
     )
 
 

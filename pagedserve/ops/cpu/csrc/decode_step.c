@@ -1,8 +1,10 @@
 /*
- * A whole decode step of a Llama-family decoder in one call, in bf16 on the CPU: any number of
- * sequences when every projection has the AMX or the AVX2 matmul, else 1-64. With few sequences the step
- * is a stream of small matmuls and element-wise ops; issued one by one from Python, their
- * dispatch (~10 us each, ~9 per layer) costs as much as a third of the step. This loop runs the
+ * A whole step of a Llama-family decoder in one call, in bf16 on the CPU: decodes, prefill
+ * chunks or both, any number of tokens. With few sequences the step is a stream of small
+ * matmuls and element-wise ops; issued one by one from Python, their dispatch (~10 us each,
+ * ~9 per layer) costs as much as a third of the step. In a step that prefills beside decodes
+ * the layer-by-layer path paid ~25 ms of Python, dispatch and allocation a step, with the
+ * other OpenMP thread waiting (benchmarks/README.md). This loop runs the
  * same ops in the same order as `DecoderLayer.forward_fused` (the same C functions:
  * add_rms_norm, rope_write_kv and silu_mul from fused_ops.c, the matmuls of amx_gemm.c,
  * avx2_gemm.c or small_gemm.c, and the paged attention kernel through a function pointer, since that library
@@ -41,8 +43,7 @@ int decode_layer_entries(void) { return L_ENTRIES; }
 #if defined(HAVE_SMALL_GEMM) || defined(HAVE_AVX2_GEMM)
 #define HAVE_DECODE_STEP 1
 /* One projection of the layer table, e = its 4 entries: the AMX matmul (plan (0, -1)), the
- * AVX2 one (plan (0, -2)), both for any M, or the small-M one. */
-static inline int any_rows(const int64_t* e) { return e[2] == 0 && (e[3] == -1 || e[3] == -2); }
+ * AVX2 one (plan (0, -2)) or the small-M one, each for any M. */
 static int projection(const uint16_t* x, int64_t M, int64_t K, const int64_t* e, uint16_t* y, int64_t N) {
     if (e[2] == 0 && e[3] == -2) return avx2_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N);
     if (e[2] == 0 && e[3] == -1) return amx_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N);
@@ -54,19 +55,19 @@ static int projection(const uint16_t* x, int64_t M, int64_t K, const int64_t* e,
  * return. layers: [num_layers, L_ENTRIES] int64 (packed weights, biases or 0, plans, RMSNorm
  * weights, this layer's K and V caches [num_blocks, num_kv_heads, block_size, head_dim], or with
  * kv_int8 the int8 layout of kv_int8.h; `attention` is then paged_attention_q8_bf16).
- * positions, slots, seq_lens: [M] int64; block_tables: [M, max_blocks] int64; cos, sin:
- * float32 [max_positions, head_dim]. Returns 0, -1 for an unsupported shape, -2 when out of
- * memory, -3 when attention fails. */
+ * positions, slots, token_lens: [M] int64 (token_lens: how many tokens each token attends to,
+ * its position + 1); block_tables: [num_seqs, max_blocks] int64; token_seq: [M] int64, each
+ * token's row of block_tables, or NULL for row t (a decode step); cos, sin: float32
+ * [max_positions, head_dim]. Returns 0, -1 for an unsupported shape, -2 when out of memory, -3
+ * when attention fails. */
 int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int64_t hidden, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t block_size, float eps,
                        float scale, uint16_t* x, const uint16_t* final_norm, const int64_t* positions,
                        const int64_t* slots, const float* cos, const float* sin, const int64_t* block_tables,
-                       int64_t max_blocks, const int64_t* seq_lens, void* attention, int kv_int8) {
+                       int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, void* attention,
+                       int kv_int8) {
 #ifdef HAVE_DECODE_STEP
     if (M < 1 || hidden > MAX_DIM || head_dim > 1024) return -1;
-    for (int64_t l = 0; l < num_layers; l++)
-        for (int p = L_QKV_W; p <= L_DOWN_W; p += L_O_W - L_QKV_W)
-            if (M > SG_MAX_ROWS && !any_rows(layers + l * L_ENTRIES + p)) return -1;
     const attention_fn attn = (attention_fn)attention;
     const int64_t qs = num_heads * head_dim, kvs = num_kv_heads * head_dim, qkv_n = qs + 2 * kvs;
     uint16_t* buf = (uint16_t*)malloc(sizeof(uint16_t) * M * (3 * hidden + qkv_n + 2 * qs + 3 * inter));
@@ -84,7 +85,7 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
         if (projection(h, M, hidden, L + L_QKV_W, qkv, qkv_n)) { rc = -1; break; }
         rope_write_kv_impl(qkv, qkv_n, qkv + qs + kvs, qkv_n, positions, slots, cos, sin, q, P16(L[L_K_CACHE]),
                            P16(L[L_V_CACHE]), M, num_heads, num_kv_heads, head_dim, block_size, 1, kv_int8);
-        if (attn(q, P16(L[L_K_CACHE]), P16(L[L_V_CACHE]), block_tables, max_blocks, NULL, seq_lens, ao, M, num_heads,
+        if (attn(q, P16(L[L_K_CACHE]), P16(L[L_V_CACHE]), block_tables, max_blocks, token_seq, token_lens, ao, M, num_heads,
                  num_kv_heads, head_dim, block_size, scale)) { rc = -3; break; }
         if (projection(ao, M, qs, L + L_O_W, d, hidden)) { rc = -1; break; }
         add_rms_norm(d, r, P16(L[L_LN2]), h, M, hidden, eps, 1);
@@ -98,7 +99,8 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
 #else
     (void)layers; (void)num_layers; (void)M; (void)hidden; (void)num_heads; (void)num_kv_heads; (void)head_dim;
     (void)inter; (void)block_size; (void)eps; (void)scale; (void)x; (void)final_norm; (void)positions; (void)slots;
-    (void)cos; (void)sin; (void)block_tables; (void)max_blocks; (void)seq_lens; (void)attention; (void)kv_int8;
+    (void)cos; (void)sin; (void)block_tables; (void)max_blocks; (void)token_seq; (void)token_lens; (void)attention;
+    (void)kv_int8;
     return -1;
 #endif
 }

@@ -1,5 +1,6 @@
 /*
- * Small-M bf16 matmul (decode with 1-64 sequences) straight from oneDNN's packed weights.
+ * Small-M bf16 matmul (decode with 1-64 sequences; more rows 64 at a time, as the one-call step's
+ * prefill chunks have) straight from oneDNN's packed weights.
  *
  * A decode step with one sequence multiplies one row by every weight matrix: the work is
  * streaming the weights from memory (SmolLM2-135M: 265 MB per token), and oneDNN's brgemm
@@ -182,19 +183,21 @@ static void sg_range(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
 
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]), bf16 in and out. w: oneDNN-packed [N/64][K/2][64][2];
  * partial sums of `chain` k pairs over the first `body` pairs, then one over the rest.
- * Requires 1 <= M <= 64, N % 64 == 0, K % 2 == 0, chain >= 1. Output blocks are split evenly
- * over the OpenMP threads. Returns 0, or -1 when the shape or the CPU is not supported
- * (nothing written). */
+ * Requires M >= 1, N % 64 == 0, K % 2 == 0, chain >= 1. Output blocks are split evenly over the
+ * OpenMP threads; past 64 rows each thread takes its blocks for 64 rows at a time (the rows'
+ * panel stays in L2 while the blocks stream), every row the same operations as alone. Returns
+ * 0, or -1 when the shape or the CPU is not supported (nothing written). */
 int small_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                     int64_t N, int64_t chain, int64_t body) {
 #ifdef HAVE_SMALL_GEMM
-    if (M < 1 || M > SG_MAX_ROWS || N % SG_NBLK || K % 2 || chain < 1 || body < 0 || body > K / 2) return -1;
+    if (M < 1 || N % SG_NBLK || K % 2 || chain < 1 || body < 0 || body > K / 2) return -1;
     const int64_t nblocks = N / SG_NBLK;
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t b0 = nblocks * t / nt, b1 = nblocks * (t + 1) / nt;
-        if (b0 < b1) sg_range(x, M, K, w, bias, y, N, b0, b1, chain, body);
+        for (int64_t r = 0; r < M && b0 < b1; r += SG_MAX_ROWS)
+            sg_range(x + r * K, M - r < SG_MAX_ROWS ? M - r : SG_MAX_ROWS, K, w, bias, y + r * N, N, b0, b1, chain, body);
     }
     return 0;
 #else
