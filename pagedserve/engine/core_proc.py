@@ -175,7 +175,8 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
         from pagedserve.engine.core import EngineCore
 
         core = EngineCore(EngineConfig(**config))
-        logger.debug("pagedserve engine core: %d objects frozen for the collector", freeze_gc_heap())
+        frozen = freeze_gc_heap()
+        logger.debug("pagedserve engine core: %d objects frozen for the collector", frozen)
         send(["ready", core.info])
         try:
             run_busy_loop(core, recv, send, parent_alive=parent_alive, kv_events=kv_events)

@@ -125,12 +125,16 @@ class CpuBackend(TorchBackend):
         table = self._decode_table(model, kv_caches)
         if table is None:
             return False
-        if not (len(groups) == 1 and groups[0].is_decode) and hidden.shape[0] > self._prefill_max_rows:
+        decode_only = len(groups) == 1 and groups[0].is_decode
+        if not decode_only and hidden.shape[0] > self._prefill_max_rows:
             return False
         attn = model.layers[0].self_attn
         _check_range("positions", positions, model.rotary_emb.cos_cache.shape[0])
         _check_range("slot_mapping", metadata.slot_mapping, kv_caches[0].shape[1] * metadata.block_size)
-        block_tables, token_seq, token_lens = _one_group(groups, hidden.shape[0])
+        if decode_only:
+            block_tables, token_seq, token_lens = groups[0].block_tables, None, groups[0].seq_lens
+        else:
+            block_tables, token_seq, token_lens = _one_group(groups, hidden.shape[0])
         rc = matmul.decode_layers(
             table, hidden, model.norm.weight, positions, metadata.slot_mapping, model.rotary_emb.cos_cache,
             model.rotary_emb.sin_cache, block_tables, token_lens, token_seq=token_seq, num_heads=attn.num_heads,
@@ -185,13 +189,10 @@ class CpuBackend(TorchBackend):
         return table
 
 
-def _one_group(groups: list, num_tokens: int) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """The step's attention groups (decodes, then prefill chunks, in the flat batch's order) as
-    one: ``(block_tables [num_seqs, max_blocks], token_seq [num_tokens] or None, token_lens
-    [num_tokens])``, int64; token_seq None for a decode-only step (token t is sequence t).
-    Narrower tables are padded with block 0 (read by no token)."""
-    if len(groups) == 1 and groups[0].is_decode:
-        return groups[0].block_tables, None, groups[0].seq_lens
+def _one_group(groups: list, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's attention groups with prefill tokens (decodes, then prefill chunks, in the flat
+    batch's order) as one: ``(block_tables [num_seqs, max_blocks], token_seq [num_tokens],
+    token_lens [num_tokens])``, int64. Narrower tables are padded with block 0 (read by no token)."""
     width = max(g.block_tables.shape[1] for g in groups)
     tables, seqs, lens, first = [], [], [], 0
     for g in groups:
