@@ -4,7 +4,8 @@ kernel picks with at least 4 tokens per thread), in the same script.
 
 Both sides are ``paged_attention.c`` as the engine builds it, the peer with
 ``-DTOKEN_TASKS_PER_THREAD`` set out of reach; with ``--rev REV`` a third side is the per-token
-kernel of git revision REV (the source of an earlier commit: A/B of a kernel change). Outputs
+kernel of git revision REV (the source of an earlier commit: A/B of a kernel change); ``--avx2``
+builds every side with ``-mno-avx512f`` (the AVX2 kernel on this CPU's memory system). Outputs
 are checked bit-identical. Work: 32 decode rows of 148-560 tokens over SmolLM2's 9 query / 3 KV
 heads (head_dim 64, bf16, 16-token blocks), 30 layers of distinct caches (read cold, as in a
 step), with each sequence's blocks in order (as after a prefill), as W1 leaves them (prompt
@@ -13,7 +14,7 @@ append them) and scattered over the pool (``--pool-blocks``, default 1.5x the bl
 the engine's default pool on SmolLM2 is ~11,650 blocks). Rounds alternate the sides; medians
 and the ratios to the first are printed, and the K/V bytes read per second.
 
-    .venv/bin/python benchmarks/avx512_attention.py [--rounds 9] [--threads 2] [--rev HEAD~1] [--pool-blocks 11650]
+    .venv/bin/python benchmarks/avx512_attention.py [--rounds 9] [--threads 2] [--rev HEAD~1] [--pool-blocks 11650] [--avx2]
 """
 from __future__ import annotations
 
@@ -49,10 +50,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rev", default=None, help="also time the per-token kernel of this git revision")
     ap.add_argument("--pool-blocks", type=int, default=None, help="blocks per layer cache (default: 1.5x those in use)")
+    ap.add_argument("--avx2", action="store_true", help="build every side with -mno-avx512f: the AVX2 kernel (no task orders to compare)")
     args = ap.parse_args()
+    flags = ["-mno-avx512f"] if args.avx2 else []
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the libraries' OpenMP starts
     grep = subprocess.run(["grep", "-m1", "-o", "avx512_bf16", "/proc/cpuinfo"], capture_output=True, text=True)
-    if "avx512_bf16" not in grep.stdout:
+    if "avx512_bf16" not in grep.stdout and not args.avx2:
         raise SystemExit("needs a CPU with AVX512-BF16 (elsewhere the kernel takes another path)")
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(148, 561, (SEQS,), generator=g)
@@ -71,14 +74,16 @@ def main() -> None:
                "blocks scattered": torch.randperm(pool, generator=g)[: sum(nblocks)]}
     nbytes = sum(int(n) for n in lens) * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {"per token": build([], os.path.join(tmp, "token.so")),
-               "per (token, KV head)": build(["-DTOKEN_TASKS_PER_THREAD=1000000"], os.path.join(tmp, "head.so"))}
+        side = "AVX2 kernel" if args.avx2 else "per token"
+        fns = {side: build(flags, os.path.join(tmp, "token.so"))}
+        if not args.avx2:
+            fns["per (token, KV head)"] = build(["-DTOKEN_TASKS_PER_THREAD=1000000"], os.path.join(tmp, "head.so"))
         if args.rev:
             rev_src = os.path.join(tmp, "rev")
             os.makedirs(rev_src)
-            tree = subprocess.run(["git", "archive", args.rev, "pagedserve/ops/cpu/csrc"], cwd=ROOT, check=True, capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", rev_src], input=tree, check=True)
-            fns[f"per token at {args.rev}"] = build([], os.path.join(tmp, "rev.so"), os.path.join(rev_src, "pagedserve", "ops", "cpu", "csrc"))
+            tree = subprocess.run(["git", "archive", args.rev, "pagedserve/ops/cpu/csrc"], cwd=ROOT, check=True, stdout=subprocess.PIPE).stdout
+            subprocess.run(["tar", "-x", "-f", "-", "-C", rev_src], input=tree, check=True)
+            fns[f"{side} at {args.rev}"] = build(flags, os.path.join(tmp, "rev.so"), os.path.join(rev_src, "pagedserve", "ops", "cpu", "csrc"))
         for layout, ids in layouts.items():
             tables = torch.zeros(SEQS, max(nblocks), dtype=torch.int64)
             at = 0
@@ -106,7 +111,7 @@ def main() -> None:
                     run(name)
                     times[name].append((time.perf_counter() - t0) * 1e3)
             med = {k: statistics.median(v) for k, v in times.items()}
-            base = med["per token"]
+            base = med[side]
             print(f"{layout}, {args.threads} threads, 30 layers: " + ", ".join(
                 f"{k} {v:.2f} ms ({nbytes / v / 1e6:.1f} GB/s, {v / base:.2f}x the time)" for k, v in med.items()) + " (bit-identical)")
 

@@ -5,8 +5,8 @@
  * measured (a VM) software prefetches alone changed nothing: one that misses the TLB is
  * apparently dropped, and a pool of gigabytes misses it at nearly every block; the loads fill
  * the TLB so the prefetches land. Into L1 (_MM_HINT_T0) the prefetches fill the miss buffers the
- * current block's loads need. Decode attention over scattered blocks 1.4-1.6x, over W1's layout
- * 1.3x (benchmarks/README.md). */
+ * current block's loads need. Decode attention over scattered blocks 1.5x, over W1's layout 1.4x
+ * (benchmarks/README.md). */
 static inline void prefetch_block(const uint16_t* p, int64_t bytes) {
     const uintptr_t a0 = (uintptr_t)p, a1 = a0 + (uintptr_t)bytes - 1;
     for (uintptr_t page = a0 & ~(uintptr_t)4095; page <= a1; page += 4096)
