@@ -16,8 +16,9 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
 /* Blocks of a sequence are scattered over the pool, which stops the hardware prefetcher at
  * every block boundary: ask for the next one while this one is used. As prefetch_block in
  * attention_avx512.c: one load per 4 KiB page (on the Zen 4 measured, a software prefetch that
- * missed the TLB did nothing), then the lines into L2. This path built with -mno-avx512f on the Zen 4: 1.5x over
- * scattered blocks, 2.0x in order (benchmarks/README.md; not measured on an AVX2-only CPU). */
+ * missed the TLB did nothing), then the lines into L2. This path built with -mno-avx512f on the
+ * Zen 4: 1.4-1.5x over scattered blocks, 1.75-2.0x in order (benchmarks/README.md; not measured
+ * on an AVX2-only CPU). */
 static inline void prefetch_bytes(const void* p, int64_t nbytes) {
     const uintptr_t a0 = (uintptr_t)p, a1 = a0 + (uintptr_t)nbytes - 1;
     for (uintptr_t page = a0 & ~(uintptr_t)4095; page <= a1; page += 4096)
