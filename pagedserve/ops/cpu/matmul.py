@@ -1,6 +1,6 @@
-"""ctypes wrappers of the bf16 matmuls of ``csrc/`` and of the one-call decode step
-(``csrc/decode_step.c``, decodes and prefill chunks): the small-M matmul on oneDNN's packed weights (``small_gemm.c``), with
-the per-shape calibration that makes it bit-identical to oneDNN's batched output; the AMX
+"""ctypes wrappers of the bf16 matmuls of ``csrc/`` and of the one-call step
+(``csrc/decode_step.c``, decodes and prefill chunks): the small-M matmul on oneDNN's packed
+weights (``small_gemm.c``), with the per-shape calibration that makes it bit-identical to oneDNN's batched output; the AMX
 and AVX2 bf16 matmuls on their own weight layouts (``amx_gemm.c``, ``avx2_gemm.c``); 2 MiB pages for the weights; and a
 memory-bandwidth probe."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 
 from pagedserve.ops.cpu.build import _get, get_lib
 
-SMALL_GEMM_MAX_ROWS = 64  # the layer-by-layer path's projections take the small-M kernel up to here (SG_MAX_ROWS in small_gemm.c)
+# The layer-by-layer path's projections take the small-M kernel up to here (SG_MAX_ROWS in small_gemm.c).
+SMALL_GEMM_MAX_ROWS = 64
 
 
 def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
@@ -101,8 +102,8 @@ def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
 
 
 def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, plan: tuple[int, int]) -> torch.Tensor:
-    """``x [M, K]`` (bf16, contiguous, M >= 1; past SMALL_GEMM_MAX_ROWS 64 rows at a time) times a packed weight whose ``plan`` came
-    from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
+    """``x [M, K]`` (bf16, contiguous, M >= 1; past SMALL_GEMM_MAX_ROWS, 64 rows at a time) times a
+    packed weight whose ``plan`` came from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
     batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
     lib = _get("decode")  # not get_small_gemm_lib(): plans made at load stay usable if the env changes
     m, k = x.shape

@@ -13,19 +13,6 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
-/* Blocks of a sequence are scattered over the pool, which stops the hardware prefetcher at
- * every block boundary: ask for the next one while this one is used. As prefetch_block in
- * attention_avx512.c: one load per 4 KiB page (on the Zen 4 measured, a software prefetch that
- * missed the TLB did nothing), then the lines into L2. This path built with -mno-avx512f on the
- * Zen 4: 1.4-1.5x over scattered blocks, 1.75-2.0x in order (benchmarks/README.md; not measured
- * on an AVX2-only CPU). */
-static inline void prefetch_bytes(const void* p, int64_t nbytes) {
-    const uintptr_t a0 = (uintptr_t)p, a1 = a0 + (uintptr_t)nbytes - 1;
-    for (uintptr_t page = a0 & ~(uintptr_t)4095; page <= a1; page += 4096)
-        (void)*(volatile const char*)(page < a0 ? a0 : page);
-    for (int64_t i = 0; i < nbytes; i += 64) _mm_prefetch((const char*)p + i, _MM_HINT_T1);
-}
-
 #define AVX2_MAX_GROUP 12 /* larger GQA groups take the generic path */
 
 /* Eight values at element i of a float32 (bf = 0) or bf16 (bf = 1) array, as float32. */
@@ -114,8 +101,8 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const char* kb = (const char*)kc + (table[t0 / block_size] * block_stride + head_off) * esize;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + block_size < n) prefetch_bytes((const char*)kc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, block_bytes);
-        else prefetch_bytes((const char*)vc + (table[0] * block_stride + head_off) * esize, block_bytes);
+        if (t0 + block_size < n) prefetch_block((const char*)kc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, block_bytes);
+        else prefetch_block((const char*)vc + (table[0] * block_stride + head_off) * esize, block_bytes);
         int64_t o = 0;
         for (; o + R <= len; o += R)
             qk_keys((const float (*)[MAX_HEAD_DIM])qf, kb + o * head_dim * esize, nc, head_dim, scores + t0 + o, n, G, R, bf);
@@ -129,7 +116,7 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const char* vb = (const char*)vc + (table[t0 / block_size] * block_stride + head_off) * esize;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + block_size < n) prefetch_bytes((const char*)vc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, block_bytes);
+        if (t0 + block_size < n) prefetch_block((const char*)vc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, block_bytes);
         pv_block(acc, scores + t0, n, vb, len, nc, head_dim, G, CH, bf);
     }
     for (int g = 0; g < G; g++) {

@@ -1,19 +1,4 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* Ask for the next block's K or V (`bytes` contiguous bytes) while this one is being used: blocks
- * of a sequence are scattered over the pool, which defeats the hardware prefetcher at every block
- * boundary. First one load in each 4 KiB page it spans, then every line into L2. On the Zen 4
- * measured (a VM) software prefetches alone changed nothing: one that misses the TLB is
- * apparently dropped, and a pool of gigabytes misses it at nearly every block; the loads fill
- * the TLB so the prefetches land. Into L1 (_MM_HINT_T0) the prefetches fill the miss buffers the
- * current block's loads need. Decode attention over scattered blocks 1.5x, over W1's layout 1.4x
- * (benchmarks/README.md). */
-static inline void prefetch_block(const uint16_t* p, int64_t bytes) {
-    const uintptr_t a0 = (uintptr_t)p, a1 = a0 + (uintptr_t)bytes - 1;
-    for (uintptr_t page = a0 & ~(uintptr_t)4095; page <= a1; page += 4096)
-        (void)*(volatile const char*)(page < a0 ? a0 : page);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T1);
-}
-
 /* Sixteen vectors -> one: lane i = sum of the lanes of a[i]. 45 shuffles/adds instead of 16
  * full horizontal reductions (~8 each). */
 static inline __m512 hsum16(__m512 a[16]) {
