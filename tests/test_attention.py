@@ -195,3 +195,35 @@ def test_prefill_row_equals_decode_row(num_heads, num_kv_heads, block_size, head
         one = torch.empty_like(q[t : t + 1])
         assert cpu_kernels.paged_attention_cpu(q[t : t + 1].contiguous(), cache, bt[token_seq[t : t + 1]].contiguous(), None, token_lens[t : t + 1].contiguous(), 0.125, one)
         assert torch.equal(one[0], chunk[t]), t
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size,head_dim", [(9, 3, 16, 64), (8, 2, 32, 64), (4, 4, 16, 64), (8, 4, 16, 64), (16, 8, 16, 128), (6, 3, 48, 128)])
+def test_prefill_tiles_equal_rows_alone(num_heads, num_kv_heads, block_size, head_dim):
+    """With AVX512-BF16 a prefill chunk's rows run in tiles of up to 16 tokens that share each
+    K/V block (transposed keys, pre-paired values); every row must be the same bits as that token
+    alone, also where fp32 rounding depends on the order of the sums (values spanning 2^-8..2^8
+    around a large shared term), so that a changed summation order shows in the output."""
+    g = torch.Generator().manual_seed(11)
+    parts = [(0, 57), (5, 40), (31, 16), (16, 3), (0, 1), (200, 35), (47, 18)]
+    seq_lens = [c + n for c, n in parts]
+    cache, tables = _paged_case(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, seed=5)
+    cache = (cache * torch.exp2(torch.randint(-8, 9, cache.shape, generator=g).float())).to(torch.bfloat16)
+    max_blocks = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+    T = sum(n for _, n in parts)
+    q = torch.randn(T, num_heads, head_dim, generator=g)
+    q = (q * torch.exp2(torch.randint(-8, 9, q.shape, generator=g).float())).to(torch.bfloat16)
+    # A shared 2^22 term in every score (dimension 0 of q and K): the scores sit near 512 after
+    # scaling, where an fp32 ulp is 2^-14, so a changed order of the sums moves probabilities by
+    # more than bf16 rounding hides; the varying parts (a few units) keep the softmax spread.
+    cache[0, ..., 0] = 2.0**11
+    q[..., 0] = 2.0**11
+    token_seq = torch.tensor([i for i, (_, n) in enumerate(parts) for _ in range(n)])
+    token_lens = torch.tensor([p + 1 for c, n in parts for p in range(c, c + n)])
+    scale = 2.0**-13
+    chunk = torch.empty_like(q)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt, token_seq, token_lens, scale, chunk)
+    alone = torch.empty_like(q)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt[token_seq].contiguous(), None, token_lens, scale, alone)
+    assert torch.isfinite(chunk.float()).all()
+    assert torch.equal(chunk, alone)

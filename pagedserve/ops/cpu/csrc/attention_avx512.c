@@ -14,6 +14,16 @@ static inline __m512 hsum16(__m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
 }
 
+/* Sum of the 16 lanes in a fixed order, that of GCC's _mm512_reduce_add_ps (halves, then
+ * quarters, then lanes (0 + 2) + (1 + 3)), written out so that the prefill tiles
+ * (attention_avx512_tiles.c) can repeat it with keys in lanes whatever the compiler. */
+static inline float reduce_add16(__m512 a) {
+    const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)), _mm512_castps512_ps256(a));
+    const __m128 x = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(y) + _mm_cvtss_f32(_mm_shuffle_ps(y, y, 1));
+}
+
 /* bfloat16 fast path for head_dim = 16 * NV (NV = 4 or 8) and small GQA groups, all with
  * vdpbf16ps (bf16 pairs multiplied, accumulated in fp32):
  * - scores: q.k straight from the cache, 16 tokens at a time with one transposing reduction;
@@ -62,7 +72,7 @@ static inline __attribute__((always_inline)) void bf16_scores_block(
         for (int g = 0; g < G; g++) {
             __m512 acc = _mm512_setzero_ps();
             for (int v = 0; v < NC; v++) acc = _mm512_dpbf16_ps(acc, kv[v], qv[g][v]);
-            scores[g * n + t0 + o] = _mm512_reduce_add_ps(acc) * scale;
+            scores[g * n + t0 + o] = reduce_add16(acc) * scale;
         }
     }
 }
@@ -178,6 +188,7 @@ static inline __attribute__((always_inline)) void decode_token_bf16(
 }
 
 #include "attention_avx512_q8.c"
+#include "attention_avx512_tiles.c"
 
 #define HAVE_BF16_FAST_PATH 1
 static inline int fast_path_shape(int64_t group, int64_t head_dim) {
@@ -198,81 +209,5 @@ static inline int fast_path_shape(int64_t group, int64_t head_dim) {
         default: TASK(4, 8); break;                                \
     }
 
-/* Query tokens per thread from which a call runs one task per token (decode_token_bf16) rather
- * than per (token, KV head): enough tasks to share between the threads. */
-#ifndef TOKEN_TASKS_PER_THREAD
-#define TOKEN_TASKS_PER_THREAD 4
-#endif
-/* Most scores (num_heads * context) a token task keeps: 6 bytes each, 768 KiB, within a 1 MiB L2.
- * Measured on Zen 4 with 32 query / 8 KV heads: 2,000-4,000 tokens of context 1.29-1.36x the
- * per-head tasks, 6,000-8,000 tokens (1.5 MiB of scores) 0.89-1.00x. */
-#define TOKEN_TASK_MAX_SCORES (1 << 17)
-
-/* qsort order of (length, index) pairs: longer first, then lower index. */
-static int longer_first(const void* a, const void* b) {
-    const int64_t* x = (const int64_t*)a;
-    const int64_t* y = (const int64_t*)b;
-    if (x[0] != y[0]) return x[0] > y[0] ? -1 : 1;
-    return x[1] < y[1] ? -1 : (x[1] > y[1]);
-}
-
-static inline int token_tasks_preferred(int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t max_n) {
-    return num_kv_heads > 1 && num_kv_heads <= TOKEN_TASK_MAX_KV_HEADS && num_heads * max_n <= TOKEN_TASK_MAX_SCORES
-        && num_tokens >= TOKEN_TASKS_PER_THREAD * omp_get_max_threads();
-}
-
-/* paged_attention's fast path (bf16 queries; bf16 or int8 cache) with one OpenMP task per query
- * token (fast_path_shape and token_tasks_preferred hold); max_n: the largest token_lens. Returns 0,
- * or -2 on allocation failure. */
-static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
-                                  int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, uint16_t* out,
-                                  int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t block_size, float scale, int kv_int8, int64_t max_n) {
-    const int64_t group = num_heads / num_kv_heads;
-    /* elements of a bf16 block, or bytes of an int8 one */
-    const int64_t block_stride = kv_int8 ? num_kv_heads * Q8_BYTES(block_size, head_dim) : num_kv_heads * block_size * head_dim;
-    /* Longest tasks first (LPT): with tokens in batch order a long context last left one thread
-     * working while the other waited. The order changes no token's arithmetic. */
-    int64_t* order = (int64_t*)malloc(sizeof(int64_t) * 2 * num_tokens);
-    if (order == NULL) return -2;
-    for (int64_t t = 0; t < num_tokens; t++) {
-        order[2 * t] = token_lens[t];
-        order[2 * t + 1] = t;
-    }
-    qsort(order, (size_t)num_tokens, 2 * sizeof(int64_t), longer_first);
-    int failed = 0;
-#pragma omp parallel
-    {
-    __m512 (*acc)[4][8] = (__m512 (*)[4][8])aligned_alloc(64, sizeof(__m512) * TOKEN_TASK_MAX_KV_HEADS * 4 * 8);
-    float* scores = acc ? (float*)malloc((sizeof(float) + sizeof(uint16_t)) * num_heads * max_n) : NULL;
-    uint16_t* pbf = scores ? (uint16_t*)(scores + num_heads * max_n) : NULL;
-    if (scores == NULL) {
-#pragma omp atomic write
-        failed = 1;
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tokens; i++) {
-        if (scores == NULL) continue;
-        const int64_t t = order[2 * i + 1];
-        const int64_t* table = block_tables + (token_seq ? token_seq[t] : t) * max_blocks;
-        const uint16_t* qp = q + t * num_heads * head_dim;
-        uint16_t* op = out + t * num_heads * head_dim;
-#define TOKEN_TASK(G_, NV_)                                                                                                  \
-        do {                                                                                                                 \
-            if (kv_int8)                                                                                                     \
-                decode_token_q8(qp, (const char*)k_cache, (const char*)v_cache, table, token_lens[t], block_size,         \
-                                block_stride, num_kv_heads, G_, scale, op, scores, acc, NV_);                                     \
-            else                                                                                                             \
-                decode_token_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, token_lens[t], block_size, \
-                                  block_stride, num_kv_heads, G_, scale, op, scores, pbf, acc, NV_);                              \
-        } while (0)
-        FAST_PATH_DISPATCH(group, head_dim, TOKEN_TASK)
-#undef TOKEN_TASK
-    }
-    free(scores);
-    free(acc);
-    }
-    free(order);
-    return failed ? -2 : 0;
-}
+#include "attention_avx512_tokens.c"
 #endif

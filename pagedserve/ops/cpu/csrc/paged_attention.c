@@ -196,8 +196,8 @@ static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
 
 /* Attention of num_tokens query tokens, each to the first token_lens[t] cached tokens of the
  * sequence whose block table is row token_seq[t] (token_seq NULL: row t, the decode case).
- * One OpenMP task per (query token, KV head), or per query token (attention_avx512.c); each
- * thread owns one score buffer per call.
+ * One OpenMP task per (query token, KV head), or per query token or tile of a prefill chunk's
+ * tokens (attention_avx512_tokens.c); each thread owns one score buffer per call.
  * Returns 0 on success, -1 when group or head_dim exceed the static limits, -2 on allocation failure. */
 static int paged_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, void* out,
