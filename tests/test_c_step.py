@@ -117,9 +117,9 @@ def test_mixed_steps_in_one_c_call_equal_layer_by_layer(kv_cache_dtype, tiny_mod
 @pytest.mark.parametrize("inter", [512, 4160])
 def test_steps_with_prefill_take_the_c_step_within_its_bounds(inter, tiny_model_factory, monkeypatch):
     """Prefills of up to C_STEP_MAX_PREFILL_ROWS tokens take the C step, longer ones the
-    layer-by-layer path, and none does where a small-M projection is wider than
-    C_STEP_SMALL_GEMM_MAX_K (down_proj's input here with inter 4160); decodes take it either way.
-    Outputs equal the layer-by-layer path's."""
+    layer-by-layer path; where a small-M projection is wider than C_STEP_SMALL_GEMM_MAX_K
+    (down_proj's input here with inter 4160) only those of up to C_STEP_WIDE_MAX_PREFILL_ROWS;
+    decodes take it either way. Outputs equal the layer-by-layer path's."""
     path = tiny_model_factory("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=inter, num_hidden_layers=2)
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=256, max_model_len=1024, enable_prefix_caching=False)
     down = llm.llm_engine.core.worker.model.layers[0].mlp.down_proj
@@ -127,11 +127,12 @@ def test_steps_with_prefill_take_the_c_step_within_its_bounds(inter, tiny_model_
     limit = cpu_backend.C_STEP_MAX_PREFILL_ROWS
     prefills = []
     calls, _ = _decode_step_calls(llm, monkeypatch, prefills)
-    prompts = [{"prompt_token_ids": [(5 * j) % 700 + 10 for j in range(n)]} for n in (limit, limit + 1)]
+    wide = cpu_backend.C_STEP_WIDE_MAX_PREFILL_ROWS
+    prompts = [{"prompt_token_ids": [(5 * j) % 700 + 10 for j in range(n)]} for n in (wide, wide + 1, limit, limit + 1)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     prefills.clear()
     c_step = [_run(llm, p, params)[0] for p in prompts]
-    assert prefills == ([] if small_m and inter > cpu_backend.C_STEP_SMALL_GEMM_MAX_K else [limit])
+    assert prefills == ([wide] if small_m and inter > cpu_backend.C_STEP_SMALL_GEMM_MAX_K else [wide, wide + 1, limit])
     monkeypatch.setattr(CpuBackend, "decode_step", lambda *a: False)
     assert [_run(llm, p, params)[0] for p in prompts] == c_step
     assert_engine_idle(llm)

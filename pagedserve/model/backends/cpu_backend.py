@@ -60,6 +60,9 @@ C_STEP_MAX_PREFILL_ROWS = 512
 # ... and only where no small-M projection is wider than this (inputs): the 1.1B model's down
 # projection (K = 8,192; 64 rows of it fill a 1 MiB L2) ran 0.97-0.98x at 256-512 tokens.
 C_STEP_SMALL_GEMM_MAX_K = 4096
+# Wider models still take it up to this many tokens: the 1.1B model 1.03-1.06x at 48 + 8 and
+# 96 + 16 decodes (the chunks ``--max-step-ms`` gives it), 0.95-0.98x at 160-240 + 16.
+C_STEP_WIDE_MAX_PREFILL_ROWS = 128
 
 
 class CpuBackend(TorchBackend):
@@ -184,7 +187,7 @@ class CpuBackend(TorchBackend):
                 rows.append(entries)
         if ok and rows and len(rows[0]) == matmul.decode_layer_entries():
             table = torch.tensor(rows, dtype=torch.int64)
-            self._prefill_max_rows = C_STEP_MAX_PREFILL_ROWS if widest_small <= C_STEP_SMALL_GEMM_MAX_K else 0
+            self._prefill_max_rows = C_STEP_MAX_PREFILL_ROWS if widest_small <= C_STEP_SMALL_GEMM_MAX_K else C_STEP_WIDE_MAX_PREFILL_ROWS
         self._decode_table_cache = (key, table, kv_caches)
         return table
 
