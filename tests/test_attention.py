@@ -202,7 +202,8 @@ def test_prefill_tiles_equal_rows_alone(num_heads, num_kv_heads, block_size, hea
     """With AVX512-BF16 a prefill chunk's rows run in tiles of up to 16 tokens that share each
     K/V block (transposed keys, pre-paired values); every row must be the same bits as that token
     alone, also where fp32 rounding depends on the order of the sums (values spanning 2^-8..2^8
-    around a large shared term), so that a changed summation order shows in the output."""
+    around a large shared term), so that a changed summation order shows in the output. (With
+    AMX, head_dim 64 goes through attention_amx.c's tiles, which promise the same.)"""
     g = torch.Generator().manual_seed(11)
     parts = [(0, 57), (5, 40), (31, 16), (16, 3), (0, 1), (200, 35), (47, 18)]
     seq_lens = [c + n for c, n in parts]
