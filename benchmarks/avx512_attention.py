@@ -44,6 +44,15 @@ def build(flags: list[str], out: str, csrc: str = CSRC):
     return fn
 
 
+def build_rev(rev: str, flags: list[str], tmp: str):
+    """``build`` from git revision ``rev``'s kernel sources (extracted under ``tmp``)."""
+    rev_src = os.path.join(tmp, "rev")
+    os.makedirs(rev_src)
+    tree = subprocess.run(["git", "archive", rev, "pagedserve/ops/cpu/csrc"], cwd=ROOT, check=True, stdout=subprocess.PIPE).stdout
+    subprocess.run(["tar", "-x", "-f", "-", "-C", rev_src], input=tree, check=True)
+    return build(flags, os.path.join(tmp, "rev.so"), os.path.join(rev_src, "pagedserve", "ops", "cpu", "csrc"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
@@ -79,11 +88,7 @@ def main() -> None:
         if not args.avx2:
             fns["per (token, KV head)"] = build(["-DTOKEN_TASKS_PER_THREAD=1000000"], os.path.join(tmp, "head.so"))
         if args.rev:
-            rev_src = os.path.join(tmp, "rev")
-            os.makedirs(rev_src)
-            tree = subprocess.run(["git", "archive", args.rev, "pagedserve/ops/cpu/csrc"], cwd=ROOT, check=True, stdout=subprocess.PIPE).stdout
-            subprocess.run(["tar", "-x", "-f", "-", "-C", rev_src], input=tree, check=True)
-            fns[f"{side} at {args.rev}"] = build(flags, os.path.join(tmp, "rev.so"), os.path.join(rev_src, "pagedserve", "ops", "cpu", "csrc"))
+            fns[f"{side} at {args.rev}"] = build_rev(args.rev, flags, tmp)
         for layout, ids in layouts.items():
             tables = torch.zeros(SEQS, max(nblocks), dtype=torch.int64)
             at = 0

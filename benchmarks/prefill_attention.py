@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from avx512_attention import ROOT, build  # noqa: E402
+from avx512_attention import build, build_rev  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3), "1b": (32, 8)}
 HEAD_DIM, BLOCK, STEP_TOKENS = 64, 16, 2048
@@ -62,11 +62,7 @@ def main() -> None:
         raise SystemExit("needs a CPU with AVX512-BF16 (elsewhere the kernel takes another path)")
     heads, kv_heads = SHAPES[args.shapes]
     with tempfile.TemporaryDirectory() as tmp:
-        rev_src = os.path.join(tmp, "rev")
-        os.makedirs(rev_src)
-        tree = subprocess.run(["git", "archive", args.rev, "pagedserve/ops/cpu/csrc"], cwd=ROOT, check=True, stdout=subprocess.PIPE).stdout
-        subprocess.run(["tar", "-x", "-f", "-", "-C", rev_src], input=tree, check=True)
-        fns = {f"at {args.rev}": build([], os.path.join(tmp, "rev.so"), os.path.join(rev_src, "pagedserve", "ops", "cpu", "csrc")),
+        fns = {f"at {args.rev}": build_rev(args.rev, [], tmp),
                "this tree": build([], os.path.join(tmp, "new.so"))}
         for p in (int(x) for x in args.prompt_lens.split(",")):
             cache, tables, q, token_seq, token_lens = case(p, heads, kv_heads)

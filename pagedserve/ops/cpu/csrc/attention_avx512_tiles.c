@@ -70,6 +70,16 @@ static inline __attribute__((always_inline)) __m512 tile_scores16(const uint16_t
     return _mm512_add_ps(_mm512_add_ps(x[0], x[2]), _mm512_add_ps(x[1], x[3]));
 }
 
+/* Where row r of a tile (n0 + r scores per query row, G query rows) starts in its scores / pbf. */
+static inline int64_t tile_row_offset(int64_t G, int64_t n0, int64_t r) {
+    return G * (r * n0 + r * (r - 1) / 2);
+}
+
+/* The first row of a tile (lengths n0, n0 + 1, ...) that sees key k0. */
+static inline int64_t tile_first_row(int64_t n0, int64_t k0) {
+    return k0 + 1 - n0 > 0 ? k0 + 1 - n0 : 0;
+}
+
 /* `rows` query tokens (q, out: rows x nkv * G rows of NV * 16) of one sequence, token r
  * attending to its first n0 + r tokens. scores, pbf: rows * G * (n0 + rows) each; acc: rows
  * accumulator sets. Block size a multiple of 16. */
@@ -87,24 +97,24 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
         const int64_t hq = h * G * NV * 16;
         for (int64_t k0 = 0; k0 < n_last; k0 += 16) {  /* 16-key groups: blocks hold whole groups */
             const uint16_t* kb = kc + table[k0 / block_size] * block_stride + h * head_elems + (k0 % block_size) * NV * 16;
-            const int64_t part = k0 + 1 - n0 > 0 ? k0 + 1 - n0 : 0;  /* first row that sees a key of the group */
+            const int64_t part = tile_first_row(n0, k0);
             transpose_keys16(kb, kp, NV);
             for (int64_t r = part; r < rows; r++) {
                 const int64_t n = n0 + r, len = n - k0 < 16 ? n - k0 : 16;
-                float* sc = scores + G * (r * n0 + r * (r - 1) / 2) + k0;
+                float* sc = scores + tile_row_offset(G, n0, r) + k0;
                 const __mmask16 m = (__mmask16)((1u << len) - 1);
                 for (int g = 0; g < G; g++)
                     _mm512_mask_storeu_ps(sc + g * n, m, _mm512_mul_ps(tile_scores16(q + r * row_elems + hq + g * NV * 16, kp, len == 16, NV), scale_v));
             }
         }
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t off = G * (r * n0 + r * (r - 1) / 2);
+            const int64_t off = tile_row_offset(G, n0, r);
             bf16_probabilities(scores + off, pbf + off, G, n0 + r);
             zero_rows(acc[r], G, NV);
         }
         for (int64_t k0 = 0; k0 < n_last; k0 += 16) {
             const uint16_t* vb = vc + table[k0 / block_size] * block_stride + h * head_elems + (k0 % block_size) * NV * 16;
-            const int64_t part = k0 + 1 - n0 > 0 ? k0 + 1 - n0 : 0;
+            const int64_t part = tile_first_row(n0, k0);
             for (int s = 0; s < 8; s++) {  /* (t, t + 1) pairs per dimension, as bf16_pv_block */
                 const uint16_t* r0 = vb + 2 * s * NV * 16;
                 for (int v = 0; v < NV / 2; v++) {
@@ -115,7 +125,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
             }
             for (int64_t r = part; r < rows; r++) {
                 const int64_t n = n0 + r, len = n - k0 < 16 ? n - k0 : 16;
-                const uint16_t* pr = pbf + G * (r * n0 + r * (r - 1) / 2) + k0;
+                const uint16_t* pr = pbf + tile_row_offset(G, n0, r) + k0;
                 __m512i odd[8];  /* an odd last key, paired with itself (probability 0), as bf16_pv_block */
                 if (len & 1) {
                     const uint16_t* r0 = vb + (len - 1) * NV * 16;
