@@ -19,7 +19,8 @@ def test_freeze_collects_garbage_first_then_takes_live_objects_out_of_the_genera
     try:
         frozen = freeze_gc_heap()
         assert dead() is None  # collected before the freeze, not kept forever
-        assert frozen == gc.get_freeze_count() > 0
+        # a frozen object can still be freed before this line (CI once saw the count fall by 2): it never rises
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(o is kept for o in gc.get_objects())  # full collections no longer walk it
     finally:
         gc.unfreeze()
