@@ -76,3 +76,19 @@ def _put(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the consumer's loop is closed
         pass
+
+
+def _put_each(calls: list[tuple[asyncio.AbstractEventLoop, Callable, Any]]) -> None:
+    """``fn(arg)`` for each ``(loop, fn, arg)`` on its loop, in order, with one wake-up of each
+    loop: one ``call_soon_threadsafe`` per loop instead of one per call (each writes to the
+    loop's self-pipe and wakes its thread, which then contends for the GIL)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
+    for loop, fn, arg in calls:
+        by_loop.setdefault(loop, []).append((fn, arg))
+    for loop, items in by_loop.items():
+        _put(loop, _call_each, items)
+
+
+def _call_each(items: list[tuple[Callable, Any]]) -> None:
+    for fn, arg in items:
+        fn(arg)

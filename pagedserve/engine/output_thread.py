@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pagedserve.engine.core_utility import _put, _set_future
+from pagedserve.engine.core_utility import _put, _put_each, _set_future
 from pagedserve.engine.llm_engine import log_stats
 
 logger = logging.getLogger("pagedserve")
@@ -78,9 +78,7 @@ class OutputThread:
             metrics.observe_step(core_outputs.num_scheduled_tokens)
             for o in outputs:
                 metrics.observe_output(o)
-        for out, stream in streams:
-            if stream is not None:
-                _put(stream.loop, stream.queue.put_nowait, out)
+        _put_each([(stream.loop, stream.queue.put_nowait, out) for out, stream in streams if stream is not None])
 
     def _fail_sequences(self, child_ids: list[str], reason: str) -> None:
         """End the requests owning these core sequences with EngineDeadError ``reason`` (their
