@@ -722,7 +722,7 @@ def test_front_flags_and_health_503_while_loading(tiny_model_factory, tmp_path):
     env.pop("PAGEDSERVE_API_KEY", None)
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--port", str(port), "--dtype", "float32",
            "--num-kv-blocks", "64", "--max-model-len", "256", "--chat-template", str(template), "--generation-config", str(gen),
-           "--enable-log-requests", "--log-level", "info", "--uvicorn-log-level", "warning"]
+           "--enable-log-requests", "--log-level", "info", "--uvicorn-log-level", "warning", "--frontend-nice", "7"]
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -739,6 +739,12 @@ def test_front_flags_and_health_503_while_loading(tiny_model_factory, tmp_path):
             time.sleep(0.02)
         first = next(s for s in statuses if s != "refused")
         assert first == 503 and set(statuses) <= {503, 200, "refused"}, statuses[:10]
+        # --frontend-nice: the front's threads yield to the engine core, which keeps our priority.
+        base_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        (core_pid,) = _children(proc.pid)
+        front = {int(t): os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")}
+        assert set(front.values()) == {max(base_nice, 7)}, front
+        assert os.getpriority(os.PRIO_PROCESS, core_pid) == base_nice
         r = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
         assert httpx.post(base + "/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"] == "[user] hi\n"
         body = {"messages": [{"role": "user", "content": "hello"}]}

@@ -37,6 +37,11 @@ class ServerArgs:
         shutdown_timeout: on SIGTERM, seconds the running requests get to finish while new
             ones are refused with 503.
         max_request_body_bytes, max_header_bytes: larger requests get 413 / 431.
+        frontend_nice: once the engine's processes have started, the front's threads (HTTP,
+            tokenizing, detokenizing) take this nice value (Linux; 0 = leave them), so that on
+            saturated cores they yield to the engine's compute threads instead of preempting
+            them mid-step; with a spare core it changes nothing. Measured in
+            benchmarks/README.md ("the front yields to the engine").
     """
 
     host: str = "127.0.0.1"
@@ -59,6 +64,7 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 32 << 20
     max_header_bytes: int = 64 << 10
+    frontend_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -69,6 +75,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if not 0 <= self.frontend_nice <= 19:
+            raise ValueError(f"--frontend-nice must be in [0, 19], got {self.frontend_nice}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         self.api_key = self.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
@@ -112,6 +120,8 @@ class ServerArgs:
         g.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests get to finish (new ones get 503)")
         g.add_argument("--max-request-body-bytes", type=int, default=32 << 20, help="larger bodies get 413")
         g.add_argument("--max-header-bytes", type=int, default=64 << 10, help="larger request headers get 431")
+        g.add_argument("--frontend-nice", type=int, default=10,
+                       help="nice value of the front's threads once the engine runs, so they yield the cores to its compute threads (0 = unchanged)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
