@@ -1,11 +1,14 @@
 """The output thread hands a step's outputs to the consumers' event loops with one wake-up per
-loop (``_put_each``), in order, and skips a loop that has closed."""
+loop (``call_each_in_loops``), in order, and skips a loop that has closed."""
 from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
-from pagedserve.engine.core_utility import _put_each
+from pagedserve.engine.async_llm import _Stream
+from pagedserve.engine.loop_handoff import call_each_in_loops
+from pagedserve.engine.output_thread import OutputThread
 
 
 class CountingLoop(asyncio.SelectorEventLoop):
@@ -40,9 +43,9 @@ def test_one_wakeup_per_loop_in_order() -> None:
         for i in range(10):  # interleaved between the two loops, as one step's outputs can be
             k = i % 2
             calls.append((loops[k], lambda x, k=k: got[k].append((threading.current_thread().name, x)), i))
-        _put_each(calls)
+        call_each_in_loops(calls)
         markers = [threading.Event(), threading.Event()]
-        _put_each([(lp, lambda _, ev=ev: ev.set(), None) for lp, ev in zip(loops, markers)])
+        call_each_in_loops([(lp, lambda _, ev=ev: ev.set(), None) for lp, ev in zip(loops, markers)])
         assert all(ev.wait(5) for ev in markers)
         assert [x for _, x in got[0]] == [0, 2, 4, 6, 8]
         assert [x for _, x in got[1]] == [1, 3, 5, 7, 9]
@@ -60,6 +63,53 @@ def test_one_wakeup_per_loop_in_order() -> None:
 def test_closed_loop_is_skipped() -> None:
     closed = asyncio.new_event_loop()
     closed.close()
+    open_loop = asyncio.new_event_loop()
     got = []
-    _put_each([(closed, got.append, 1)])  # no exception: the consumer went away
-    assert got == []
+    try:
+        call_each_in_loops([(closed, got.append, 1), (open_loop, got.append, 2)])  # no exception
+        open_loop.run_until_complete(asyncio.sleep(0.01))
+    finally:
+        open_loop.close()
+    assert got == [2]
+
+
+class _Host(OutputThread):
+    """The attributes ``_handle_outputs`` uses, around a stub output processor."""
+
+    def __init__(self, streams: dict) -> None:
+        self._lock = threading.Lock()
+        self._streams = streams
+        self.data_parallel_size = 1
+        self.metrics = None
+        self.output_processor = SimpleNamespace(process_outputs=lambda core: (core.outputs, []))
+
+
+def test_a_step_wakes_each_consumer_loop_once() -> None:
+    loop = CountingLoop()
+    try:
+        queues = [asyncio.Queue() for _ in range(3)]
+        host = _Host({f"r{i}": _Stream(loop, q) for i, q in enumerate(queues)})
+        outs = [SimpleNamespace(request_id=f"r{i}", finished=i == 2) for i in range(3)]
+        host._handle_outputs(SimpleNamespace(outputs=outs, scheduler_stats=None, engine_index=0, num_scheduled_tokens=3))
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert loop.threadsafe_calls == 1
+        assert [q.get_nowait() for q in queues] == outs
+        assert list(host._streams) == ["r0", "r1"]  # the finished request's stream is dropped
+    finally:
+        loop.close()
+
+
+def test_a_failing_consumer_does_not_stop_the_others(caplog) -> None:
+    loop = asyncio.new_event_loop()
+    got = []
+
+    def fail(_):
+        raise RuntimeError("consumer bug")
+
+    try:
+        call_each_in_loops([(loop, got.append, 0), (loop, fail, 1), (loop, got.append, 2)])
+        loop.run_until_complete(asyncio.sleep(0.01))  # runs the scheduled batch
+    finally:
+        loop.close()
+    assert got == [0, 2]
+    assert "handing an output to its consumer failed" in caplog.text

@@ -741,10 +741,16 @@ def test_front_flags_and_health_503_while_loading(tiny_model_factory, tmp_path):
         assert first == 503 and set(statuses) <= {503, 200, "refused"}, statuses[:10]
         # --frontend-nice: the front's threads yield to the engine core, which keeps our priority.
         base_nice = os.getpriority(os.PRIO_PROCESS, 0)
-        (core_pid,) = _children(proc.pid)
-        front = {int(t): os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")}
-        assert set(front.values()) == {max(base_nice, 7)}, front
-        assert os.getpriority(os.PRIO_PROCESS, core_pid) == base_nice
+        if base_nice < 7:  # otherwise 7 changes nothing to check
+            (core_pid,) = _children(proc.pid)
+            front = {}
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                try:
+                    front[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+                except ProcessLookupError:  # the loading thread has just ended
+                    pass
+            assert set(front.values()) == {7}, front
+            assert os.getpriority(os.PRIO_PROCESS, core_pid) == base_nice
         r = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
         assert httpx.post(base + "/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"] == "[user] hi\n"
         body = {"messages": [{"role": "user", "content": "hello"}]}

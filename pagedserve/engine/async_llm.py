@@ -7,7 +7,8 @@ outputs are detokenized here and handed to asyncio consumers (vLLM v1's ``AsyncL
   :class:`OutputProcessor`, sends it to the core, and yields its outputs.
 * One *output thread* receives the core's per-step outputs, runs the output processor
   (detokenization, stop strings: a sequence that hits one is aborted in the core), and hands
-  each ``RequestOutput`` to its consumer's loop with ``loop.call_soon_threadsafe``.
+  each ``RequestOutput`` to its consumer's loop, one ``loop.call_soon_threadsafe`` per loop
+  and step (:mod:`pagedserve.engine.loop_handoff`).
 * A consumer that stops iterating (``break``, ``aclose()``, cancellation, client disconnect)
   aborts its request at once; the core frees its blocks before its next step.
 * If the core dies (even by SIGKILL) or fails a step, every live request ends with

@@ -8,7 +8,9 @@ The class is a mixin: it uses the host's ``client``, ``_lock``, ``_call_ids``,
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+from pagedserve.engine.loop_handoff import call_soon_in, set_future
 
 
 class CoreUtilityCalls:
@@ -63,32 +65,4 @@ class CoreUtilityCalls:
             entry = self._utility_calls.pop(call_id, None)
         if entry is not None:
             loop, fut = entry
-            _put(loop, _set_future, fut, result, RuntimeError(error) if error else None)
-
-
-def _set_future(fut: asyncio.Future, result: Any, exc: Optional[BaseException]) -> None:
-    if not fut.done():
-        fut.set_exception(exc) if exc is not None else fut.set_result(result)
-
-
-def _put(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the consumer's loop is closed
-        pass
-
-
-def _put_each(calls: list[tuple[asyncio.AbstractEventLoop, Callable, Any]]) -> None:
-    """``fn(arg)`` for each ``(loop, fn, arg)`` on its loop, in order, with one wake-up of each
-    loop: one ``call_soon_threadsafe`` per loop instead of one per call (each writes to the
-    loop's self-pipe and wakes its thread, which then contends for the GIL)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
-    for loop, fn, arg in calls:
-        by_loop.setdefault(loop, []).append((fn, arg))
-    for loop, items in by_loop.items():
-        _put(loop, _call_each, items)
-
-
-def _call_each(items: list[tuple[Callable, Any]]) -> None:
-    for fn, arg in items:
-        fn(arg)
+            call_soon_in(loop, set_future, fut, result, RuntimeError(error) if error else None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pagedserve.engine.core_utility import _put, _put_each, _set_future
+from pagedserve.engine.loop_handoff import call_each_in_loops, call_soon_in, set_future
 from pagedserve.engine.llm_engine import log_stats
 
 logger = logging.getLogger("pagedserve")
@@ -78,7 +78,7 @@ class OutputThread:
             metrics.observe_step(core_outputs.num_scheduled_tokens)
             for o in outputs:
                 metrics.observe_output(o)
-        _put_each([(stream.loop, stream.queue.put_nowait, out) for out, stream in streams if stream is not None])
+        call_each_in_loops([(stream.loop, stream.queue.put_nowait, out) for out, stream in streams if stream is not None])
 
     def _fail_sequences(self, child_ids: list[str], reason: str) -> None:
         """End the requests owning these core sequences with EngineDeadError ``reason`` (their
@@ -90,7 +90,7 @@ class OutputThread:
         err = EngineDeadError(f"{reason} while running this request")
         for stream in streams:
             if stream is not None:
-                _put(stream.loop, stream.queue.put_nowait, err)
+                call_soon_in(stream.loop, stream.queue.put_nowait, err)
 
     def fail_all_requests(self, reason: str) -> None:
         """End every live request now with :class:`EngineDeadError` ``reason`` (the server
@@ -114,6 +114,6 @@ class OutputThread:
             self.on_engine_dead()
         err = EngineDeadError(reason)
         for stream in streams.values():
-            _put(stream.loop, stream.queue.put_nowait, err)
+            call_soon_in(stream.loop, stream.queue.put_nowait, err)
         for loop, fut in calls.values():
-            _put(loop, _set_future, fut, None, err)
+            call_soon_in(loop, set_future, fut, None, err)

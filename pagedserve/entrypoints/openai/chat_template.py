@@ -5,8 +5,9 @@ sandbox, in a separate process, under bounds on what it can cost:
 * at most ``MAX_TEMPLATE_CHARS`` characters of template and ``MAX_OUTPUT_CHARS`` of output;
 * ``range`` draws from one budget of ``MAX_LOOP_ITEMS`` items per render, so nested loops cannot
   multiply into billions of iterations (Jinja caps each range at 100,000 but not their product);
-* ``RENDER_TIMEOUT_S`` seconds of wall time: past it the render process is killed (and started
-  again for the next template); loops over long strings, ``'x' * 10**9``, ``10**10**10`` or a
+* ``RENDER_TIMEOUT_S`` seconds of wall time, counted from when the render process says it is
+  ready (not its start, which runs at the front's lowered priority); past it the render
+  process is killed (and started again for the next template); loops over long strings, ``'x' * 10**9``, ``10**10**10`` or a
   filter like ``center(10**9)`` end there or at the process's ``MEMORY_LIMIT_BYTES`` address
   space limit, never in the server.
 
@@ -29,6 +30,7 @@ MAX_TEMPLATE_CHARS = 64_000
 MAX_LOOP_ITEMS = 100_000
 MAX_OUTPUT_CHARS = 1_000_000
 RENDER_TIMEOUT_S = 2.0
+STARTUP_TIMEOUT_S = 30.0  # the render process's start (Python, Jinja) is not the template's time
 MEMORY_LIMIT_BYTES = 1 << 30
 
 
@@ -62,11 +64,14 @@ class TemplateSandbox:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = self._start()
+                if self._read_line(self._proc, STARTUP_TIMEOUT_S) is None:  # its "ready" line
+                    self._kill()
+                    raise RuntimeError("the chat template render process did not start")
             proc = self._proc
             try:
                 proc.stdin.write(line)
                 proc.stdin.flush()
-                reply = self._read_line(proc)
+                reply = self._read_line(proc, self.timeout_s)
             except (BrokenPipeError, OSError):
                 reply = None
             if reply is None:  # timed out, or died (memory limit): kill it, start anew next time
@@ -78,10 +83,10 @@ class TemplateSandbox:
             return out["text"]
         raise (TemplateLimitError if out.get("limit") else ValueError)(out["error"])
 
-    def _read_line(self, proc: subprocess.Popen) -> Optional[bytes]:
+    def _read_line(self, proc: subprocess.Popen, timeout_s: float) -> Optional[bytes]:
         import time
 
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         buf = b""
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
@@ -168,7 +173,10 @@ def _serve() -> None:
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
     import jinja2
+    import jinja2.sandbox  # noqa: F401  (imported before the first job's clock starts)
 
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         try:
             out = {"text": _render(**json.loads(line))}

@@ -13,7 +13,6 @@ front stops it. A second signal exits at once.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 from typing import Any
@@ -109,23 +108,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def lower_thread_priority(nice: int) -> int:
-    """Raise every thread of this process to at least ``nice`` (never lowers one; Linux, where
-    a priority is per thread and new threads inherit their creator's). Processes forked later
-    inherit it too, so call it after the engine's. Returns how many threads changed."""
-    if nice <= 0 or not os.path.isdir("/proc/self/task"):
-        return 0
-    changed = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            if os.getpriority(os.PRIO_PROCESS, int(tid)) < nice:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-                changed += 1
-        except OSError:  # the thread has ended
-            pass
-    return changed
-
-
 def run_server(args: Any) -> int:
     """Entry point of ``pagedserve serve``. Returns 1 when the engine core died.
 
@@ -138,6 +120,7 @@ def run_server(args: Any) -> int:
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.gc_heap import freeze_gc_heap
     from pagedserve.entrypoints.openai.api_server import build_app
+    from pagedserve.entrypoints.openai.front_priority import lower_thread_priority
 
     config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
     server_args = ServerArgs.from_cli_args(args)
@@ -166,7 +149,8 @@ def run_server(args: Any) -> int:
                 llm.shutdown()
                 raise
             freeze_gc_heap()  # start-up objects out of the collector's walks (see gc_heap)
-            lower_thread_priority(server_args.frontend_nice)  # after the engine's processes forked
+            if lower_thread_priority(server_args.frontend_nice):  # after the engine's processes forked
+                logger.info("pagedserve: the front's threads run at nice %d (--frontend-nice)", server_args.frontend_nice)
             loading.ready(app, llm)
             logger.info("pagedserve: serving %s on http://%s:%d%s (engine core pid %d)", ", ".join(llm.served_model_names),
                         server_args.host, server_args.port, " (API key required)" if server_args.api_key else "", llm.engine_pid)
