@@ -7,9 +7,9 @@ sandbox, in a separate process, under bounds on what it can cost:
   multiply into billions of iterations (Jinja caps each range at 100,000 but not their product);
 * ``RENDER_TIMEOUT_S`` seconds of wall time, counted from when the render process says it is
   ready (not its start, which runs at the front's lowered priority); past it the render
-  process is killed (and started again for the next template); loops over long strings, ``'x' * 10**9``, ``10**10**10`` or a
-  filter like ``center(10**9)`` end there or at the process's ``MEMORY_LIMIT_BYTES`` address
-  space limit, never in the server.
+  process is killed (and started again for the next template); loops over long strings,
+  ``'x' * 10**9``, ``10**10**10`` or a filter like ``center(10**9)`` end there or at the
+  process's ``MEMORY_LIMIT_BYTES`` address space limit, never in the server.
 
 The render process (``python -m pagedserve.entrypoints.openai.chat_template``) imports only
 Jinja and speaks JSON lines over its stdin/stdout: nothing from it is unpickled. The server's
