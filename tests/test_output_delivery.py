@@ -113,3 +113,4 @@ def test_a_failing_consumer_does_not_stop_the_others(caplog) -> None:
         loop.close()
     assert got == [0, 2]
     assert "handing an output to its consumer failed" in caplog.text
+

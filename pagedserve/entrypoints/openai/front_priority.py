@@ -13,7 +13,10 @@ runs at it; its time bound starts once it is ready.
 """
 from __future__ import annotations
 
+import logging
 import os
+
+logger = logging.getLogger("pagedserve")
 
 
 def lower_thread_priority(nice: int) -> int:
@@ -21,7 +24,8 @@ def lower_thread_priority(nice: int) -> int:
     nice value is per thread and new threads inherit their creator's; elsewhere, or with
     ``nice <= 0``, nothing). Never makes a thread's priority higher. Passes again until no
     thread changes, so that threads started meanwhile are caught. Returns how many threads
-    changed."""
+    changed. A refusal (a sandbox forbidding ``setpriority``) is logged, never raised: the
+    server runs as before."""
     if nice <= 0 or not os.path.isdir("/proc/self/task"):
         return 0
     total = 0
@@ -34,6 +38,9 @@ def lower_thread_priority(nice: int) -> int:
                     changed += 1
             except ProcessLookupError:  # the thread has ended
                 pass
+            except OSError as e:
+                logger.warning("pagedserve: --frontend-nice %d not applied: %s", nice, e)
+                return total + changed
         total += changed
         if not changed:
             return total
