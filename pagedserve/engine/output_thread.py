@@ -88,9 +88,7 @@ class OutputThread:
             streams = [self._streams.pop(p, None) for p in parents]
             self.output_processor.abort_requests(list(parents))
         err = EngineDeadError(f"{reason} while running this request")
-        for stream in streams:
-            if stream is not None:
-                call_soon_in(stream.loop, stream.queue.put_nowait, err)
+        call_each_in_loops([(stream.loop, stream.queue.put_nowait, err) for stream in streams if stream is not None])
 
     def fail_all_requests(self, reason: str) -> None:
         """End every live request now with :class:`EngineDeadError` ``reason`` (the server
@@ -113,7 +111,6 @@ class OutputThread:
         if dead and self.on_engine_dead is not None:  # first: a consumer woken below may check on it
             self.on_engine_dead()
         err = EngineDeadError(reason)
-        for stream in streams.values():
-            call_soon_in(stream.loop, stream.queue.put_nowait, err)
+        call_each_in_loops([(stream.loop, stream.queue.put_nowait, err) for stream in streams.values()])
         for loop, fut in calls.values():
             call_soon_in(loop, set_future, fut, None, err)
