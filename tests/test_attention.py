@@ -228,3 +228,46 @@ def test_prefill_tiles_equal_rows_alone(num_heads, num_kv_heads, block_size, hea
     assert cpu_kernels.paged_attention_cpu(q, cache, bt[token_seq].contiguous(), None, token_lens, scale, alone)
     assert torch.isfinite(chunk.float()).all()
     assert torch.equal(chunk, alone)
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.mark.skipif(not ({"avx2", "fma"} <= _cpu_flags() and "avx512f" not in _cpu_flags()), reason="the AVX2 attention task runs only on CPUs with AVX2 and no AVX-512")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 2), (4, 4), (7, 1), (10, 2)])
+def test_avx2_bf16_value_pass_equals_8_wide_pass(num_heads, num_kv_heads):
+    """AVX2, bf16 cache: with head_dim % 16 == 0, P.V reads 16 dimensions a pass (even and odd
+    values from one load); other head dims take the 8-wide pass. Both must give the same bits. The
+    same cache with 8 more dimensions goes through the 8-wide pass, and its first 64 output
+    dimensions must equal the 16-wide result. q = 0, so every key gets the same probability, and
+    each sequence's first and last values are +-2^22 around small ones: the sum cancels to a few
+    units, and the low bits the running sums lose show in bf16, so a changed order of the sums
+    (or chains) fails."""
+    g = torch.Generator().manual_seed(13)
+    seq_lens = [1, 2, 15, 16, 17, 33, 100, 257]
+    cache, tables = _paged_case(seq_lens, num_kv_heads, 72, 16, torch.float32, seed=7)
+    cache = cache * torch.exp2(torch.randint(-8, 3, cache.shape, generator=g).float())
+    for table, n in zip(tables, seq_lens):
+        if n > 1:
+            cache[1, table[0], :, 0] = 2.0**22
+            cache[1, table[(n - 1) // 16], :, (n - 1) % 16] = -(2.0**22)
+    cache = cache.to(torch.bfloat16)
+    max_blocks = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+    q = torch.zeros(len(seq_lens), num_heads, 72, dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens)
+    wide = torch.empty_like(q)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt, None, lens, 0.125, wide)
+    q64, cache64 = q[..., :64].contiguous(), cache[..., :64].contiguous()
+    out = torch.empty_like(q64)
+    assert cpu_kernels.paged_attention_cpu(q64, cache64, bt, None, lens, 0.125, out)
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out, wide[..., :64])
