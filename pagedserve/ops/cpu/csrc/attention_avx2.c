@@ -1,5 +1,5 @@
 /*
- * The attention task for CPUs with AVX2 + FMA and no AVX-512 (AMD Zen 2/3, Intel client
+ * The attention task for CPUs with AVX2 + FMA and no AVX-512 (AMD Zen 1-3, Intel client
  * cores), included by paged_attention.c, for float32 and bf16 caches (bf16 keys and values are
  * widened to float32 as they are loaded, exactly): scores of 8 keys per pass with one
  * transposing reduction, softmax in fp32, P.V in fp32. Each row is computed the same way
@@ -125,8 +125,9 @@ static inline __attribute__((always_inline)) void pv_rows_bf16(float (*acc)[MAX_
     }
 }
 
-/* pv_rows_bf16 over a group of any size, 3 rows at a time (4 x 3 running sums fill the registers;
- * CH stays the group's, so the chains are pv_block's). */
+/* pv_rows_bf16 over a group of any size, 3 rows at a time (3 rows x even/odd x 2 chains = 12
+ * running sums, with the values and a broadcast 15 of the 16 registers); CH stays the group's,
+ * so the chains are pv_block's. */
 static inline __attribute__((always_inline)) void pv_block_bf16(float (*acc)[MAX_HEAD_DIM], const float* p, int64_t n,
                                                                  const uint16_t* vb, int64_t len, int64_t head_dim,
                                                                  const int G, const int CH) {
