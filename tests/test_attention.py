@@ -247,10 +247,10 @@ def test_avx2_bf16_value_pass_equals_8_wide_pass(num_heads, num_kv_heads):
     """AVX2, bf16 cache: with head_dim % 16 == 0, P.V reads 16 dimensions a pass (even and odd
     values from one load); other head dims take the 8-wide pass. Both must give the same bits. The
     same cache with 8 more dimensions goes through the 8-wide pass, and its first 64 output
-    dimensions must equal the 16-wide result. q = 0, so every key gets the same probability, and
+    dimensions must equal the 16-wide result. With q = 0 every key gets the same probability, and
     each sequence's first and last values are +-2^22 around small ones: the sum cancels to a few
     units, and the low bits the running sums lose show in bf16, so a changed order of the sums
-    (or chains) fails."""
+    (or chains) fails. A random q then makes the rows of a group differ."""
     g = torch.Generator().manual_seed(13)
     seq_lens = [1, 2, 15, 16, 17, 33, 100, 257]
     cache, tables = _paged_case(seq_lens, num_kv_heads, 72, 16, torch.float32, seed=7)
@@ -262,12 +262,17 @@ def test_avx2_bf16_value_pass_equals_8_wide_pass(num_heads, num_kv_heads):
     cache = cache.to(torch.bfloat16)
     max_blocks = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
-    q = torch.zeros(len(seq_lens), num_heads, 72, dtype=torch.bfloat16)
     lens = torch.tensor(seq_lens)
-    wide = torch.empty_like(q)
-    assert cpu_kernels.paged_attention_cpu(q, cache, bt, None, lens, 0.125, wide)
-    q64, cache64 = q[..., :64].contiguous(), cache[..., :64].contiguous()
-    out = torch.empty_like(q64)
-    assert cpu_kernels.paged_attention_cpu(q64, cache64, bt, None, lens, 0.125, out)
-    assert torch.isfinite(out.float()).all()
-    assert torch.equal(out, wide[..., :64])
+    cache64 = cache[..., :64].contiguous()
+    q_random = torch.randn(len(seq_lens), num_heads, 72, generator=g)
+    q_random[..., 64:] = 0.0  # K's extra dimensions are nonzero: q's must be 0 for equal scores
+    # q = 0 for the cancelling sums; a random q too, so that rows of a group differ (a row reading
+    # another row's probabilities fails).
+    for q in (torch.zeros(len(seq_lens), num_heads, 72), q_random):
+        q = q.to(torch.bfloat16)
+        wide = torch.empty_like(q)
+        assert cpu_kernels.paged_attention_cpu(q, cache, bt, None, lens, 0.125, wide)
+        out = torch.empty_like(q[..., :64])
+        assert cpu_kernels.paged_attention_cpu(q[..., :64].contiguous(), cache64, bt, None, lens, 0.125, out)
+        assert torch.isfinite(out.float()).all()
+        assert torch.equal(out, wide[..., :64])
