@@ -80,17 +80,16 @@ static inline __attribute__((always_inline)) void pv_block(float (*acc)[MAX_HEAD
 }
 
 /* pv_block for a bf16 cache with head_dim % 16 == 0 and G <= 3 rows: 16 dimensions a pass, one
- * 32-byte load per key giving the even dimensions (a 16-bit shift) and the odd ones (a mask),
- * both exact, where load8 takes two instructions per 8 dimensions and the probabilities are
- * broadcast half as often. acc keeps each 16 dimensions as their 8 even, then their 8 odd values
- * (task_avx2 reorders them when it rounds); every dimension sums the same products in the same
- * chains as pv_block, so the result is bit-identical. */
+ * 32-byte load per key giving the even and the odd dimensions (bf16x16_load_eo: two instructions
+ * for 16, where load8 takes two for 8), and the probabilities broadcast half as often. acc keeps
+ * each 16 dimensions as their 8 even, then their 8 odd values (task_avx2 reorders them when it
+ * rounds); every dimension sums the same products in the same chains as pv_block, so the result
+ * is bit-identical. */
 static inline __attribute__((always_inline)) void pv_rows_bf16(float (*acc)[MAX_HEAD_DIM], const float* p, int64_t n,
                                                                 const uint16_t* vb, int64_t len, int64_t head_dim,
                                                                 const int G, const int CH) {
-    const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t c = 0; c < head_dim; c += 16) {
-        __m256 se[3][2], so[3][2];
+        __m256 se[3][2], so[3][2], ve, vo;
         for (int g = 0; g < G; g++) {
             se[g][0] = _mm256_load_ps(acc[g] + c);
             so[g][0] = _mm256_load_ps(acc[g] + c + 8);
@@ -99,9 +98,7 @@ static inline __attribute__((always_inline)) void pv_rows_bf16(float (*acc)[MAX_
         int64_t o = 0;
         for (; o + CH <= len; o += CH)
             for (int h = 0; h < CH; h++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i*)(vb + (o + h) * head_dim + c));
-                const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-                const __m256 vo = _mm256_castsi256_ps(_mm256_and_si256(x, odd_mask));
+                bf16x16_load_eo(vb + (o + h) * head_dim + c, &ve, &vo);
                 for (int g = 0; g < G; g++) {
                     const __m256 pb = _mm256_broadcast_ss(p + g * n + o + h);
                     se[g][h] = _mm256_fmadd_ps(pb, ve, se[g][h]);
@@ -109,9 +106,7 @@ static inline __attribute__((always_inline)) void pv_rows_bf16(float (*acc)[MAX_
                 }
             }
         for (; o < len; o++) {  /* as pv_block: the last odd key joins the first chain */
-            const __m256i x = _mm256_loadu_si256((const __m256i*)(vb + o * head_dim + c));
-            const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-            const __m256 vo = _mm256_castsi256_ps(_mm256_and_si256(x, odd_mask));
+            bf16x16_load_eo(vb + o * head_dim + c, &ve, &vo);
             for (int g = 0; g < G; g++) {
                 const __m256 pb = _mm256_broadcast_ss(p + g * n + o);
                 se[g][0] = _mm256_fmadd_ps(pb, ve, se[g][0]);

@@ -18,6 +18,12 @@
  *
  * Blocking: rows in blocks of `rows_per_block` (the widened rows, rows x K x 4 bytes, stay in
  * L2 while every panel passes), panels split evenly over the OpenMP threads.
+ *
+ * Up to 6 rows, panels are read as bf16 straight from memory, 16 weights (one k) a load, widened
+ * as the 8 even outputs (a shift) and the 8 odd ones (a mask): two instructions for 16 weights
+ * where a zero-extension and a shift per 8 took four. The tile's two accumulators of a row then
+ * hold the even and the odd outputs, put back in place when stored; each output's sum is the
+ * same. With more rows each panel is widened once into a buffer, in order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -52,10 +58,28 @@ static inline void ag_store(__m256 a0, __m256 a1, const float* bias16, uint16_t*
     }
 }
 
+/* ag_store for sums held as the tile's 8 even outputs (e) and 8 odd ones (o), as the paths that
+ * read bf16 panels straight from memory keep them (bf16x16_load_eo): bias_eo in the same order,
+ * each output rounded, then the two put back in place in one pass. Each output's value is the
+ * one ag_store gives. */
+static inline void ag_store_eo(__m256 e, __m256 o, const float* bias_eo, uint16_t* y, int64_t valid) {
+    const __m256i re = bf16x8_round_lanes(_mm256_add_ps(e, _mm256_loadu_ps(bias_eo)));
+    const __m256i ro = bf16x8_round_lanes(_mm256_add_ps(o, _mm256_loadu_ps(bias_eo + 8)));
+    const __m256i out = _mm256_or_si256(re, _mm256_slli_epi32(ro, 16));
+    if (valid == AG_NR) {
+        _mm256_storeu_si256((__m256i*)y, out);
+    } else {
+        uint16_t tmp[AG_NR];
+        _mm256_storeu_si256((__m256i*)tmp, out);
+        for (int64_t j = 0; j < valid; j++) y[j] = tmp[j];
+    }
+}
+
 /* Rows [0, M) (M <= AG_MR, fixed at compile time) of x (float32, rows K apart) times one panel,
- * bf16 (wp; WIDE = 0) or already widened (wf; WIDE = 1): outputs n0..n0+15 of y (rows N apart),
- * only the first `valid` stored. The 12 accumulators are named variables: as an array, GCC
- * stored them to the stack on every k. */
+ * bf16 (wp; WIDE = 0: its even and odd outputs in the two accumulators of a row, bias16 in that
+ * order) or already widened (wf; WIDE = 1): outputs n0..n0+15 of y (rows N apart), only the
+ * first `valid` stored. The 12 accumulators are named variables: as an array, GCC stored them to
+ * the stack on every k. */
 static inline __attribute__((always_inline)) void ag_tile(const float* xf, int64_t K, const uint16_t* wp, const float* wf,
                                                            const float* bias16, uint16_t* y, int64_t N, int64_t n0,
                                                            int64_t valid, const int M, const int WIDE) {
@@ -63,8 +87,13 @@ static inline __attribute__((always_inline)) void ag_tile(const float* xf, int64
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const float *x0 = xf, *x1 = xf + K, *x2 = xf + 2 * K, *x3 = xf + 3 * K, *x4 = xf + 4 * K, *x5 = xf + 5 * K;
     for (int64_t k = 0; k < K; k++) {
-        const __m256 w0 = WIDE ? _mm256_load_ps(wf + k * AG_NR) : bf16x8_load(wp + k * AG_NR);
-        const __m256 w1 = WIDE ? _mm256_load_ps(wf + k * AG_NR + 8) : bf16x8_load(wp + k * AG_NR + 8);
+        __m256 w0, w1;
+        if (WIDE) {
+            w0 = _mm256_load_ps(wf + k * AG_NR);
+            w1 = _mm256_load_ps(wf + k * AG_NR + 8);
+        } else {
+            bf16x16_load_eo(wp + k * AG_NR, &w0, &w1);
+        }
         __m256 xv = _mm256_broadcast_ss(x0 + k);
         c00 = _mm256_fmadd_ps(xv, w0, c00);
         c01 = _mm256_fmadd_ps(xv, w1, c01);
@@ -75,50 +104,58 @@ static inline __attribute__((always_inline)) void ag_tile(const float* xf, int64
         if (M > 5) { xv = _mm256_broadcast_ss(x5 + k); c50 = _mm256_fmadd_ps(xv, w0, c50); c51 = _mm256_fmadd_ps(xv, w1, c51); }
     }
     y += n0;
-    ag_store(c00, c01, bias16, y, valid);
-    if (M > 1) ag_store(c10, c11, bias16, y + N, valid);
-    if (M > 2) ag_store(c20, c21, bias16, y + 2 * N, valid);
-    if (M > 3) ag_store(c30, c31, bias16, y + 3 * N, valid);
-    if (M > 4) ag_store(c40, c41, bias16, y + 4 * N, valid);
-    if (M > 5) ag_store(c50, c51, bias16, y + 5 * N, valid);
+    void (*const store)(__m256, __m256, const float*, uint16_t*, int64_t) = WIDE ? ag_store : ag_store_eo;
+    store(c00, c01, bias16, y, valid);
+    if (M > 1) store(c10, c11, bias16, y + N, valid);
+    if (M > 2) store(c20, c21, bias16, y + 2 * N, valid);
+    if (M > 3) store(c30, c31, bias16, y + 3 * N, valid);
+    if (M > 4) store(c40, c41, bias16, y + 4 * N, valid);
+    if (M > 5) store(c50, c51, bias16, y + 5 * N, valid);
 }
 
 /* One row times AG_WIDE consecutive panels (wp: the first; they are contiguous): 2 x AG_WIDE
  * independent FMA chains, where one panel alone has 2 and waits on FMA latency (a single row,
  * batch-1 decode, streams the weights ~1.8x faster so). Each output's sum is the same as in
- * ag_tile: k in order, then bias, one rounding. */
+ * ag_tile: k in order, then bias (bias_eo: even/odd order), one rounding. */
 #define AG_WIDE 4
-static void ag_row_wide(const float* xf, int64_t K, const uint16_t* wp, const float* bias, uint16_t* y) {
+static void ag_row_wide(const float* xf, int64_t K, const uint16_t* wp, const float* bias_eo, uint16_t* y) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     const int64_t ps = K * AG_NR; /* panel stride */
     for (int64_t k = 0; k < K; k++) {
         const __m256 xv = _mm256_broadcast_ss(xf + k);
         const uint16_t* w = wp + k * AG_NR;
-        a0 = _mm256_fmadd_ps(xv, bf16x8_load(w), a0);
-        a1 = _mm256_fmadd_ps(xv, bf16x8_load(w + 8), a1);
-        a2 = _mm256_fmadd_ps(xv, bf16x8_load(w + ps), a2);
-        a3 = _mm256_fmadd_ps(xv, bf16x8_load(w + ps + 8), a3);
-        a4 = _mm256_fmadd_ps(xv, bf16x8_load(w + 2 * ps), a4);
-        a5 = _mm256_fmadd_ps(xv, bf16x8_load(w + 2 * ps + 8), a5);
-        a6 = _mm256_fmadd_ps(xv, bf16x8_load(w + 3 * ps), a6);
-        a7 = _mm256_fmadd_ps(xv, bf16x8_load(w + 3 * ps + 8), a7);
+        __m256 e, o;
+        bf16x16_load_eo(w, &e, &o);
+        a0 = _mm256_fmadd_ps(xv, e, a0);
+        a1 = _mm256_fmadd_ps(xv, o, a1);
+        bf16x16_load_eo(w + ps, &e, &o);
+        a2 = _mm256_fmadd_ps(xv, e, a2);
+        a3 = _mm256_fmadd_ps(xv, o, a3);
+        bf16x16_load_eo(w + 2 * ps, &e, &o);
+        a4 = _mm256_fmadd_ps(xv, e, a4);
+        a5 = _mm256_fmadd_ps(xv, o, a5);
+        bf16x16_load_eo(w + 3 * ps, &e, &o);
+        a6 = _mm256_fmadd_ps(xv, e, a6);
+        a7 = _mm256_fmadd_ps(xv, o, a7);
     }
-    ag_store(a0, a1, bias, y, AG_NR);
-    ag_store(a2, a3, bias + AG_NR, y + AG_NR, AG_NR);
-    ag_store(a4, a5, bias + 2 * AG_NR, y + 2 * AG_NR, AG_NR);
-    ag_store(a6, a7, bias + 3 * AG_NR, y + 3 * AG_NR, AG_NR);
+    ag_store_eo(a0, a1, bias_eo, y, AG_NR);
+    ag_store_eo(a2, a3, bias_eo + AG_NR, y + AG_NR, AG_NR);
+    ag_store_eo(a4, a5, bias_eo + 2 * AG_NR, y + 2 * AG_NR, AG_NR);
+    ag_store_eo(a6, a7, bias_eo + 3 * AG_NR, y + 3 * AG_NR, AG_NR);
 }
 
 /* M = 2 or 3 rows (compile-time) times two consecutive panels: 4M chains, where one panel has
  * 2M; sums as in ag_tile. */
 static inline __attribute__((always_inline)) void ag_rows_pair(const float* xf, int64_t K, const uint16_t* wp,
-                                                                const float* bias, uint16_t* y, int64_t N, const int M) {
+                                                                const float* bias_eo, uint16_t* y, int64_t N, const int M) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     const int64_t ps = K * AG_NR;
     for (int64_t k = 0; k < K; k++) {
         const uint16_t* w = wp + k * AG_NR;
-        const __m256 w0 = bf16x8_load(w), w1 = bf16x8_load(w + 8), w2 = bf16x8_load(w + ps), w3 = bf16x8_load(w + ps + 8);
+        __m256 w0, w1, w2, w3;
+        bf16x16_load_eo(w, &w0, &w1);
+        bf16x16_load_eo(w + ps, &w2, &w3);
         __m256 xv = _mm256_broadcast_ss(xf + k);
         a0 = _mm256_fmadd_ps(xv, w0, a0); a1 = _mm256_fmadd_ps(xv, w1, a1);
         a2 = _mm256_fmadd_ps(xv, w2, a2); a3 = _mm256_fmadd_ps(xv, w3, a3);
@@ -131,17 +168,18 @@ static inline __attribute__((always_inline)) void ag_rows_pair(const float* xf, 
             c2 = _mm256_fmadd_ps(xv, w2, c2); c3 = _mm256_fmadd_ps(xv, w3, c3);
         }
     }
-    ag_store(a0, a1, bias, y, AG_NR);
-    ag_store(a2, a3, bias + AG_NR, y + AG_NR, AG_NR);
-    ag_store(b0, b1, bias, y + N, AG_NR);
-    ag_store(b2, b3, bias + AG_NR, y + N + AG_NR, AG_NR);
+    ag_store_eo(a0, a1, bias_eo, y, AG_NR);
+    ag_store_eo(a2, a3, bias_eo + AG_NR, y + AG_NR, AG_NR);
+    ag_store_eo(b0, b1, bias_eo, y + N, AG_NR);
+    ag_store_eo(b2, b3, bias_eo + AG_NR, y + N + AG_NR, AG_NR);
     if (M > 2) {
-        ag_store(c0, c1, bias, y + 2 * N, AG_NR);
-        ag_store(c2, c3, bias + AG_NR, y + 2 * N + AG_NR, AG_NR);
+        ag_store_eo(c0, c1, bias_eo, y + 2 * N, AG_NR);
+        ag_store_eo(c2, c3, bias_eo + AG_NR, y + 2 * N + AG_NR, AG_NR);
     }
 }
 
-/* One panel for rows [0, mb) of the block. */
+/* One panel for rows [0, mb) of the block; bias16 in natural order for a widened panel (wf), else
+ * in even/odd order. */
 static void ag_panel(const float* xf, int64_t mb, int64_t K, const uint16_t* wp, const float* wf, const float* bias16,
                      uint16_t* y, int64_t N, int64_t n0, int64_t valid) {
     for (int64_t m = 0; m < mb; m += AG_MR) {
@@ -173,10 +211,12 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
     int64_t rows = AG_BLOCK_BYTES / (K * 4);
     rows = rows < 4 * AG_MR ? 4 * AG_MR : rows - rows % AG_MR;
     if (rows > M) rows = M;
-    float* xf = (float*)malloc(sizeof(float) * (rows * K + panels * AG_NR));
+    float* xf = (float*)malloc(sizeof(float) * (rows * K + 2 * panels * AG_NR));
     if (!xf) return -2;
     float* bf = xf + rows * K; /* bias widened, zero-padded to whole panels */
+    float* bfe = bf + panels * AG_NR; /* the same, each panel's 8 even outputs, then its 8 odd */
     for (int64_t n = 0; n < panels * AG_NR; n++) bf[n] = (bias && n < N) ? bf16_to_f32(bias[n]) : 0.f;
+    for (int64_t n = 0; n < panels * AG_NR; n++) bfe[n - n % AG_NR + (n % 2) * (AG_NR / 2) + (n % AG_NR) / 2] = bf[n];
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mb = M - r0 < rows ? M - r0 : rows;
         const uint16_t* xb = x + r0 * K;
@@ -199,18 +239,18 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
             /* 1-3 rows: full panels several at a time; the rest (and a partial last one) below */
             if (mb == 1)
                 for (; p + AG_WIDE <= p1 && (p + AG_WIDE) * AG_NR <= N; p += AG_WIDE)
-                    ag_row_wide(xf, K, w + p * K * AG_NR, bf + p * AG_NR, yb + p * AG_NR);
+                    ag_row_wide(xf, K, w + p * K * AG_NR, bfe + p * AG_NR, yb + p * AG_NR);
             if (mb == 2 || mb == 3)
                 for (; p + 2 <= p1 && (p + 2) * AG_NR <= N; p += 2) {
-                    if (mb == 2) ag_rows_pair(xf, K, w + p * K * AG_NR, bf + p * AG_NR, yb + p * AG_NR, N, 2);
-                    else ag_rows_pair(xf, K, w + p * K * AG_NR, bf + p * AG_NR, yb + p * AG_NR, N, 3);
+                    if (mb == 2) ag_rows_pair(xf, K, w + p * K * AG_NR, bfe + p * AG_NR, yb + p * AG_NR, N, 2);
+                    else ag_rows_pair(xf, K, w + p * K * AG_NR, bfe + p * AG_NR, yb + p * AG_NR, N, 3);
                 }
             for (; p < p1; p++) {
                 const uint16_t* wp = w + p * K * AG_NR;
                 const int64_t n0 = p * AG_NR, valid = N - n0 < AG_NR ? N - n0 : AG_NR;
                 if (wf)
                     for (int64_t i = 0; i < K * AG_NR; i += 8) _mm256_store_ps(wf + i, bf16x8_load(wp + i));
-                ag_panel(xf, mb, K, wp, wf, bf + n0, yb, N, n0, valid);
+                ag_panel(xf, mb, K, wp, wf, (wf ? bf : bfe) + n0, yb, N, n0, valid);
             }
             free(wf);
         }
