@@ -120,9 +120,9 @@ static inline __attribute__((always_inline)) void pv_rows_bf16(float (*acc)[MAX_
     }
 }
 
-/* pv_rows_bf16 over a group of any size, 3 rows at a time (3 rows x even/odd x 2 chains = 12
- * running sums, with the values and a broadcast 15 of the 16 registers); CH stays the group's,
- * so the chains are pv_block's. */
+/* pv_rows_bf16 over a group of any size, 3 rows at a time: 3 rows x even/odd x 2 chains = 12
+ * running sums, 15 of the 16 registers with the two value vectors and a broadcast. CH stays the
+ * group's, so the chains are pv_block's. */
 static inline __attribute__((always_inline)) void pv_block_bf16(float (*acc)[MAX_HEAD_DIM], const float* p, int64_t n,
                                                                  const uint16_t* vb, int64_t len, int64_t head_dim,
                                                                  const int G, const int CH) {
