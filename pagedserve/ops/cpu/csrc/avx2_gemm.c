@@ -46,9 +46,8 @@ static inline __m256i ag_round16(__m256 a, __m256 b) {
     return _mm256_set_m128i(bf16x8_round(b), bf16x8_round(a));
 }
 
-/* Store one row of a tile: acc + bias rounded to bf16 into y[n0 .. n0 + valid). */
-static inline void ag_store(__m256 a0, __m256 a1, const float* bias16, uint16_t* y, int64_t valid) {
-    const __m256i out = ag_round16(_mm256_add_ps(a0, _mm256_loadu_ps(bias16)), _mm256_add_ps(a1, _mm256_loadu_ps(bias16 + 8)));
+/* The first `valid` (<= 16) of 16 packed bf16 outputs into y. */
+static inline void ag_put16(__m256i out, uint16_t* y, int64_t valid) {
     if (valid == AG_NR) {
         _mm256_storeu_si256((__m256i*)y, out);
     } else {
@@ -58,6 +57,11 @@ static inline void ag_store(__m256 a0, __m256 a1, const float* bias16, uint16_t*
     }
 }
 
+/* Store one row of a tile: acc + bias rounded to bf16 into y[n0 .. n0 + valid). */
+static inline void ag_store(__m256 a0, __m256 a1, const float* bias16, uint16_t* y, int64_t valid) {
+    ag_put16(ag_round16(_mm256_add_ps(a0, _mm256_loadu_ps(bias16)), _mm256_add_ps(a1, _mm256_loadu_ps(bias16 + 8))), y, valid);
+}
+
 /* ag_store for sums held as the tile's 8 even outputs (e) and 8 odd ones (o), as the paths that
  * read bf16 panels straight from memory keep them (bf16x16_load_eo): bias_eo in the same order,
  * each output rounded, then the two put back in place in one pass. Each output's value is the
@@ -65,14 +69,7 @@ static inline void ag_store(__m256 a0, __m256 a1, const float* bias16, uint16_t*
 static inline void ag_store_eo(__m256 e, __m256 o, const float* bias_eo, uint16_t* y, int64_t valid) {
     const __m256i re = bf16x8_round_lanes(_mm256_add_ps(e, _mm256_loadu_ps(bias_eo)));
     const __m256i ro = bf16x8_round_lanes(_mm256_add_ps(o, _mm256_loadu_ps(bias_eo + 8)));
-    const __m256i out = _mm256_or_si256(re, _mm256_slli_epi32(ro, 16));
-    if (valid == AG_NR) {
-        _mm256_storeu_si256((__m256i*)y, out);
-    } else {
-        uint16_t tmp[AG_NR];
-        _mm256_storeu_si256((__m256i*)tmp, out);
-        for (int64_t j = 0; j < valid; j++) y[j] = tmp[j];
-    }
+    ag_put16(_mm256_or_si256(re, _mm256_slli_epi32(ro, 16)), y, valid);
 }
 
 /* Rows [0, M) (M <= AG_MR, fixed at compile time) of x (float32, rows K apart) times one panel,
