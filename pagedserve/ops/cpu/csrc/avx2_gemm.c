@@ -19,11 +19,14 @@
  * Blocking: rows in blocks of `rows_per_block` (the widened rows, rows x K x 4 bytes, stay in
  * L2 while every panel passes), panels split evenly over the OpenMP threads.
  *
- * Up to 6 rows, panels are read as bf16 straight from memory, 16 weights (one k) a load, widened
- * as the 8 even outputs (a shift) and the 8 odd ones (a mask): two instructions for 16 weights
- * where a zero-extension and a shift per 8 took four. The tile's two accumulators of a row then
- * hold the even and the odd outputs, put back in place when stored; each output's sum is the
- * same. With more rows each panel is widened once into a buffer, in order.
+ * Up to AG_DIRECT_ROWS rows, panels are read as bf16 straight from memory, 16 weights (one k) a
+ * load, widened as the 8 even outputs (a shift) and the 8 odd ones (a mask): two instructions
+ * for 16 weights where a zero-extension and a shift per 8 took four. The tile's two accumulators
+ * of a row then hold the even and the odd outputs, put back in place when stored; each output's
+ * sum is the same. A panel's later row tiles read it from cache. With more rows each panel is
+ * widened once into a buffer, in order: a pass over the panel that the FMAs do not overlap,
+ * which cost more than the tiles' extra shifts and masks up to 64 rows and tied at 96-256 on a
+ * Zen 1 (benchmarks/README.md, "Issue 15 on an AVX2-only Zen 1").
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,6 +39,7 @@
 #define AG_NR 16                  /* outputs per panel */
 #define AG_MR 6                   /* rows per register tile */
 #define AG_BLOCK_BYTES (256 << 10) /* widened rows kept per block */
+#define AG_DIRECT_ROWS 48          /* most rows of a block that read bf16 panels without widening */
 
 #ifdef HAVE_AVX2_GEMM
 #include "avx2_math.h"
@@ -230,8 +234,8 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
             }
             const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
             const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-            /* Several row tiles: widen each panel once into wf (L1/L2) for all of them. */
-            float* wf = mb > AG_MR ? (float*)aligned_alloc(32, sizeof(float) * K * AG_NR) : NULL;
+            /* Many row tiles: widen each panel once into wf (L1/L2) for all of them. */
+            float* wf = mb > AG_DIRECT_ROWS ? (float*)aligned_alloc(32, sizeof(float) * K * AG_NR) : NULL;
             int64_t p = p0;
             /* 1-3 rows: full panels several at a time; the rest (and a partial last one) below */
             if (mb == 1)
