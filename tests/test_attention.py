@@ -174,7 +174,7 @@ def test_kernel_refuses_wrong_dtypes_and_shapes():
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size,head_dim", [(9, 3, 16, 64), (8, 2, 32, 64), (16, 1, 16, 64), (16, 8, 16, 128)])
 def test_prefill_row_equals_decode_row(num_heads, num_kv_heads, block_size, head_dim):
     """A prefill chunk's row (computed with the other rows of its chunk, on AMX in tiles of
-    several tokens; with AVX512-BF16, in one task per token over all KV heads) is the same bits
+    several tokens; with AVX512-BF16 or AVX2, in one task per token over all KV heads) is the same bits
     as that token decoded alone (one task per KV head): chunking and batching do not change
     attention output."""
     parts = [(0, 40), (23, 18), (0, 1), (64, 33)]
@@ -276,3 +276,34 @@ def test_avx2_bf16_value_pass_equals_8_wide_pass(num_heads, num_kv_heads):
         assert cpu_kernels.paged_attention_cpu(q[..., :64].contiguous(), cache64, bt, None, lens, 0.125, out)
         assert torch.isfinite(out.float()).all()
         assert torch.equal(out, wide[..., :64])
+
+
+@pytest.mark.skipif(not ({"avx2", "fma"} <= _cpu_flags() and "avx512f" not in _cpu_flags()), reason="the AVX2 attention task runs only on CPUs with AVX2 and no AVX-512")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (10, 2, 72), (24, 2, 64), (8, 8, 128)])
+def test_avx2_token_tasks_equal_head_tasks(dtype, num_heads, num_kv_heads, head_dim):
+    """AVX2: a batch of decodes (one task per token over all its KV heads, each block read whole)
+    gives every row the same bits as that token alone (one task per KV head), for float32 and
+    bf16 caches, the 16-wide and the 8-wide P.V passes and groups up to 12. Values of +-2^22 around
+    small ones make the fp32 sums lose bits that show in the output, so a row summed in another
+    order, or reading another head's scores or block slice, fails."""
+    g = torch.Generator().manual_seed(17)
+    seq_lens = [1 + (37 * i) % 300 for i in range(48)]  # 48 tokens: token tasks on up to 12 threads
+    cache, tables = _paged_case(seq_lens, num_kv_heads, head_dim, 16, torch.float32, seed=9)
+    cache = cache * torch.exp2(torch.randint(-8, 3, cache.shape, generator=g).float())
+    for table, n in zip(tables, seq_lens):
+        if n > 1:
+            cache[1, table[0], :, 0] = 2.0**22
+            cache[1, table[(n - 1) // 16], :, (n - 1) % 16] = -(2.0**22)
+    cache = cache.to(dtype)
+    max_blocks = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+    lens = torch.tensor(seq_lens)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype)
+    batch = torch.empty_like(q)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt, None, lens, 0.125, batch)
+    assert torch.isfinite(batch.float()).all()
+    for t in range(len(seq_lens)):
+        one = torch.empty_like(q[t : t + 1])
+        assert cpu_kernels.paged_attention_cpu(q[t : t + 1].contiguous(), cache, bt[t : t + 1].contiguous(), None, lens[t : t + 1].contiguous(), 0.125, one)
+        assert torch.equal(one[0], batch[t]), t

@@ -133,71 +133,82 @@ static inline __attribute__((always_inline)) void pv_block_bf16(float (*acc)[MAX
     }
 }
 
-/* One (query token, KV head) task, head_dim % 8 == 0, group G <= 12 (compile-time). q: the
- * group's query rows [G, head_dim]; kc/vc blocks found through table at block_stride elements,
- * the head at head_off; q, caches and out all float32 (bf = 0) or all bf16 (bf = 1). Scores of
- * R keys per pass (R x G running FMA sums, reduced together); softmax in fp32; P.V accumulated
- * in fp32, rounded once into out. */
+/* One query token's attention over nkv consecutive KV heads from head_off (nkv = 1: one (token,
+ * KV head) task; all heads: a token task that reads each block's K, then V, for every head in
+ * turn, one contiguous stream instead of one head's slice of it), head_dim % 8 == 0, group
+ * G <= 12 (compile-time). q, out: the nkv * G query rows [nkv * G, head_dim]; kc/vc blocks found
+ * through table at block_stride elements; q, caches and out all float32 (bf = 0) or all bf16
+ * (bf = 1). Scores of R keys per pass (R x G running FMA sums, reduced together); softmax in
+ * fp32; P.V accumulated in fp32, rounded once into out. A row's steps do not depend on nkv, so
+ * its result is bit-identical either way. qf, acc: nkv * G rows (32-byte aligned); scores:
+ * nkv * G * n. */
 static inline __attribute__((always_inline)) void task_avx2(const void* q, const void* kc, const void* vc, const int64_t* table,
                                                              int64_t n, int64_t block_size, int64_t block_stride, int64_t head_off,
-                                                             int64_t head_dim, float scale, void* out, float* scores,
+                                                             int64_t nkv, int64_t head_dim, float scale, void* out, float* scores,
+                                                             float (*qf)[MAX_HEAD_DIM], float (*acc)[MAX_HEAD_DIM],
                                                              const int G, const int bf) {
     const int R = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
     const int CH = G <= 6 ? 2 : 1;
     const int PV16 = bf && head_dim % 16 == 0;
-    float qf[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
     float row[MAX_HEAD_DIM];
-    const int64_t nc = head_dim / 8, esize = bf ? 2 : 4, block_bytes = block_size * head_dim * esize;
-    for (int g = 0; g < G; g++) {
-        load_row((const char*)q + g * head_dim * esize, bf, head_dim, qf[g]);
-        for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
+    const int64_t nc = head_dim / 8, esize = bf ? 2 : 4, rows = nkv * G;
+    const int64_t head_bytes = block_size * head_dim * esize, bytes = nkv * head_bytes;
+    for (int64_t r = 0; r < rows; r++) {
+        load_row((const char*)q + r * head_dim * esize, bf, head_dim, qf[r]);
+        for (int64_t d = 0; d < head_dim; d++) qf[r][d] *= scale;
     }
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const char* kb = (const char*)kc + (table[t0 / block_size] * block_stride + head_off) * esize;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + block_size < n) prefetch_block((const char*)kc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, block_bytes);
-        else prefetch_block((const char*)vc + (table[0] * block_stride + head_off) * esize, block_bytes);
-        int64_t o = 0;
-        for (; o + R <= len; o += R)
-            qk_keys((const float (*)[MAX_HEAD_DIM])qf, kb + o * head_dim * esize, nc, head_dim, scores + t0 + o, n, G, R, bf);
-        for (; o < len; o++) {
-            load_row(kb + o * head_dim * esize, bf, head_dim, row);
-            for (int g = 0; g < G; g++) scores[g * n + t0 + o] = dot(qf[g], row, head_dim);
+        if (t0 + block_size < n) prefetch_block((const char*)kc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, bytes);
+        else prefetch_block((const char*)vc + (table[0] * block_stride + head_off) * esize, bytes);
+        for (int64_t h = 0; h < nkv; h++) {
+            const char* kh = kb + h * head_bytes;
+            float* sc = scores + h * G * n;
+            int64_t o = 0;
+            for (; o + R <= len; o += R)
+                qk_keys((const float (*)[MAX_HEAD_DIM])(qf + h * G), kh + o * head_dim * esize, nc, head_dim, sc + t0 + o, n, G, R, bf);
+            for (; o < len; o++) {
+                load_row(kh + o * head_dim * esize, bf, head_dim, row);
+                for (int g = 0; g < G; g++) sc[g * n + t0 + o] = dot(qf[h * G + g], row, head_dim);
+            }
         }
     }
-    softmax_rows(scores, G, n);
-    for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * head_dim);
+    softmax_rows(scores, rows, n);
+    for (int64_t r = 0; r < rows; r++) memset(acc[r], 0, sizeof(float) * head_dim);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const char* vb = (const char*)vc + (table[t0 / block_size] * block_stride + head_off) * esize;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + block_size < n) prefetch_block((const char*)vc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, block_bytes);
-        if (PV16) pv_block_bf16(acc, scores + t0, n, (const uint16_t*)vb, len, head_dim, G, CH);
-        else pv_block(acc, scores + t0, n, vb, len, nc, head_dim, G, CH, bf);
+        if (t0 + block_size < n) prefetch_block((const char*)vc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, bytes);
+        for (int64_t h = 0; h < nkv; h++) {
+            if (PV16) pv_block_bf16(acc + h * G, scores + h * G * n + t0, n, (const uint16_t*)(vb + h * head_bytes), len, head_dim, G, CH);
+            else pv_block(acc + h * G, scores + h * G * n + t0, n, vb + h * head_bytes, len, nc, head_dim, G, CH, bf);
+        }
     }
-    for (int g = 0; g < G; g++) {
+    for (int64_t r = 0; r < rows; r++) {
         if (PV16) {
-            uint16_t* op = (uint16_t*)out + g * head_dim;
+            uint16_t* op = (uint16_t*)out + r * head_dim;
             for (int64_t c = 0; c < head_dim; c += 16)
                 for (int j = 0; j < 8; j++) {
-                    op[c + 2 * j] = f32_to_bf16(acc[g][c + j]);
-                    op[c + 2 * j + 1] = f32_to_bf16(acc[g][c + 8 + j]);
+                    op[c + 2 * j] = f32_to_bf16(acc[r][c + j]);
+                    op[c + 2 * j + 1] = f32_to_bf16(acc[r][c + 8 + j]);
                 }
         } else if (bf) {
-            uint16_t* op = (uint16_t*)out + g * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) op[d] = f32_to_bf16(acc[g][d]);
+            uint16_t* op = (uint16_t*)out + r * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) op[d] = f32_to_bf16(acc[r][d]);
         } else {
-            memcpy((float*)out + g * head_dim, acc[g], sizeof(float) * head_dim);
+            memcpy((float*)out + r * head_dim, acc[r], sizeof(float) * head_dim);
         }
     }
 }
 
-/* The task for a group size known at run time (1 .. 12; larger groups take the generic path). */
+/* task_avx2 for a group size known at run time (1 .. 12; larger groups take the generic path). */
 static inline __attribute__((always_inline)) void task_avx2_any(const void* q, const void* kc, const void* vc, const int64_t* table,
                                                                  int64_t n, int64_t block_size, int64_t block_stride,
-                                                                 int64_t head_off, int64_t group, int64_t head_dim, float scale,
-                                                                 void* out, float* scores, const int bf) {
-#define TASK_G(G_) case G_: task_avx2(q, kc, vc, table, n, block_size, block_stride, head_off, head_dim, scale, out, scores, G_, bf); break;
+                                                                 int64_t head_off, int64_t nkv, int64_t group, int64_t head_dim,
+                                                                 float scale, void* out, float* scores, float (*qf)[MAX_HEAD_DIM],
+                                                                 float (*acc)[MAX_HEAD_DIM], const int bf) {
+#define TASK_G(G_) case G_: task_avx2(q, kc, vc, table, n, block_size, block_stride, head_off, nkv, head_dim, scale, out, scores, qf, acc, G_, bf); break;
     switch (group) {
         TASK_G(1) TASK_G(2) TASK_G(3) TASK_G(4) TASK_G(5) TASK_G(6)
         TASK_G(7) TASK_G(8) TASK_G(9) TASK_G(10) TASK_G(11) TASK_G(12)
@@ -205,15 +216,15 @@ static inline __attribute__((always_inline)) void task_avx2_any(const void* q, c
 #undef TASK_G
 }
 
-static void task_f32_avx2(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t n,
-                          int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, int64_t head_dim,
-                          float scale, float* out, float* scores) {
-    task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, group, head_dim, scale, out, scores, 0);
+/* One (query token, KV head) task, the group's rows kept on the stack. */
+static void task_one_head_avx2(const void* q, const void* kc, const void* vc, const int64_t* table, int64_t n,
+                               int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, int64_t head_dim,
+                               float scale, void* out, float* scores, const int bf) {
+    float qf[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
+    if (bf) task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, 1, group, head_dim, scale, out, scores, qf, acc, 1);
+    else task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, 1, group, head_dim, scale, out, scores, qf, acc, 0);
 }
 
-static void task_bf16_avx2(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n,
-                           int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, int64_t head_dim,
-                           float scale, uint16_t* out, float* scores) {
-    task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, group, head_dim, scale, out, scores, 1);
-}
+#include "attention_avx2_tokens.c"
 #endif

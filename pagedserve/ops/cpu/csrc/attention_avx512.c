@@ -158,8 +158,6 @@ static inline __attribute__((always_inline)) void decode_task_bf16(
     bf16_store_rows(acc, out, G, NV);
 }
 
-#define TOKEN_TASK_MAX_KV_HEADS 8
-
 /* One query token, all nkv KV heads (q, out: nkv * G rows), each block's K (then V) of every
  * head in turn: the same per-row arithmetic as decode_task_bf16, so a row's result does not
  * depend on which of the two ran it. scores, pbf: nkv * G * n each; acc: nkv accumulator sets

@@ -189,6 +189,9 @@ static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
     }
 }
 
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(HAVE_AVX2)
+#include "attention_token_tasks.c"
+#endif
 #include "attention_avx512.c"
 
 #include "attention_avx2.c"
@@ -197,7 +200,7 @@ static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
 /* Attention of num_tokens query tokens, each to the first token_lens[t] cached tokens of the
  * sequence whose block table is row token_seq[t] (token_seq NULL: row t, the decode case).
  * One OpenMP task per (query token, KV head), or per query token or tile of a prefill chunk's
- * tokens (attention_avx512_tokens.c); each thread owns one score buffer per call.
+ * tokens (attention_avx512_tokens.c, attention_avx2_tokens.c); each thread owns its score buffer.
  * Returns 0 on success, -1 when group or head_dim exceed the static limits, -2 on allocation failure. */
 static int paged_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, void* out,
@@ -217,6 +220,11 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
         return paged_attention_tokens((const uint16_t*)q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens,
                                       (uint16_t*)out, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, kv_int8,
                                       max_n);
+#endif
+#ifdef HAVE_AVX2
+    if (!kv_int8 && head_dim % 8 == 0 && group <= AVX2_MAX_GROUP && token_tasks_preferred(num_tokens, num_heads, num_kv_heads, max_n))
+        return paged_attention_tokens_avx2(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
+                                           num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, max_n);
 #endif
     const int64_t esize = is_bf16 ? 2 : 4;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;  /* elements */
@@ -258,14 +266,9 @@ static int paged_attention(const void* q, const void* k_cache, const void* v_cac
 #endif
 #ifdef HAVE_AVX2
             if (!kv_int8 && head_dim % 8 == 0 && group <= AVX2_MAX_GROUP) {
-                if (is_bf16)
-                    task_bf16_avx2((const uint16_t*)q + (t * num_heads + kh * group) * head_dim, (const uint16_t*)k_cache,
-                                   (const uint16_t*)v_cache, table, n, block_size, block_stride, kh * block_size * head_dim,
-                                   group, head_dim, scale, (uint16_t*)out + (t * num_heads + kh * group) * head_dim, scores);
-                else
-                    task_f32_avx2((const float*)q + (t * num_heads + kh * group) * head_dim, (const float*)k_cache,
-                                  (const float*)v_cache, table, n, block_size, block_stride, kh * block_size * head_dim, group,
-                                  head_dim, scale, (float*)out + (t * num_heads + kh * group) * head_dim, scores);
+                task_one_head_avx2((const char*)q + (t * num_heads + kh * group) * head_dim * esize, k_cache, v_cache, table, n,
+                                   block_size, block_stride, kh * block_size * head_dim, group, head_dim, scale,
+                                   (char*)out + (t * num_heads + kh * group) * head_dim * esize, scores, is_bf16);
                 continue;
             }
 #endif
