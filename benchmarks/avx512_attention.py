@@ -1,20 +1,22 @@
-"""Decode attention on a CPU with AVX512-BF16 (no AMX): one task per (query token, KV head)
-against one task per query token over all KV heads (``csrc/attention_avx512.c``; what the
-kernel picks with at least 4 tokens per thread), in the same script.
+"""Decode attention on a CPU with AVX512-BF16 or AVX2 (no AMX): one task per (query token, KV
+head) against one task per query token over all KV heads (``csrc/attention_avx512.c``,
+``csrc/attention_avx2_tokens.c``; what the kernel picks with at least 4 tokens per thread), in
+the same script.
 
 Both sides are ``paged_attention.c`` as the engine builds it, the peer with
 ``-DTOKEN_TASKS_PER_THREAD`` set out of reach; with ``--rev REV`` a third side is the per-token
 kernel of git revision REV (the source of an earlier commit: A/B of a kernel change); ``--avx2``
-builds every side with ``-mno-avx512f`` (the AVX2 kernel on this CPU's memory system). Outputs
-are checked bit-identical. Work: 32 decode rows of 148-560 tokens over SmolLM2's 9 query / 3 KV
-heads (head_dim 64, bf16, 16-token blocks), 30 layers of distinct caches (read cold, as in a
-step), with each sequence's blocks in order (as after a prefill), as W1 leaves them (prompt
-blocks in order, the last 8 blocks of each sequence interleaved with the others', as decodes
-append them) and scattered over the pool (``--pool-blocks``, default 1.5x the blocks in use;
-the engine's default pool on SmolLM2 is ~11,650 blocks). Rounds alternate the sides; medians
-and the ratios to the first are printed, and the K/V bytes read per second.
+builds every side with ``-mno-avx512f`` (the AVX2 kernel on an AVX-512 CPU's memory system).
+Outputs are checked bit-identical. Work: 32 decode rows of 148-560 tokens over SmolLM2's 9 query
+/ 3 KV heads (``--heads 32,8``: the 1.1B model's), head_dim 64, bf16, 16-token blocks, 30 layers
+of distinct caches (read cold, as in a step), with each sequence's blocks in order (as after a
+prefill), as W1 leaves them (prompt blocks in order, the last 8 blocks of each sequence
+interleaved with the others', as decodes append them) and scattered over the pool
+(``--pool-blocks``, default 1.5x the blocks in use; the engine's default pool on SmolLM2 is
+~11,650 blocks). Rounds alternate the sides; medians and the ratios to the first are printed,
+and the K/V bytes read per second.
 
-    .venv/bin/python benchmarks/avx512_attention.py [--rounds 9] [--threads 2] [--rev HEAD~1] [--pool-blocks 11650] [--avx2]
+    .venv/bin/python benchmarks/avx512_attention.py [--rounds 9] [--threads 2] [--rev HEAD~1] [--pool-blocks 11650] [--avx2] [--heads 32,8]
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 CSRC = os.path.join(ROOT, "pagedserve", "ops", "cpu", "csrc")
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, SEQS, LAYERS = 9, 3, 64, 16, 32, 30
+HEAD_DIM, BLOCK, SEQS, LAYERS = 64, 16, 32, 30
 
 
 def build(flags: list[str], out: str, csrc: str = CSRC):
@@ -59,13 +61,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rev", default=None, help="also time the per-token kernel of this git revision")
     ap.add_argument("--pool-blocks", type=int, default=None, help="blocks per layer cache (default: 1.5x those in use)")
-    ap.add_argument("--avx2", action="store_true", help="build every side with -mno-avx512f: the AVX2 kernel (no task orders to compare)")
+    ap.add_argument("--avx2", action="store_true", help="build every side with -mno-avx512f: the AVX2 kernel")
+    ap.add_argument("--heads", default="9,3", help="query heads,KV heads (default 9,3: SmolLM2; 32,8: the 1.1B model)")
     args = ap.parse_args()
+    HEADS, KV_HEADS = (int(x) for x in args.heads.split(","))
     flags = ["-mno-avx512f"] if args.avx2 else []
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the libraries' OpenMP starts
-    grep = subprocess.run(["grep", "-m1", "-o", "avx512_bf16", "/proc/cpuinfo"], capture_output=True, text=True)
-    if "avx512_bf16" not in grep.stdout and not args.avx2:
-        raise SystemExit("needs a CPU with AVX512-BF16 (elsewhere the kernel takes another path)")
+    with open("/proc/cpuinfo") as fh:
+        cpu_flags = set(next((line for line in fh if line.startswith("flags")), "").split())
+    if not ({"avx512_bf16"} <= cpu_flags or {"avx2", "fma"} <= cpu_flags) or "amx_bf16" in cpu_flags:
+        raise SystemExit("needs a CPU with AVX512-BF16 or AVX2 and no AMX (elsewhere the kernel takes another path)")
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(148, 561, (SEQS,), generator=g)
     nblocks = [math.ceil(int(n) / BLOCK) for n in lens]
@@ -83,10 +88,9 @@ def main() -> None:
                "blocks scattered": torch.randperm(pool, generator=g)[: sum(nblocks)]}
     nbytes = sum(int(n) for n in lens) * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS
     with tempfile.TemporaryDirectory() as tmp:
-        side = "AVX2 kernel" if args.avx2 else "per token"
+        side = "per token"
         fns = {side: build(flags, os.path.join(tmp, "token.so"))}
-        if not args.avx2:
-            fns["per (token, KV head)"] = build(["-DTOKEN_TASKS_PER_THREAD=1000000"], os.path.join(tmp, "head.so"))
+        fns["per (token, KV head)"] = build(flags + ["-DTOKEN_TASKS_PER_THREAD=1000000"], os.path.join(tmp, "head.so"))
         if args.rev:
             fns[f"{side} at {args.rev}"] = build_rev(args.rev, flags, tmp)
         for layout, ids in layouts.items():
