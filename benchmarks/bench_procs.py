@@ -1,5 +1,6 @@
 """Helpers of benchmarks/vs_llama_server.py: a server child process started and stopped in
-bounded time, and one closed-loop HTTP load client shared by every OpenAI-compatible server.
+bounded time, one closed-loop HTTP load client shared by every OpenAI-compatible server, the
+llama.cpp commands, and a probe of the host's speed.
 
 The client sends every request of a run to ``/v1/completions`` (non-streaming by default: the
 servers' per-token streaming cost stays out of a throughput figure), at most ``concurrency`` in
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,6 +24,7 @@ from typing import Any, Optional, Sequence, Union
 import httpx
 
 Prompt = Union[str, list[int]]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -214,3 +217,49 @@ def run_load(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int, c
     if concurrency < 1 or not prompts:
         raise ValueError("need at least one prompt and a concurrency of at least 1")
     return asyncio.run(_run(url, model, prompts, max_tokens, concurrency, timeout_s, stream))
+
+
+# -- llama.cpp's side ----------------------------------------------------------------------
+def llama_server(args: Any, gguf: str, log_dir: str) -> Server:
+    """llama-server on ``gguf`` with ``args``' threads and one slot per client (not started)."""
+    port = free_port()
+    # Every slot fits the longest request; llama.cpp pads a slot's context to a multiple of 256.
+    per_slot = -(-(args.max_input_len + args.output_len + 64) // 256) * 256
+    ctx = args.concurrency * per_slot
+    cmd = [os.path.join(args.llama_bin, "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.concurrency), "-c", str(ctx),
+           "--cont-batching", "--no-webui"] + shlex.split(args.llama_server_args)
+    return Server("llama-server", cmd, port, log_dir, cwd=ROOT)
+
+
+def llama_bench(args: Any, gguf: str) -> dict:
+    """llama-bench pp / tg tok/s of ``gguf`` at ``args``' batch-1 sizes."""
+    cmd = [os.path.join(args.llama_bin, "llama-bench"), "-m", gguf, "-p", str(args.batch1_input_len), "-n", str(args.output_len),
+           "-t", str(args.threads), "-r", str(args.iters), "-o", "json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    rows = json.loads(p.stdout)
+    by = {("pp" if int(r["n_prompt"]) else "tg"): float(r["avg_ts"]) for r in rows}
+    return {"pp_tok_s": by["pp"], "tg_tok_s": by["tg"], "rows": rows}
+
+
+def cpu_probe_gflops(seconds: float = 1.0, size: int = 256) -> float:
+    """The host's speed now: the median GFLOP/s of repeated ``size`` x ``size`` float32 matmuls
+    on torch's threads over about ``seconds``. A median, not a best, so that a slow spell shows:
+    figures measured next to each other are comparable only when their probes agree."""
+    import statistics
+
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    flop = 2.0 * size ** 3
+    rates = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(rates) < 5:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        rates.append(4 * flop / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)

@@ -2,9 +2,11 @@
 
 This box's speed drifts from minute to minute (see "Batch-1 decode and the bandwidth ceiling"
 in benchmarks/README.md), so every figure here is measured next to its peer: each round runs
-pagedserve, then llama.cpp, then (below) the offline or batch-1 figures, one process at a time
-(each server is started, warmed up with N short requests at once, measured, and stopped before
-the next starts). The same token-id prompts (W1's: windows of real English text, 64-512 tokens,
+the offline pagedserve run, `pagedserve serve`, then llama-server (the reverse every other round:
+a steady drift then favours neither side over two rounds), then for 1b the batch-1 figures, one
+process at a time (each server is started, warmed up with N short requests at once, measured,
+and stopped before the next starts). Before each side a 1 s matmul probe (cpu_probe_gflops)
+records the host's speed: two figures compare only where their probes agree. The same token-id prompts (W1's: windows of real English text, 64-512 tokens,
 tokenized with SmolLM2's tokenizer, seed 0) go to both servers through one closed-loop client
 (benchmarks/bench_procs.py): ``/v1/completions``, non-streaming (``--stream`` streams), greedy,
 EOS ignored, ``max_tokens`` = the output length, N requests in flight; output tok/s = completion tokens /
@@ -44,7 +46,7 @@ import time
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_procs import Server, free_port, model_name, run_load  # noqa: E402
+from bench_procs import Server, cpu_probe_gflops, free_port, llama_bench, llama_server, model_name, run_load  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, "-m", "pagedserve.entrypoints.cli"]
@@ -85,17 +87,6 @@ def pagedserve_server(args: argparse.Namespace, model: Optional[str], log_dir: s
     return Server("pagedserve", cmd, port, log_dir, env=_env(), cwd=ROOT)
 
 
-def llama_server(args: argparse.Namespace, gguf: str, log_dir: str) -> Server:
-    port = free_port()
-    # Every slot fits the longest request; llama.cpp pads a slot's context to a multiple of 256.
-    per_slot = -(-(args.max_input_len + args.output_len + 64) // 256) * 256
-    ctx = args.concurrency * per_slot
-    cmd = [os.path.join(args.llama_bin, "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.concurrency), "-c", str(ctx),
-           "--cont-batching", "--no-webui"] + shlex.split(args.llama_server_args)
-    return Server("llama-server", cmd, port, log_dir, cwd=ROOT)
-
-
 def measure_http(server: Server, prompts: list, args: argparse.Namespace) -> dict:
     """Start ``server``, warm it up, run the load once, stop it; the LoadResult as a dict."""
     with server:
@@ -115,18 +106,6 @@ def http_mfu(res: dict, flops, peak: Optional[float]) -> Optional[float]:
     n_out = res["total_completion_tokens"]
     forward = res["total_prompt_tokens"] + n_out - res["num_requests"]
     return flops.flops(forward, n_out) / res["elapsed_s"] / peak
-
-
-# -- batch 1 ---------------------------------------------------------------------------------
-def llama_bench(args: argparse.Namespace, gguf: str) -> dict:
-    cmd = [os.path.join(args.llama_bin, "llama-bench"), "-m", gguf, "-p", str(args.batch1_input_len), "-n", str(args.output_len),
-           "-t", str(args.threads), "-r", str(args.iters), "-o", "json"]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if p.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    rows = json.loads(p.stdout)
-    by = {("pp" if int(r["n_prompt"]) else "tg"): float(r["avg_ts"]) for r in rows}
-    return {"pp_tok_s": by["pp"], "tg_tok_s": by["tg"], "rows": rows}
 
 
 # -- rounds ----------------------------------------------------------------------------------
@@ -174,11 +153,11 @@ def run_rounds(args: argparse.Namespace) -> dict:
            "concurrency": args.concurrency, "output_len": args.output_len, "prompt_format": args.prompt_format, "stream": args.stream,
            "sent_prompt_tokens": sent_prompt_tokens, "model_flops_params": flops.as_dict(), "log_dir": log_dir, "rounds": rounds}
     for i in range(args.rounds):
-        r: dict[str, Any] = {"round": i + 1, "loadavg_1min_before": _loadavg()}
-        r["pagedserve_http"] = measure_http(pagedserve_server(args, model, log_dir), prompts, args)
-        r["llama_server_http"] = measure_http(llama_server(args, gguf, log_dir), prompts, args)
+        r: dict[str, Any] = {"round": i + 1, "loadavg_1min_before": _loadavg(), "probe_gflops": {}}
         peak = None
-        if not one_b and not args.no_offline:
+
+        def offline() -> None:
+            nonlocal peak
             cmd = CLI + ["bench", "throughput", "--backend", "pagedserve", "--dtype", args.dtype, "--num-threads", str(args.threads),
                          "--num-prompts", str(args.num_prompts), "--min-input-len", str(args.min_input_len),
                          "--max-input-len", str(args.max_input_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
@@ -188,14 +167,29 @@ def run_rounds(args: argparse.Namespace) -> dict:
                 raise RuntimeError(f"offline run built other requests ({off['total_prompt_tokens']} prompt tokens, expected {sum(q.prompt_len for q in w1)})")
             r["pagedserve_offline"] = off["results"]["pagedserve"]
             peak = off["peak_flops_per_s"]
-        if one_b:
-            peak = peak_flops_for(cfg, resolve_dtype(args.dtype, torch.device("cpu")), "cpu", 1.0)
-        if one_b and not args.no_batch1:
+
+        def batch1() -> None:
             cmd = CLI + ["bench", "latency", "--dtype", args.dtype, "--num-threads", str(args.threads), "--input-len", str(args.batch1_input_len),
                          "--output-len", str(args.output_len), "--num-iters", str(args.iters)] + (["--model", model] if model else [])
             lat = _run_json(cmd, os.path.join(log_dir, f"latency-{i + 1}.json"), os.path.join(log_dir, f"latency-{i + 1}.log"))
             r["pagedserve_batch1"] = lat["results"][0]
             r["llama_bench"] = llama_bench(args, gguf)
+
+        # pagedserve's HTTP run sits next to both its peers, and the order turns round every other
+        # round, so that a steady drift of the host favours each side equally over pairs of rounds.
+        servers = {"pagedserve_http": lambda: pagedserve_server(args, model, log_dir), "llama_server_http": lambda: llama_server(args, gguf, log_dir)}
+        order = ([] if one_b or args.no_offline else ["pagedserve_offline"]) + ["pagedserve_http", "llama_server_http"]
+        r["order"] = order = order if i % 2 == 0 else order[::-1]
+        for k in order:
+            r["probe_gflops"][k] = cpu_probe_gflops()
+            if k == "pagedserve_offline":
+                offline()
+            else:
+                r[k] = measure_http(servers[k](), prompts, args)
+        if one_b:
+            peak = peak_flops_for(cfg, resolve_dtype(args.dtype, torch.device("cpu")), "cpu", 1.0)
+            if not args.no_batch1:
+                batch1()
         r["peak_flops_per_s"] = peak
         for k in ("pagedserve_http", "llama_server_http"):
             r[k]["mfu"] = http_mfu(r[k], flops, peak)
@@ -210,7 +204,9 @@ def run_rounds(args: argparse.Namespace) -> dict:
 
 def _print_round(r: dict, sent: int) -> None:
     ps, ll = r["pagedserve_http"], r["llama_server_http"]
-    print(f"round {r['round']} (load {r['loadavg_1min_before']:.2f} before):")
+    label = {"pagedserve_offline": "offline", "pagedserve_http": "serve", "llama_server_http": "llama-server"}
+    probe = ", ".join(f"{label[k]} {v:.1f}" for k, v in r["probe_gflops"].items())
+    print(f"round {r['round']} (load {r['loadavg_1min_before']:.2f} before; in this order, the host's speed just before each: {probe} GFLOP/s):")
     for name, x in (("pagedserve serve", ps), ("llama-server", ll)):
         note = "" if x["total_prompt_tokens"] == sent else f" (server counted {x['total_prompt_tokens']} prompt tokens, {sent} sent)"
         print(f"    {name:17s} HTTP {x['output_tokens_per_s']:8.1f} output tok/s ({x['elapsed_s']:.2f} s, MFU {_pct(x['mfu'])}){note}")
