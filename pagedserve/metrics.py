@@ -109,7 +109,8 @@ class EngineMetrics:
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
-        self._generated: dict[str, int] = {}
+        self._generated: dict[str, dict[int, int]] = {}  # request id -> completion index -> tokens
+        self._finish_counted: dict[str, set[int]] = {}  # completions whose request_success is counted
 
     # -- fed by the engine thread ----------------------------------------------------------
     def observe_stats(self, stats: SchedulerStats) -> None:
@@ -141,32 +142,48 @@ class EngineMetrics:
             self.kv_transfer_time.observe(seconds)
 
     def observe_output(self, out: RequestOutput) -> None:
+        """Count one ``RequestOutput`` (cumulative or final-only with its ``n`` completions, or a
+        delta holding those that changed). As vLLM records each child of an ``n > 1`` request,
+        every per-request series counts completions: TTFT when a completion first appears,
+        ``request_success`` when its finish reason first appears (a delta reports it once), and
+        the end-of-request histograms once per completion when the request finishes, with that
+        completion's own token count. The times are the request's (its completions run
+        together)."""
         m = out.metrics
         if m is None:
             return
         rid = out.request_id
         with self._lock:
-            # Outputs may be deltas: count a request's tokens over all of them.
-            self._generated[rid] = self._generated.get(rid, 0) + sum(len(c.token_ids) for c in out.outputs)
-            generated = self._generated.pop(rid) if out.finished else 0
+            # Outputs may be deltas: count each completion's tokens over all of them.
+            generated = self._generated.setdefault(rid, {})
+            new = [c for c in out.outputs if c.index not in generated]
+            for c in out.outputs:
+                generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
+            done = self._finish_counted.setdefault(rid, set())
+            newly_done = [c for c in out.outputs if c.finish_reason and c.index not in done]
+            done.update(c.index for c in newly_done)
+            if out.finished:
+                self._generated.pop(rid)
+                self._finish_counted.pop(rid)
             prev = self._last_token_time.get(rid)
             if m.last_token_time is not None:
-                if prev is None:
-                    if m.first_token_time is not None:
-                        self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
-                elif m.last_token_time > prev:
+                if prev is not None and m.last_token_time > prev:
                     self.inter_token_latency.observe(m.last_token_time - prev)
                 self._last_token_time[rid] = m.last_token_time
             if out.finished:
                 self._last_token_time.pop(rid, None)
+        if m.first_token_time is not None:
+            for c in new:
+                if c.token_ids or c.finish_reason:
+                    self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
+        for c in newly_done:
+            self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason=c.finish_reason).inc()
         if out.finished:
             end = m.finished_time or m.last_token_time
-            if end is not None:
-                self.e2e_request_latency.observe(max(0.0, end - m.arrival_time))
-            self._observe_phases(out, generated)
-            for c in out.outputs:
-                if c.finish_reason:
-                    self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason=c.finish_reason).inc()
+            for count in generated.values():
+                if end is not None:
+                    self.e2e_request_latency.observe(max(0.0, end - m.arrival_time))
+                self._observe_phases(out, count)
 
     def _observe_phases(self, out: RequestOutput, generated: int) -> None:
         """vLLM's per-request phase times (queue, prefill, decode, running) and sizes."""
@@ -190,6 +207,7 @@ class EngineMetrics:
         with self._lock:
             self._last_token_time.pop(request_id, None)
             self._generated.pop(request_id, None)
+            self._finish_counted.pop(request_id, None)
         self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason="abort").inc()
 
     def for_engine(self, engine: int) -> "EngineMetrics":
