@@ -93,6 +93,7 @@ BAD_REQUESTS = [
     ("/tokenize", b'{"prompt": "\\udfff"}', "prompt", "surrogate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 1000000000, "max_tokens": 1}, "n", "at most"),
     ("/v1/completions", {"prompt": ["a"] * 300, "max_tokens": 1}, "n", "at most"),
+    ("/v1/completions", {"prompt": "hi", "n": 100000, "max_tokens": 1}, "n", "n must be at most 128"),  # the cap it broke
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                               "chat_template": "{% for i in range(100000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}x"},
      "chat_template", "not allowed"),
@@ -151,6 +152,8 @@ def test_bad_request_is_an_openai_400_naming_the_field(app_client, path, body, p
     assert err["type"] == "BadRequestError" and err["code"] == 400
     assert words.lower() in err["message"].lower(), (words, err)
     assert err["param"] == param, (param, err)
+    if param not in (None, "structured_outputs"):  # the message names what the client sent
+        assert "structured_outputs" not in err["message"], err
     assert not llm.reached_engine
 
 

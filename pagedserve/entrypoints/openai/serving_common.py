@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
@@ -22,7 +23,7 @@ from pagedserve.entrypoints.openai.token_strings import TokenStrings
 from pagedserve.entrypoints.openai.tool_messages import tool_call_for_template, tools_template
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ErrorInfo, ErrorResponse
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import MAX_N, SamplingParams
 
 
 logger = logging.getLogger("pagedserve")
@@ -217,9 +218,12 @@ class OpenAIServing:
             self.input_processor.check_params(params)
         except ValueError as e:
             param = e.param if isinstance(e, RequestError) else param_of(str(e))
+            msg = str(e)
             if param == "structured_outputs" and req.constraint_fields():
                 param = req.constraint_fields()[0]
-            raise RequestError(str(e), param=param) from None
+                if param != "structured_outputs":  # name the field the client sent, not ours
+                    msg = re.sub(r"structured_outputs\.\w+", "response_format.json_schema.schema" if param == "response_format" else param, msg)
+            raise RequestError(msg, param=param) from None
         return params
 
     def requested_max_tokens(self, requested: Optional[int]) -> Optional[int]:
@@ -231,6 +235,8 @@ class OpenAIServing:
         return min(requested, default)
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        if n > MAX_N:  # the cap on n alone is the limit this request broke
+            raise RequestError(f"n must be at most {MAX_N}, got {n}.", param="n")
         if num_prompts * n > self.MAX_SEQUENCES_PER_REQUEST:
             raise RequestError(
                 f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); "
