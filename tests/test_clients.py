@@ -40,7 +40,7 @@ def test_openai_required_and_named_tool_choice(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=120, temperature=0)
     calls = r.choices[0].message.tool_calls
     _check_calls(calls)
-    assert [c.function.name for c in calls] == ["get_time"] and r.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in calls] == ["get_time"] and r.choices[0].finish_reason == "stop"  # forced: as OpenAI, vLLM
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -60,7 +60,7 @@ def test_openai_streamed_tool_calls_equal_the_response(client, tool_choice):
                 entry["name"] += tc.function.name
             if tc.function and tc.function.arguments:
                 entry["arguments"] += tc.function.arguments
-    assert finish == "tool_calls"
+    assert finish == ("tool_calls" if tool_choice == "required" else "stop")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [(c.function.name, json.loads(c.function.arguments)) for c in full]
     assert all(c["id"].startswith("chatcmpl-tool-") for c in calls.values())
 

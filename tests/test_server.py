@@ -525,6 +525,23 @@ def test_continuous_usage_stats(server, client):
     assert "".join(c.choices[0].text for c in with_text) == full.choices[0].text
 
 
+def test_streamed_usage_reports_cached_tokens_as_the_full_response_does(server, client):
+    text = "Prefix caching is counted the same way streamed or not. " * 4  # > 2 full blocks
+    body = dict(model=MODEL, prompt=text, max_tokens=2, temperature=0)
+    client.completions.create(**body)  # its blocks now cached
+    full = client.completions.create(**body)
+    cached = full.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0
+    last = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))[-1]
+    assert last.usage.prompt_tokens_details.cached_tokens == cached
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2, temperature=0)
+    client.chat.completions.create(**chat)
+    full = client.chat.completions.create(**chat)
+    assert full.usage.prompt_tokens_details.cached_tokens >= 32
+    last = list(client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))[-1]
+    assert last.usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens_details.cached_tokens
+
+
 def test_metric_histograms_count_what_happened(server, client):
     before = wait_idle(server)
     n, max_tokens = 3, 5

@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
             result.append(ChatCompletionResponseChoice(
                 index=i, message=message,
                 logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
-                finish_reason="tool_calls" if called else ch.finish_reason, stop_reason=None if called else ch.stop_reason,
+                finish_reason=plan.calls_finish_reason if called else ch.finish_reason, stop_reason=None if called else ch.stop_reason,
             ))
         num_gen = sum(len(ch.token_ids) for ch in choices)
         usage = UsageInfo(prompt_tokens=len(prompt.token_ids), completion_tokens=num_gen, total_tokens=len(prompt.token_ids) + num_gen,
@@ -123,6 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         top_n = req.top_logprobs or 0
         echo = "" if plan.parses_calls else self._echo_text(req, conv)
         created = int(time.time())
+        cached = 0
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             c = ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice])
@@ -139,6 +140,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
                 async for _, out in stream:
+                    cached = out.num_cached_tokens
                     for o in out.outputs:
                         ch = choices[o.index]
                         if ch.finish_reason is not None:
@@ -156,14 +158,15 @@ class OpenAIServingChat(OpenAIServing):
                         for k, delta in enumerate(deltas):
                             last = k == len(deltas) - 1
                             called = tools.called and o.finish_reason == "stop"
-                            finish = ("tool_calls" if called else o.finish_reason) if last else None
+                            finish = (plan.calls_finish_reason if called else o.finish_reason) if last else None
                             yield chunk(ChatCompletionResponseStreamChoice(
                                 index=o.index, delta=delta, logprobs=lps if k == 0 else None, finish_reason=finish,
                                 stop_reason=(None if called else o.stop_reason) if last else None,
                             ))
             if include_usage:
                 gen = sum(x.num_tokens for x in choices)
-                yield sse(ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)))
+                yield sse(ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(
+                    prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))))
         except (ValueError, RuntimeError) as e:
             yield stream_error(e)
         yield SSE_DONE

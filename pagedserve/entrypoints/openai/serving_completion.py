@@ -113,9 +113,11 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         num_prompt = sum(len(p.token_ids) for p in prompts)
         created = int(time.time())
+        cached = 0
         try:
             async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts))) as stream:
                 async for pi, out in stream:
+                    cached = cached + out.num_cached_tokens if out.finished else cached
                     for o in out.outputs:
                         idx = pi * n + o.index
                         ch = choices[idx]
@@ -145,7 +147,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse(chunk)
             if include_usage:
                 gen = sum(c.num_tokens for c in choices)
-                yield sse(CompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)))
+                yield sse(CompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(
+                    prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))))
         except (ValueError, RuntimeError) as e:  # refused late or engine died: report in-band
             yield stream_error(e)
         yield SSE_DONE

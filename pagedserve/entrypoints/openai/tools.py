@@ -10,7 +10,7 @@
   arguments (its ``parameters`` schema).
 
 Every call gets an id ``chatcmpl-tool-<hex>``; a response with calls finishes with
-``"tool_calls"``.
+``"tool_calls"``, or ``"stop"`` for a forced named function (as OpenAI and vLLM).
 """
 from __future__ import annotations
 
@@ -46,6 +46,12 @@ class ToolPlan:
     named: Optional[str] = None
     constraint: Optional[StructuredOutputsParams] = None
     parser: Optional[str] = None
+
+    @property
+    def calls_finish_reason(self) -> str:
+        """A choice's finish_reason when it ends with calls: ``"stop"`` for a forced named
+        function, as OpenAI and vLLM answer; ``"tool_calls"`` when the model chose to call."""
+        return "stop" if self.mode == "named" else "tool_calls"
 
     @property
     def parses_calls(self) -> bool:
