@@ -185,8 +185,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
             raise ValueError(f"--kv-budget-fraction must be in (0, 1], got {args.kv_budget_fraction}")
         args.num_kv_blocks = max(math.ceil(max(reservations) / B), math.ceil(args.kv_budget_fraction * sum(reservations) / B))
     args.trace_buffer_steps = max(args.trace_buffer_steps, 1024)
-    print(f"Workload: {args.dataset_name}: {describe(requests)}; they stop after {sum(lengths)} output tokens "
-          f"({args.output_len_dist}); max_tokens sent = the output len")
+    print(f"Workload: {args.dataset_name}: {describe(requests)}; each stops after {min(lengths)}-{max(lengths)} output tokens "
+          f"({args.output_len_dist}; {sum(lengths)} in all); max_tokens sent = the output len")
 
     engine = build_engine(args)
     pool_blocks = engine.core.info.num_blocks
