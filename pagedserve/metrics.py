@@ -5,12 +5,14 @@ apps in one process (tests) do not collide. The engine thread of
 :class:`pagedserve.engine.async_llm.AsyncLLM` feeds it from its output thread:
 
 * ``observe_stats(stats)`` after every step: gauges (running / waiting requests, KV cache
-  usage) and counters that follow the engine's running totals (prompt and generation tokens,
-  preemptions, prefix cache queries / hits in tokens, KV-transfer tokens sent / received and
-  failures by reason), and the step's KV-load times.
-* ``observe_output(output)`` for every ``RequestOutput``: time to first token, inter-token
-  latency, end-to-end latency and ``request_success{finished_reason}`` when it finishes.
-* ``observe_abort(request_id)`` when a live request is aborted (``finished_reason="abort"``).
+  usage) and counters that follow the engine's running totals (prompt tokens, preemptions,
+  prefix cache queries / hits in tokens, KV-transfer tokens sent / received and failures by
+  reason), and the step's KV-load times.
+* ``observe_output(output)`` for every ``RequestOutput``: generation tokens returned, time to
+  first token, inter-token latency, and per completion as it ends ``request_success
+  {finished_reason}``, end-to-end latency and the phase and size histograms.
+* ``observe_abort(request_id, n)`` when a live request is aborted with ``n`` completions running
+  (``finished_reason="abort"`` each).
 
 Counters are exposed with the ``_total`` suffix, as prometheus-client (and vLLM) do:
 ``pagedserve:prompt_tokens_total``, ``pagedserve:request_success_total{finished_reason="stop"}``.
@@ -24,6 +26,7 @@ rotation.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any, Callable, Optional
 
@@ -123,7 +126,6 @@ class EngineMetrics:
                 ("prefix_cache_hits", self.prefix_cache_hits),
                 ("num_preemptions", self.num_preemptions),
                 ("num_prompt_tokens", self.prompt_tokens),
-                ("num_generation_tokens", self.generation_tokens),
                 ("kv_transfer_sent_tokens", self.kv_transfer_sent_tokens),
                 ("kv_transfer_received_tokens", self.kv_transfer_received_tokens),
             ):
@@ -142,13 +144,15 @@ class EngineMetrics:
             self.kv_transfer_time.observe(seconds)
 
     def observe_output(self, out: RequestOutput) -> None:
-        """Count one ``RequestOutput`` (cumulative or final-only with its ``n`` completions, or a
-        delta holding those that changed). As vLLM records each child of an ``n > 1`` request,
-        every per-request series counts completions: TTFT when a completion first appears,
-        ``request_success`` when its finish reason first appears (a delta reports it once), and
-        the end-of-request histograms once per completion when the request finishes, with that
-        completion's own token count. The times are the request's (its completions run
-        together)."""
+        """Count one ``RequestOutput`` (final-only with its ``n`` completions, or a delta holding
+        those that changed). As vLLM records each child of an ``n > 1`` request, every
+        per-request series counts completions: TTFT when a completion first appears, and
+        ``request_success`` and the end-of-request histograms (with that completion's own token
+        count) when its finish reason first appears, so a completion that ends before its
+        siblings is counted even if the request is aborted later. The times are the request's
+        (its completions run together); a completion that ends apart from the others ends now.
+        ``generation_tokens`` counts the tokens returned (as vLLM, which drops what the engine
+        sampled after a stop string ended the sequence)."""
         m = out.metrics
         if m is None:
             return
@@ -160,8 +164,10 @@ class EngineMetrics:
             for c in out.outputs:
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
             done = self._finish_counted.setdefault(rid, set())
-            newly_done = [c for c in out.outputs if c.finish_reason and c.index not in done]
-            done.update(c.index for c in newly_done)
+            ended = [(c, generated[c.index]) for c in out.outputs if c.finish_reason and c.index not in done]
+            done.update(c.index for c, _ in ended)
+            # The request's finish time is this output's when completion 0 ends in it.
+            together = out.finished and any(c.index == 0 for c, _ in ended)
             if out.finished:
                 self._generated.pop(rid)
                 self._finish_counted.pop(rid)
@@ -172,15 +178,17 @@ class EngineMetrics:
                 self._last_token_time[rid] = m.last_token_time
             if out.finished:
                 self._last_token_time.pop(rid, None)
+        returned = sum(len(c.token_ids) for c in out.outputs)
+        if returned:
+            self.generation_tokens.inc(returned)
         if m.first_token_time is not None:
             for c in new:
                 if c.token_ids or c.finish_reason:
                     self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
-        for c in newly_done:
-            self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason=c.finish_reason).inc()
-        if out.finished:
-            end = m.finished_time or m.last_token_time
-            for count in generated.values():
+        if ended:
+            end = (m.finished_time or m.last_token_time) if together else time.monotonic()
+            for c, count in ended:
+                self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason=c.finish_reason).inc()
                 if end is not None:
                     self.e2e_request_latency.observe(max(0.0, end - m.arrival_time))
                 self._observe_phases(out, count)
@@ -203,12 +211,15 @@ class EngineMetrics:
         if num_scheduled_tokens > 0:
             self.iteration_tokens.observe(num_scheduled_tokens)
 
-    def observe_abort(self, request_id: str) -> None:
+    def observe_abort(self, request_id: str, num_completions: int = 1) -> None:
+        """A live request was aborted with ``num_completions`` completions still running: one
+        ``finished_reason="abort"`` each (its finished ones were counted as they ended)."""
         with self._lock:
             self._last_token_time.pop(request_id, None)
             self._generated.pop(request_id, None)
             self._finish_counted.pop(request_id, None)
-        self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason="abort").inc()
+        if num_completions > 0:
+            self._request_success.labels(model_name=self.model_name, engine=self.engine, finished_reason="abort").inc(num_completions)
 
     def for_engine(self, engine: int) -> "EngineMetrics":
         """Engine ``engine``'s metrics (created on first use), in this registry."""

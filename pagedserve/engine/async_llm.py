@@ -218,7 +218,7 @@ class AsyncLLM(CoreUtilityCalls, OutputThread):
                 metrics = metrics.for_engine(self.client.engine_of(child_ids[0]))
             self.client.send(["abort", child_ids])
             if metrics is not None:
-                metrics.observe_abort(request_id)
+                metrics.observe_abort(request_id, len(child_ids))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core and the output thread; live requests end with EngineDeadError."""
