@@ -146,7 +146,7 @@ class EngineMetrics:
     def observe_output(self, out: RequestOutput) -> None:
         """Count one ``RequestOutput`` (final-only with its ``n`` completions, or a delta holding
         those that changed). As vLLM records each child of an ``n > 1`` request, every
-        per-request series counts completions: TTFT when a completion first appears, and
+        per-request series counts completions: TTFT when a completion first returns tokens, and
         ``request_success`` and the end-of-request histograms (with that completion's own token
         count) when its finish reason first appears, so a completion that ends before its
         siblings is counted even if the request is aborted later. The times are the request's
@@ -160,7 +160,7 @@ class EngineMetrics:
         with self._lock:
             # Outputs may be deltas: count each completion's tokens over all of them.
             generated = self._generated.setdefault(rid, {})
-            new = [c for c in out.outputs if c.index not in generated]
+            first = [c for c in out.outputs if c.token_ids and not generated.get(c.index)]  # its first tokens
             for c in out.outputs:
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
             done = self._finish_counted.setdefault(rid, set())
@@ -182,9 +182,8 @@ class EngineMetrics:
         if returned:
             self.generation_tokens.inc(returned)
         if m.first_token_time is not None:
-            for c in new:
-                if c.token_ids or c.finish_reason:
-                    self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
+            for _ in first:
+                self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
         if ended:
             end = (m.finished_time or m.last_token_time) if together else time.monotonic()
             for c, count in ended:
