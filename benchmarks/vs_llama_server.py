@@ -6,8 +6,9 @@ the offline pagedserve run, `pagedserve serve`, then llama-server (the reverse e
 a steady drift then favours neither side over two rounds), then for 1b the batch-1 figures, one
 process at a time (each server is started, warmed up with N short requests at once, measured,
 and stopped before the next starts). Before each side a 1 s matmul probe (cpu_probe_gflops)
-records the host's speed: two figures compare only where their probes agree. The same token-id prompts (W1's: windows of real English text, 64-512 tokens,
-tokenized with SmolLM2's tokenizer, seed 0) go to both servers through one closed-loop client
+records the host's speed: two figures compare only where their probes agree. The same token-id
+prompts (W1's: windows of real English text, 64-512 tokens, tokenized with SmolLM2's tokenizer,
+seed 0) go to both servers through one closed-loop client
 (benchmarks/bench_procs.py): ``/v1/completions``, non-streaming (``--stream`` streams), greedy,
 EOS ignored, ``max_tokens`` = the output length, N requests in flight; output tok/s = completion tokens /
 (last response - first send). Every response must report exactly the output length.
