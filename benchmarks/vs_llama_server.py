@@ -169,13 +169,6 @@ def run_rounds(args: argparse.Namespace) -> dict:
             r["pagedserve_offline"] = off["results"]["pagedserve"]
             peak = off["peak_flops_per_s"]
 
-        def batch1() -> None:
-            cmd = CLI + ["bench", "latency", "--dtype", args.dtype, "--num-threads", str(args.threads), "--input-len", str(args.batch1_input_len),
-                         "--output-len", str(args.output_len), "--num-iters", str(args.iters)] + (["--model", model] if model else [])
-            lat = _run_json(cmd, os.path.join(log_dir, f"latency-{i + 1}.json"), os.path.join(log_dir, f"latency-{i + 1}.log"))
-            r["pagedserve_batch1"] = lat["results"][0]
-            r["llama_bench"] = llama_bench(args, gguf)
-
         # pagedserve's HTTP run sits next to both its peers, and the order turns round every other
         # round, so that a steady drift of the host favours each side equally over pairs of rounds.
         servers = {"pagedserve_http": lambda: pagedserve_server(args, model, log_dir), "llama_server_http": lambda: llama_server(args, gguf, log_dir)}
@@ -190,7 +183,11 @@ def run_rounds(args: argparse.Namespace) -> dict:
         if one_b:
             peak = peak_flops_for(cfg, resolve_dtype(args.dtype, torch.device("cpu")), "cpu", 1.0)
             if not args.no_batch1:
-                batch1()
+                cmd = CLI + ["bench", "latency", "--dtype", args.dtype, "--num-threads", str(args.threads), "--input-len", str(args.batch1_input_len),
+                             "--output-len", str(args.output_len), "--num-iters", str(args.iters)] + (["--model", model] if model else [])
+                lat = _run_json(cmd, os.path.join(log_dir, f"latency-{i + 1}.json"), os.path.join(log_dir, f"latency-{i + 1}.log"))
+                r["pagedserve_batch1"] = lat["results"][0]
+                r["llama_bench"] = llama_bench(args, gguf)
         r["peak_flops_per_s"] = peak
         for k in ("pagedserve_http", "llama_server_http"):
             r[k]["mfu"] = http_mfu(r[k], flops, peak)
