@@ -59,6 +59,10 @@ class RequestOutput:
 
     Attributes:
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, per prompt token
+            {token_id: Logprob} holding that token and the top ``prompt_logprobs`` tokens at its
+            position (None for the first token, which nothing predicts); in the first output of
+            a DELTA request and in every output otherwise, once the first token is out.
         kv_transfer_params: a prefill instance's ``do_remote_decode`` request, finished: where
             a decode instance reads its KV (see ``pagedserve.distributed.kv_transfer``).
     """
@@ -72,3 +76,4 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     extra: dict = field(default_factory=dict)
     kv_transfer_params: Optional[dict] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None

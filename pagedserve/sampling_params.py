@@ -97,6 +97,11 @@ class SamplingParams:
     ``repetition_penalty`` (CTRL, Keskar et al. 2019; > 0, 1 = off) divides positive logits and
     multiplies negative ones of tokens seen in the prompt or output.
 
+    ``logprobs=k`` returns, per generated token, its raw logprob and the top ``k``;
+    ``prompt_logprobs=k`` does the same for every prompt token after the first
+    (``RequestOutput.prompt_logprobs``; such a request skips the prefix cache, since cached
+    positions have no logits). Both in [0, 20].
+
     Raises:
         ValueError: naming the field, when a value is out of range.
     """

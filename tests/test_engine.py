@@ -485,7 +485,7 @@ def test_review_findings_offline(tiny_model_factory):
     with pytest.raises(ValueError, match="prompts"):
         llm.generate(None, greedy)
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        llm.generate("hi", SamplingParams(prompt_logprobs=1))
+        llm.generate("hi", SamplingParams(prompt_logprobs=-1))
     for kwargs, field in (({"n": 10**9}, "n"), ({"seed": 2**70}, "seed"), ({"temperature": float("inf")}, "temperature"),
                           ({"top_p": float("nan")}, "top_p")):
         with pytest.raises(ValueError, match=field):

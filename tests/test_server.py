@@ -264,6 +264,48 @@ def test_completion(server, client):
     assert r.choices[0].text.startswith("The sky is")
 
 
+def test_echo_logprobs_and_prompt_logprobs(client, server, smollm2_llm):
+    """echo with logprobs scores the echoed prompt (its first token null), as vLLM; max_tokens 0
+    with echo returns the prompt alone; ``prompt_logprobs`` is vLLM's per-choice (completions) or
+    top-level (chat) list, and refused with stream."""
+    from pagedserve import SamplingParams
+
+    prompt = "The sky is blue and the grass"
+    ref = smollm2_llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1), use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+    want = [ref.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert c.text.startswith(prompt) and len(lp.tokens) == len(ids) + 2 and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1: len(ids)] == pytest.approx(want, abs=1e-3)
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    plp = c.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert plp[1][str(ids[1])]["logprob"] == pytest.approx(want[0], abs=1e-3) and plp[1][str(ids[1])]["rank"] >= 1
+    # Streamed: the first chunk carries the prompt and its logprobs.
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1, stream=True))
+    streamed = [x for ch in chunks for x in (ch.choices[0].logprobs.token_logprobs if ch.choices and ch.choices[0].logprobs else [])]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+    # max_tokens 0 with echo: the prompt, nothing generated.
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=0)
+    assert r.choices[0].text == prompt and len(r.choices[0].logprobs.tokens) == len(ids) and r.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    # Chat: the rendered prompt's logprobs, top level.
+    body = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in body["prompt_logprobs"][1:])
+    for path, extra in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(server + path, headers=AUTH, timeout=60, json={**extra, "stream": True, "prompt_logprobs": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+        r = httpx.post(server + path, headers=AUTH, timeout=60, json={**extra, "prompt_logprobs": 21})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    wait_idle(server)
+
+
 def test_stop_strings_and_stop_reason(client):
     base = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0).choices[0].text
     assert " Paris." in base

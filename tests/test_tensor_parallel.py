@@ -82,12 +82,13 @@ def test_tp2_equals_tp1_greedy(tiny_pair):
 
 def test_tp2_logprobs_close_to_tp1(tiny_pair):
     ref, tp = tiny_pair
-    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     a = ref.generate(TINY_PROMPTS[:2], params, use_tqdm=False)
     b = tp.generate(TINY_PROMPTS[:2], params, use_tqdm=False)
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+        assert len(y.prompt_logprobs) == len(y.prompt_token_ids) and y.prompt_logprobs[0] is None
+        for lx, ly in zip(x.outputs[0].logprobs + x.prompt_logprobs[1:], y.outputs[0].logprobs + y.prompt_logprobs[1:]):
             assert lx.keys() == ly.keys()
             for k in lx:
                 assert abs(lx[k].logprob - ly[k].logprob) < 1e-4

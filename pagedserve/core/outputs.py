@@ -18,6 +18,9 @@ from pagedserve.sampling_params import SamplingParams
 
 # (token ids, logprobs, rank of the sampled token): the sampled token first, then the top-k.
 TokenLogprobs = tuple[list[int], list[float], int]
+# Prompt logprobs of consecutive prompt positions: per position, the next prompt token then the
+# top-k (token ids, logprobs), and the rank of that prompt token.
+PromptLogprobs = tuple[list[list[int]], list[list[float]], list[int]]
 
 
 @dataclass
@@ -28,10 +31,14 @@ class ModelRunnerOutput:
         sampled: request id -> sampled token id (only requests whose chunk reached the end of
             their known tokens).
         logprobs: request id -> :data:`TokenLogprobs`, for requests that asked for logprobs.
+        prompt_logprobs: request id -> :data:`PromptLogprobs` of the prompt positions this
+            step's chunk computed, for requests that asked for prompt logprobs (each position
+            once, in order, through chunking and preemption).
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     kv_connector_output: Optional["KVConnectorOutput"] = None
 
 
@@ -108,6 +115,9 @@ class EngineCoreOutput:
             with every output (a float), so the frontend needs no extra event.
         kv_transfer_params: on the final output of a prefill instance's request, where a
             decode instance can read its KV (``do_remote_prefill``, ``remote_host``, ...).
+        new_prompt_logprobs: with the request's first token, when it asked for prompt
+            logprobs: :data:`PromptLogprobs` of prompt positions 0 .. P - 2 (position ``i``
+            scores prompt token ``i + 1``).
     """
 
     request_id: str
@@ -119,6 +129,7 @@ class EngineCoreOutput:
     first_scheduled_time: Optional[float] = None
     error: Optional[str] = None
     kv_transfer_params: Optional[dict] = None
+    new_prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 @dataclass

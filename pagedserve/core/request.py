@@ -90,12 +90,21 @@ class Request:
         # The grammar matcher of a constrained request (structured output), set by the scheduler.
         self.grammar: Optional[object] = None
         self.error: Optional[str] = None  # why it finished with FINISHED_ERROR
+        # Prompt logprobs computed so far ((ids, logprobs, ranks) lists), sent with the first token.
+        self.pending_prompt_logprobs: Optional[tuple[list, list, list]] = None
         # Timestamps (seconds, time.monotonic()) for metrics.
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
+
+    def add_prompt_logprobs(self, chunk: tuple[list, list, list]) -> None:
+        """Append the prompt logprobs of one chunk's positions (``ModelRunnerOutput.prompt_logprobs``)."""
+        if self.pending_prompt_logprobs is None:
+            self.pending_prompt_logprobs = ([], [], [])
+        for acc, part in zip(self.pending_prompt_logprobs, chunk):
+            acc.extend(part)
 
     @property
     def num_tokens(self) -> int:

@@ -168,8 +168,6 @@ class InputProcessor:
             raise RequestError(str(e), param=param_of(str(e))) from None
         except RecursionError:
             raise RequestError("structured_outputs is nested too deeply.", param="structured_outputs") from None
-        if params.prompt_logprobs is not None:
-            raise RequestError("prompt_logprobs is not supported yet (logprobs of generated tokens are)", param="prompt_logprobs")
 
     # -- requests ---------------------------------------------------------------------------
     def process(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,

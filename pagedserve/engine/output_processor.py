@@ -56,6 +56,8 @@ class RequestState:
     params: SamplingParams
     arrival_time: float
     sequences: list[SequenceState]
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None  # from the first completion to report
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -130,6 +132,10 @@ class OutputProcessor:
             state, seq = entry
             if seq.finished:
                 continue
+            if out.new_token_ids and state.params.prompt_logprobs is not None and state.prompt_logprobs is None:
+                # Each completion scores the prompt (as vLLM's children); the first to report is kept.
+                ids, lps, ranks = out.new_prompt_logprobs or ([], [], [])  # none for a one-token prompt
+                state.prompt_logprobs = [None] + [self._logprob_entry(*e) for e in zip(ids, lps, ranks)]
             if self._update_sequence(seq, out, ts):
                 to_abort.append(seq.request_id)
             changed[state.request_id] = state
@@ -158,11 +164,7 @@ class OutputProcessor:
             seq.last_token_time = ts
         if seq.logprobs is not None and out.new_logprobs is not None:
             ids, lps, rank = out.new_logprobs
-            entry = {ids[0]: Logprob(lps[0], rank, self.tokenizer.convert_ids_to_tokens(ids[0]))}
-            for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-                if t not in entry:
-                    entry[t] = Logprob(lp, r, self.tokenizer.convert_ids_to_tokens(t))
-            seq.logprobs.append(entry)
+            seq.logprobs.append(self._logprob_entry(ids, lps, rank))
             seq.cumulative_logprob += lps[0]
         # The token that ended a request by EOS or a stop id is not part of the text (a grammar
         # that completes ends on an ordinary token, which is).
@@ -176,6 +178,14 @@ class OutputProcessor:
         if seq.finished:
             seq.finished_time = ts
         return hit_stop_string
+
+    def _logprob_entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        """{token: Logprob} of one position: the chosen (or prompt) token first, then the top-k."""
+        entry = {ids[0]: Logprob(lps[0], rank, self.tokenizer.convert_ids_to_tokens(ids[0]))}
+        for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            if t not in entry:
+                entry[t] = Logprob(lp, r, self.tokenizer.convert_ids_to_tokens(t))
+        return entry
 
     def _make_output(self, state: RequestState) -> Optional[RequestOutput]:
         kind = state.params.output_kind
@@ -203,10 +213,12 @@ class OutputProcessor:
                     logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                 )
             )
+        prompt_logprobs = None if delta and state.prompt_logprobs_sent else state.prompt_logprobs
+        state.prompt_logprobs_sent = state.prompt_logprobs is not None
         s0 = state.sequences[0]
         metrics = RequestMetrics(state.arrival_time, s0.first_scheduled_time, s0.first_token_time, s0.last_token_time, s0.finished_time)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids, outputs=outs,
             finished=finished, num_cached_tokens=s0.num_cached_tokens, metrics=metrics,
-            kv_transfer_params=s0.kv_transfer_params if finished else None,
+            kv_transfer_params=s0.kv_transfer_params if finished else None, prompt_logprobs=prompt_logprobs,
         )

@@ -31,12 +31,15 @@ class CachedRequestState:
         generator: the request's own CPU generator when it is seeded and sampled at random; it
             keeps its position through preemption, so a seeded request draws the same tokens
             whatever happens to it.
+        num_prompt_logprobs_done: with ``prompt_logprobs``, the prompt positions already scored
+            (position ``i`` scores prompt token ``i + 1``), so a recomputed chunk sends none twice.
     """
 
     req_id: str
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     generator: Optional[torch.Generator] = None
+    num_prompt_logprobs_done: int = 0  # prompt positions whose logprobs were sent (kept through preemption)
 
     @classmethod
     def create(cls, req_id: str, params: SamplingParams, eos_token_ids: list[int]) -> "CachedRequestState":

@@ -6,8 +6,9 @@ decides who runs. Each step it first applies the message's diffs to its own stat
 (keeping their seeded generators), add new ones, append new block ids and tokens. Then it
 gathers the flat batch (``input_ids``, ``positions``, ``slot_mapping``) and the attention groups
 (decodes, then prefill chunks) from the rows with NumPy, runs the model, computes logits only
-for the last scheduled token of each request whose chunk reaches the end of its known tokens,
-samples, and appends the sampled tokens to the rows.
+for the last scheduled token of each request whose chunk reaches the end of its known tokens
+(and for every prompt position of a request that asked for prompt logprobs), samples, and
+appends the sampled tokens to the rows.
 
 Under tensor parallelism every rank runs this same code on the same message: the model's
 collectives pair the ranks' forwards, rank 0 gets the full logits, samples and broadcasts the
@@ -24,7 +25,7 @@ from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.sampler import Sampler, apply_grammar_bitmask
+from pagedserve.model.sampler import Sampler, apply_grammar_bitmask, gather_logprobs
 from pagedserve.ops import kv_int8
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch
 
@@ -139,9 +140,10 @@ class ModelRunner:
         meta = AttentionMetadata(torch.from_numpy(slots).to(dev), groups, B)
         hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, meta)
 
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(order, rows, nsched, context, ends, hidden, out)
         # A request samples when its chunk reaches the end of the tokens the worker holds.
         samples = context + nsched == batch.num_tokens[rows]
-        out = ModelRunnerOutput()
         if not samples.any():
             return out
         sample_rows = rows[samples]
@@ -169,3 +171,43 @@ class ModelRunner:
                 if k >= 0:
                     out.logprobs[rid] = (ids[i][: k + 1], lp[i][: k + 1], ranks[i])
         return out
+
+    # Rows of logits scored at once for prompt logprobs: [rows, vocab] float32 (49k vocab: 100 MB).
+    PROMPT_LOGPROBS_ROWS = 512
+
+    def _prompt_logprobs(self, order: list[str], rows: np.ndarray, nsched: np.ndarray, context: np.ndarray,
+                         ends: np.ndarray, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Prompt logprobs (vLLM's ``prompt_logprobs``) of the prompt positions in this step's
+        chunks: position ``p`` scores prompt token ``p + 1`` under the raw distribution, for
+        ``p`` up to ``num_prompt_tokens - 2``. Each position once: a chunk recomputed after
+        preemption skips what was sent. Under tensor parallelism every rank calls
+        ``compute_logits`` alike (the decision uses only the message) and rank 0 keeps them."""
+        batch = self.input_batch
+        todo = []  # (request id, k, hidden rows, target token ids)
+        for i, rid in enumerate(order):
+            state = self.requests[rid]
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            row, ctx = int(rows[i]), int(context[i])
+            lo = max(ctx, state.num_prompt_logprobs_done)
+            hi = min(ctx + int(nsched[i]), int(batch.num_prompt_tokens[row]) - 1)
+            if hi <= lo:
+                continue
+            state.num_prompt_logprobs_done = hi
+            start = int(ends[i] - nsched[i]) - ctx
+            todo.append((rid, k, np.arange(start + lo, start + hi), batch.token_ids[row, lo + 1: hi + 1]))
+        for rid, k, hrows, targets in todo:
+            ids, lps, ranks = [], [], []
+            for a in range(0, len(hrows), self.PROMPT_LOGPROBS_ROWS):
+                sl = slice(a, a + self.PROMPT_LOGPROBS_ROWS)
+                logits = self.model.compute_logits(hidden[torch.from_numpy(hrows[sl]).to(self.device)])
+                if logits is None:  # a tensor-parallel rank > 0
+                    continue
+                lp, tid, rk = gather_logprobs(torch.log_softmax(logits.float(), dim=-1),
+                                              torch.from_numpy(targets[sl].copy()).to(self.device), k)
+                lps += lp.tolist()
+                ids += tid.tolist()
+                ranks += rk.tolist()
+            if ids:
+                out.prompt_logprobs[rid] = (ids, lps, ranks)

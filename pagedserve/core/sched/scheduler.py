@@ -270,6 +270,10 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         if self.connector is not None:
             outputs += self._update_from_kv_output(runner_output.kv_connector_output)
         logprobs = runner_output.logprobs
+        for rid, chunk in runner_output.prompt_logprobs.items():
+            req = self.scheduled_requests.get(rid)
+            if req is not None and not req.is_finished():
+                req.add_prompt_logprobs(chunk)
         for rid, tok in runner_output.sampled.items():
             req = self.scheduled_requests.get(rid)
             if req is None or req.is_finished():  # aborted between schedule and update
@@ -285,6 +289,8 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
             stopped = check_stop(req, tok, self.config.max_model_len, self.structured_output_manager)
             out = EngineCoreOutput(rid, [tok], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
                                    max(0, req.num_cached_tokens), req.first_scheduled_time, req.error)
+            if req.pending_prompt_logprobs is not None:
+                out.new_prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, None
             outputs.append(out)
             if stopped:
                 self.running.remove(req)

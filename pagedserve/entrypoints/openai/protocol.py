@@ -84,6 +84,7 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None  # vLLM's: the top-k logprobs of every prompt position
     cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (vLLM's field)
     timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
@@ -139,10 +140,13 @@ class _SamplingFields(OpenAIBaseModel):
             return StructuredOutputsParams(json_object=bool(so.get("json_object")), **kwargs)
         return StructuredOutputsParams(**{field[len("guided_"):]: getattr(self, field)})
 
-    def _base_params(self, max_tokens: int, logprobs: Optional[int], defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+    def _base_params(self, max_tokens: int, logprobs: Optional[int], defaults: Optional[dict[str, Any]] = None,
+                     prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """``defaults``: the server's defaults for fields the request leaves unset
         (``--generation-config``), else vLLM's."""
         d = defaults or {}
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true.")
         bias = None
         if self.logit_bias:
             bias = {}
@@ -170,6 +174,7 @@ class _SamplingFields(OpenAIBaseModel):
             logit_bias=bias,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -194,9 +199,14 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of is not supported (only best_of == n).")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (prompt logprobs are not computed).")
-        return self._base_params(max_tokens, self.logprobs, defaults)
+        # As vLLM: echo with logprobs scores the echoed prompt too.
+        prompt_logprobs = self.logprobs if self.prompt_logprobs is None and self.echo else self.prompt_logprobs
+        return self._base_params(max_tokens, self.logprobs, defaults, prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0 (vLLM's): the prompt back, and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -206,12 +216,23 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs: per prompt token (None for the first), token id -> its logprob entry.
+PromptLogprobsJSON = list[Optional[dict[int, "PromptLogprob"]]]
+
+
+class PromptLogprob(OpenAIBaseModel):
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobsJSON] = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -278,7 +299,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._base_params(max_tokens, logprobs, defaults)
+        return self._base_params(max_tokens, logprobs, defaults, self.prompt_logprobs)
 
 
 class ChatLogProbEntry(OpenAIBaseModel):
@@ -345,6 +366,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobsJSON] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
 
 

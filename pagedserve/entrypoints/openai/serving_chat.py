@@ -25,8 +25,9 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai.serving_common import (
-    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, raise_if_failed, sse, stream_error,
+    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
+from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
 from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools, random_tool_call_id
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
@@ -73,8 +74,8 @@ class OpenAIServingChat(OpenAIServing):
             tops = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top_n), key=lambda tv: tv[1].rank)
             content.append(
                 ChatLogProbContent(
-                    token=self.tokens.text(tid), logprob=_finite(lp.logprob) if lp is not None else -9999.0, bytes=list(self.tokens.bytes(tid)),
-                    top_logprobs=[ChatLogProbEntry(token=self.tokens.text(t), logprob=_finite(v.logprob), bytes=list(self.tokens.bytes(t))) for t, v in tops[:top_n]],
+                    token=self.tokens.text(tid), logprob=finite_logprob(lp.logprob) if lp is not None else -9999.0, bytes=list(self.tokens.bytes(tid)),
+                    top_logprobs=[ChatLogProbEntry(token=self.tokens.text(t), logprob=finite_logprob(v.logprob), bytes=list(self.tokens.bytes(t))) for t, v in tops[:top_n]],
                 )
             )
         return ChatChoiceLogProbs(content=content)
@@ -89,9 +90,10 @@ class OpenAIServingChat(OpenAIServing):
                         params: SamplingParams, plan: ToolPlan) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in range(params.n)]
         cached = 0
-        kv_params = None
+        kv_params = prompt_lps = None
         async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
             async for _, out in stream:
+                prompt_lps = out.prompt_logprobs or prompt_lps
                 if out.finished:
                     cached = out.num_cached_tokens
                     kv_params = out.kv_transfer_params
@@ -111,7 +113,8 @@ class OpenAIServingChat(OpenAIServing):
         num_gen = sum(len(ch.token_ids) for ch in choices)
         usage = UsageInfo(prompt_tokens=len(prompt.token_ids), completion_tokens=num_gen, total_tokens=len(prompt.token_ids) + num_gen,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params)
+        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params,
+                                      prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps))
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
                           params: SamplingParams, plan: ToolPlan) -> AsyncIterator[str]:

@@ -45,10 +45,6 @@ def stream_error(e: Exception) -> str:
     return sse(error_body(str(e), 500, "InternalServerError"))
 
 
-def _finite(x: float) -> float:
-    return max(x, -9999.0) if x == x else -9999.0  # -inf / NaN are not JSON
-
-
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
     """Yield ``(i, item)`` from several async iterators as items arrive. Closing (or cancelling)
     the merged iterator cancels every source, so each aborts its request."""
@@ -224,6 +220,9 @@ class OpenAIServing:
                 if param != "structured_outputs":  # name the field the client sent, not ours
                     msg = re.sub(r"structured_outputs\.\w+", "response_format.json_schema.schema" if param == "response_format" else param, msg)
             raise RequestError(msg, param=param) from None
+        if params.prompt_logprobs is not None and req.kv_transfer_params is not None:
+            # A decode instance loads the prompt's KV: its positions are never scored here.
+            raise RequestError("prompt_logprobs cannot be combined with kv_transfer_params.", param="prompt_logprobs")
         return params
 
     def requested_max_tokens(self, requested: Optional[int]) -> Optional[int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from pagedserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -16,8 +16,9 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_common import (
-    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, _finite, raise_if_failed, sse, stream_error,
+    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
+from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_num_sequences(1, req.n or 1)
         prompts = self.tokenized_prompts(req.prompt)
         resolve = self.input_processor.resolve_max_tokens
-        requested = self.requested_max_tokens(req.max_tokens)
+        requested = 1 if req.echo_only else self.requested_max_tokens(req.max_tokens)  # echo_only drops its one token
         params = [self.sampling_params(req, resolve(requested, len(p.token_ids), "max_tokens")) for p in prompts]
         return model, prompts, params
 
@@ -68,14 +69,16 @@ class OpenAIServingCompletion(OpenAIServing):
             self.input_processor.check_token_ids(out[-1].token_ids)
         return out
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], ch: ChoiceState) -> CompletionLogProbs:
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], ch: ChoiceState) -> CompletionLogProbs:
+        """OpenAI's legacy logprobs of ``token_ids``; an entry None (an echoed prompt's first
+        token) has a null logprob and top_logprobs."""
         out = CompletionLogProbs()
         for tid, entry in zip(token_ids, logprobs):
             tok = self.tokens.text(tid)
-            lp = entry.get(tid)
+            lp = entry.get(tid) if entry is not None else None
             out.tokens.append(tok)
-            out.token_logprobs.append(_finite(lp.logprob) if lp is not None else None)
-            out.top_logprobs.append({self.tokens.text(t): _finite(v.logprob) for t, v in entry.items()})
+            out.token_logprobs.append(finite_logprob(lp.logprob) if lp is not None else None)
+            out.top_logprobs.append({self.tokens.text(t): finite_logprob(v.logprob) for t, v in entry.items()} if entry is not None else None)
             out.text_offset.append(ch.text_offset)
             ch.text_offset += len(tok)
         return out
@@ -85,21 +88,29 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         cached = 0
         kv_params = None
+        prompt_lps: list = [None] * len(prompts)
         async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts))) as stream:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
                 kv_params = out.kv_transfer_params or kv_params
+                prompt_lps[pi] = out.prompt_logprobs or prompt_lps[pi]
                 for o in out.outputs:
                     choices[pi * n + o.index].add(o)
         result = []
         for idx, ch in enumerate(choices):
-            p = prompts[idx // n]
-            prefix = ""
+            pi = idx // n
+            if req.echo_only:
+                ch.text, ch.token_ids, ch.logprobs = [], [], []
+            text, lps = "".join(ch.text), None
             if req.echo:
-                prefix = p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
-            ch.text_offset = len(prefix)
-            lps = self._completion_logprobs(ch.token_ids, ch.logprobs, ch) if req.logprobs is not None else None
-            result.append(CompletionResponseChoice(index=idx, text=prefix + "".join(ch.text), logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason))
+                p = prompts[pi]
+                text = (p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) + text
+                if req.logprobs is not None:
+                    lps = self._completion_logprobs(p.token_ids + ch.token_ids, (prompt_lps[pi] or []) + ch.logprobs, ch)
+            elif req.logprobs is not None:
+                lps = self._completion_logprobs(ch.token_ids, ch.logprobs, ch)
+            result.append(CompletionResponseChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
+                                                   prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps[pi])))
         num_prompt = sum(len(p.token_ids) for p in prompts)
         num_gen = sum(len(ch.token_ids) for ch in choices)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen,
@@ -114,29 +125,31 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(p.token_ids) for p in prompts)
         created = int(time.time())
         cached = 0
+        prompt_lps: list = [None] * len(prompts)
         try:
             async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts))) as stream:
                 async for pi, out in stream:
                     cached = cached + out.num_cached_tokens if out.finished else cached
+                    prompt_lps[pi] = out.prompt_logprobs or prompt_lps[pi]  # with the first tokens of any choice
                     for o in out.outputs:
                         idx = pi * n + o.index
                         ch = choices[idx]
                         if ch.finish_reason is not None:
                             continue
-                        text = o.text
+                        token_ids, entries = ([], []) if req.echo_only else (o.token_ids, o.logprobs or [])
+                        text = "" if req.echo_only else o.text
                         if not ch.started:
                             ch.started = True
-                            if req.echo:
+                            if req.echo:  # the prompt, and its logprobs, before the first tokens
                                 p = prompts[pi]
-                                prefix = p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
-                                text = prefix + text
-                                ch.text_offset = len(prefix)
-                        ch.num_tokens += len(o.token_ids)
+                                text = (p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) + text
+                                token_ids, entries = p.token_ids + token_ids, (prompt_lps[pi] or []) + entries
+                        ch.num_tokens += 0 if req.echo_only else len(o.token_ids)
                         raise_if_failed(o)
                         ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
-                        if not text and o.finish_reason is None and not o.token_ids:
+                        if not text and o.finish_reason is None and not token_ids:
                             continue
-                        lps = self._completion_logprobs(o.token_ids, o.logprobs or [], ch) if req.logprobs is not None else None
+                        lps = self._completion_logprobs(token_ids, entries, ch) if req.logprobs is not None else None
                         chunk = CompletionStreamResponse(
                             id=request_id, model=model, created=created,
                             choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason)],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -50,3 +50,17 @@ class TokenStrings:
         if raw and all(c in _BYTE_DECODER for c in raw) and not (raw.startswith("<") and raw.endswith(">")):
             return bytes(_BYTE_DECODER[c] for c in raw)
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+def finite_logprob(x: float) -> float:
+    """A logprob JSON can carry: -inf and NaN become -9999.0 (as vLLM and OpenAI)."""
+    return max(x, -9999.0) if x == x else -9999.0
+
+
+def prompt_logprobs_json(tokens: TokenStrings, entries: Optional[list]) -> Optional[list]:
+    """vLLM's ``prompt_logprobs`` of a response: per prompt token None (the first) or
+    {token id: {logprob, rank, decoded_token}} (``RequestOutput.prompt_logprobs`` entries)."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": tokens.text(t)}
+                                    for t, lp in e.items()} for e in entries]
