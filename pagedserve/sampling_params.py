@@ -159,8 +159,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             if not math.isfinite(getattr(self, name)):
                 bad(name, f"must be a finite number, got {getattr(self, name)}.")
-        if self.seed is not None and not 0 <= self.seed <= 2**63 - 1 - self.n:
-            bad("seed", f"must be in [0, 2**63 - 1 - n], got {self.seed}.")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - 1 - self.n:  # int64, as vLLM; n > 1 adds i
+            bad("seed", f"must be in [-2**63, 2**63 - 1 - n], got {self.seed}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -98,6 +98,10 @@ BAD_REQUESTS = [
                               "chat_template": "{% for i in range(100000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}x"},
      "chat_template", "not allowed"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64 - 1, "n": 2, "stream": True}, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "temperature": "inf"}, "temperature", "finite"),
     # Structured output: compiled in the frontend, refused before the engine.
@@ -155,6 +159,23 @@ def test_bad_request_is_an_openai_400_naming_the_field(app_client, path, body, p
     if param not in (None, "structured_outputs"):  # the message names what the client sent
         assert "structured_outputs" not in err["message"], err
     assert not llm.reached_engine
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "hi", "seed": -5},  # any int64 seed, as vLLM (clients send -1 for "random")
+    {"prompt": "hi", "stream_options": {}},  # an empty object is no stream option
+    {"prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 0},
+    {"prompt": "hi", "prompt_logprobs": 2},
+])
+def test_vllm_accepts_these_and_so_do_we(app_client, body):
+    client, llm = app_client
+    before = len(llm.reached_engine)
+    try:
+        client.post("/v1/completions", json=body)
+    except AssertionError:  # the stub refuses to generate once the request got there
+        pass
+    assert len(llm.reached_engine) == before + 1
+    llm.reached_engine.pop()
 
 
 def test_unknown_model_is_404_and_aliases_answer(app_client):

@@ -537,14 +537,15 @@ def test_load_64_streams_with_disconnects(server, smollm2_llm):
 
 
 def test_tokenize_messages_with_special_tokens(server, smollm2_dir):
-    """The chat template places the special tokens itself: /tokenize must not add a second
-    BOS (or any other special token) on top."""
+    """The chat template places the special tokens itself: /tokenize (as chat completions) adds
+    none on top unless asked (``add_special_tokens`` defaults to false for messages, as vLLM);
+    the tools and chat_template_kwargs are rendered as chat completions renders them."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     msgs = [{"role": "user", "content": "Hi"}]
     expected = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-    r = httpx.post(server + "/tokenize", headers=AUTH, json={"messages": msgs, "add_special_tokens": True})
+    r = httpx.post(server + "/tokenize", headers=AUTH, json={"messages": msgs})
     assert r.status_code == 200, r.text
     ids = r.json()["tokens"]
     assert ids == expected
@@ -552,6 +553,40 @@ def test_tokenize_messages_with_special_tokens(server, smollm2_dir):
     assert ids[0] == im_start and ids[1] != im_start
     r = httpx.post(server + "/tokenize", headers=AUTH, json={"prompt": "Hi there"})
     assert r.json()["tokens"] == tok("Hi there")["input_ids"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    body = {"messages": msgs, "tools": tools, "chat_template_kwargs": {"add_generation_prompt": False}}
+    counted = httpx.post(server + "/tokenize", headers=AUTH, json=body).json()["count"]
+    chat = httpx.post(server + "/v1/chat/completions", headers=AUTH, json={**body, "max_tokens": 1}).json()
+    assert counted == chat["usage"]["prompt_tokens"] > len(expected) + 20  # the tool block counted
+    # chat_template_kwargs override the named arguments (as vLLM) but not the tokenizer's own.
+    no_gen = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False), add_special_tokens=False)["input_ids"]
+    assert httpx.post(server + "/tokenize", headers=AUTH, json={"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}}).json()["tokens"] == no_gen
+    r = httpx.post(server + "/tokenize", headers=AUTH, json={"messages": msgs, "chat_template_kwargs": {"tokenize": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = httpx.post(server + "/v1/chat/completions", headers=AUTH, json={"messages": msgs, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"  # still needs --trust-request-chat-template
+
+
+def test_completion_prompts_honour_add_special_tokens():
+    """``add_special_tokens`` reaches the tokenizer (true by default for completions, as vLLM):
+    a client that renders its own template with the BOS sends false."""
+    from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+    calls = []
+
+    class Tokenize:
+        def tokenize(self, text, add_special_tokens, field):
+            calls.append(add_special_tokens)
+            return [1, 2]
+
+        def check_token_ids(self, ids):
+            pass
+
+    serving = object.__new__(OpenAIServingCompletion)
+    serving.input_processor = Tokenize()
+    serving.tokenized_prompts(["a", [5, 6]], False)
+    serving.tokenized_prompts("a")
+    assert calls == [False, True]
 
 
 def test_continuous_usage_stats(server, client):
@@ -565,6 +600,19 @@ def test_continuous_usage_stats(server, client):
     assert not last.choices and last.usage.completion_tokens == 6 == full.usage.completion_tokens
     assert last.usage.total_tokens == full.usage.total_tokens
     assert "".join(c.choices[0].text for c in with_text) == full.choices[0].text
+    # Per choice, as vLLM: each of n = 2 choices of two prompts counts its own tokens and prompt.
+    two = dict(body, prompt=["The capital of France is", "Hi"], n=2)
+    chunks = [c for c in client.completions.create(**two, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}) if c.choices]
+    for i in range(4):
+        mine = [c.usage for c in chunks if c.choices[0].index == i]
+        assert [u.completion_tokens for u in mine] == list(range(1, 7))
+        assert {u.prompt_tokens for u in mine} == {full.usage.prompt_tokens if i < 2 else len(httpx.post(
+            server + "/tokenize", headers=AUTH, json={"prompt": "Hi"}).json()["tokens"])}
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, n=2, extra_body={"ignore_eos": True})
+    chunks = [c for c in client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+              if c.choices and c.choices[0].delta.content]
+    for i in range(2):
+        assert [c.usage.completion_tokens for c in chunks if c.choices[0].index == i] == list(range(1, 5))
 
 
 def test_streamed_usage_reports_cached_tokens_as_the_full_response_does(server, client):

@@ -49,6 +49,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.server_args import ServerArgs
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.tools import plan_tools
 from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger("pagedserve")
@@ -172,8 +173,10 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         chats.check_model(req.model)
         if req.messages is not None:
-            # The chat template already places every special token (as for chat completions).
-            _, ids = chats.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template)
+            # As chat completions: the template places the special tokens, and sees the tools.
+            tools = plan_tools(req.tools, "none", True, None).tools or None
+            _, ids = chats.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
+                                       req.chat_template_kwargs, tools, bool(req.add_special_tokens))
         elif req.prompt is not None:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = llm.input_processor.tokenize(req.prompt, add, "prompt")

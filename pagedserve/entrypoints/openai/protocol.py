@@ -155,7 +155,7 @@ class _SamplingFields(OpenAIBaseModel):
                     bias[int(k)] = float(v)
                 except (TypeError, ValueError):
                     raise ValueError(f"logit_bias keys must be token ids (integers), got {k!r}.") from None
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # {} is no option (vLLM)
             raise ValueError("stream_options can only be set when stream is true.")
         return SamplingParams(
             n=self.n,
@@ -191,6 +191,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
 
     def to_sampling_params(self, max_tokens: int, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.suffix:
@@ -282,6 +283,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = False  # vLLM's: the template already places the special tokens
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -417,6 +419,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
     return_token_strs: bool = False
 
 

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
         if plan.constraint is not None and req.constraint_fields():
             raise RequestError(f"tool_choice {plan.mode!r} and {req.constraint_fields()[0]} cannot both be set.", param="tool_choice")
         conv, ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
-                                     req.chat_template_kwargs, req.tools)
+                                     req.chat_template_kwargs, req.tools, req.add_special_tokens)
         self.input_processor.check_token_ids(ids)
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.input_processor.resolve_max_tokens(self.requested_max_tokens(req.requested_max_tokens), len(ids), field_name, "messages")
@@ -130,8 +130,8 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             c = ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice])
-            if continuous:
-                gen = sum(x.num_tokens for x in choices)
+            if continuous:  # this choice's tokens so far, as vLLM counts them
+                gen = choices[choice.index].num_tokens
                 c.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)
             return sse(c)
 

@@ -134,6 +134,9 @@ UNSUPPORTED_FIELDS = {
     "vllm_xargs": (None,), "prompt_embeds": (None,), "mm_processor_kwargs": (None,),
 }
 _ignored_logged: set[str] = set()
+# apply_chat_template's own arguments: not the template's to take from a request.
+_RENDER_ARGS = frozenset({"conversation", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                          "return_assistant_tokens_mask", "tokenizer_kwargs", "documents"})
 MAX_TIMEOUT_S = 86400.0
 
 
@@ -244,9 +247,22 @@ class OpenAIServing:
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict] = None,
-                    tools: Optional[list] = None) -> tuple[list[dict], list[int]]:
+                    tools: Optional[list] = None, add_special_tokens: bool = False) -> tuple[list[dict], list[int]]:
+        """The conversation as the template sees it, and its token ids. ``chat_template_kwargs``
+        go to the template and override the named arguments (``add_generation_prompt``, ``tools``,
+        ``chat_template``...), as vLLM; the tokenizer's own arguments cannot be set there."""
         if not messages:
             raise RequestError("messages must not be empty.", param="messages")
+        kwargs = dict(chat_template_kwargs or {})
+        bad = sorted(set(kwargs) & _RENDER_ARGS)
+        if bad:
+            raise RequestError(f"chat_template_kwargs.{bad[0]} cannot be set.", param="chat_template_kwargs")
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+        continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+        chat_template = kwargs.pop("chat_template", chat_template)
+        tools = kwargs.pop("tools", tools)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise RequestError("chat_template must be a string.", param="chat_template")
         if chat_template is not None and not self.trust_request_chat_template:
             raise RequestError(
                 "chat_template in the request is not allowed: a template is code that runs in the server. "
@@ -272,7 +288,6 @@ class OpenAIServing:
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
-        kwargs = dict(chat_template_kwargs or {})
         server_template = self.chat_template
         if tools:
             kwargs["tools"] = tools
@@ -290,7 +305,7 @@ class OpenAIServing:
             raise RequestError(str(e), param="chat_template") from None
         except Exception as e:  # jinja errors, a template that refuses the roles, ...
             raise RequestError(f"messages could not be rendered with the chat template: {e}", param="messages") from None
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise RequestError("messages rendered to an empty prompt.", param="messages")
         return conv, ids

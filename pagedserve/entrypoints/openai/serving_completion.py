@@ -34,7 +34,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_num_sequences(len(req.prompt), req.n or 1)
         else:
             self.check_num_sequences(1, req.n or 1)
-        prompts = self.tokenized_prompts(req.prompt)
+        prompts = self.tokenized_prompts(req.prompt, req.add_special_tokens)
         resolve = self.input_processor.resolve_max_tokens
         requested = 1 if req.echo_only else self.requested_max_tokens(req.max_tokens)  # echo_only drops its one token
         params = [self.sampling_params(req, resolve(requested, len(p.token_ids), "max_tokens")) for p in prompts]
@@ -50,8 +50,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return None
         return params
 
-    def tokenized_prompts(self, prompt) -> list[TokenizedPrompt]:
-        """A text, a list of ids, or a list of either, as checked token ids."""
+    def tokenized_prompts(self, prompt, add_special_tokens: bool = True) -> list[TokenizedPrompt]:
+        """A text, a list of ids, or a list of either, as checked token ids (texts with the
+        tokenizer's special tokens unless ``add_special_tokens`` is false)."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if not isinstance(prompt, list) or not prompt:
@@ -63,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, str):
                 if not p:
                     raise RequestError("prompt must not be empty.", param="prompt")
-                out.append(TokenizedPrompt(p, self.input_processor.tokenize(p, True, "prompt")))
+                out.append(TokenizedPrompt(p, self.input_processor.tokenize(p, add_special_tokens, "prompt")))
             else:
                 out.append(TokenizedPrompt(None, list(p)))
             self.input_processor.check_token_ids(out[-1].token_ids)
@@ -154,9 +155,9 @@ class OpenAIServingCompletion(OpenAIServing):
                             id=request_id, model=model, created=created,
                             choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
                         )
-                        if continuous:
-                            gen = sum(c.num_tokens for c in choices)
-                            chunk.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)
+                        if continuous:  # this choice's prompt and tokens so far, as vLLM counts them
+                            pt = len(prompts[pi].token_ids)
+                            chunk.usage = UsageInfo(prompt_tokens=pt, completion_tokens=ch.num_tokens, total_tokens=pt + ch.num_tokens)
                         yield sse(chunk)
             if include_usage:
                 gen = sum(c.num_tokens for c in choices)
