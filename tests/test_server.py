@@ -288,6 +288,13 @@ def test_echo_logprobs_and_prompt_logprobs(client, server, smollm2_llm):
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1, stream=True))
     streamed = [x for ch in chunks for x in (ch.choices[0].logprobs.token_logprobs if ch.choices and ch.choices[0].logprobs else [])]
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+    # return_tokens_as_token_ids (vLLM's): tokens named by id, in completions and chat.
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ref.outputs[0].token_ids]
+    assert all(k.startswith("token_id:") for k in r.choices[0].logprobs.top_logprobs[0])
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    assert all(e.token.startswith("token_id:") and all(t.token.startswith("token_id:") for t in e.top_logprobs) for e in r.choices[0].logprobs.content)
     # max_tokens 0 with echo: the prompt, nothing generated.
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=0)
     assert r.choices[0].text == prompt and len(r.choices[0].logprobs.tokens) == len(ids) and r.usage.completion_tokens == 0

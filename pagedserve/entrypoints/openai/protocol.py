@@ -85,6 +85,7 @@ class _SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None  # vLLM's: the top-k logprobs of every prompt position
+    return_tokens_as_token_ids: Optional[bool] = None  # vLLM's: logprob tokens as "token_id:<id>"
     cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (vLLM's field)
     timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"

@@ -67,15 +67,16 @@ class OpenAIServingChat(OpenAIServing):
         tool_calls = [ToolCall(id=random_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         return ChatResponseMessage(role="assistant", content=content, tool_calls=tool_calls), bool(tool_calls)
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> ChatChoiceLogProbs:
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int, name) -> ChatChoiceLogProbs:
+        """``name``: token id -> the token's name in the answer (``token_name``)."""
         content = []
         for tid, entry in zip(token_ids, logprobs):
             lp = entry.get(tid)
             tops = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top_n), key=lambda tv: tv[1].rank)
             content.append(
                 ChatLogProbContent(
-                    token=self.tokens.text(tid), logprob=finite_logprob(lp.logprob) if lp is not None else -9999.0, bytes=list(self.tokens.bytes(tid)),
-                    top_logprobs=[ChatLogProbEntry(token=self.tokens.text(t), logprob=finite_logprob(v.logprob), bytes=list(self.tokens.bytes(t))) for t, v in tops[:top_n]],
+                    token=name(tid), logprob=finite_logprob(lp.logprob) if lp is not None else -9999.0, bytes=list(self.tokens.bytes(tid)),
+                    top_logprobs=[ChatLogProbEntry(token=name(t), logprob=finite_logprob(v.logprob), bytes=list(self.tokens.bytes(t))) for t, v in tops[:top_n]],
                 )
             )
         return ChatChoiceLogProbs(content=content)
@@ -107,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
             called = called and ch.finish_reason == "stop"  # cut by length: the calls may be incomplete
             result.append(ChatCompletionResponseChoice(
                 index=i, message=message,
-                logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
+                logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n, self.token_name(req)) if req.logprobs else None,
                 finish_reason=plan.calls_finish_reason if called else ch.finish_reason, stop_reason=None if called else ch.stop_reason,
             ))
         num_gen = sum(len(ch.token_ids) for ch in choices)
@@ -153,7 +154,7 @@ class OpenAIServingChat(OpenAIServing):
                         ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
                         if not o.text and o.finish_reason is None and not o.token_ids:
                             continue
-                        lps = self._chat_logprobs(o.token_ids, o.logprobs or [], top_n) if req.logprobs else None
+                        lps = self._chat_logprobs(o.token_ids, o.logprobs or [], top_n, self.token_name(req)) if req.logprobs else None
                         tools = streams[o.index]
                         deltas = tools.feed(o.text) + (tools.finish() if o.finish_reason is not None else [])
                         if not deltas and (lps is not None or o.finish_reason is not None):

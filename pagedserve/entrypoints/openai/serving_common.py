@@ -193,6 +193,11 @@ class OpenAIServing:
         """The request's deadline in seconds from arrival: its ``timeout``, else the server's."""
         return req.timeout if req.timeout is not None else self.request_timeout
 
+    def token_name(self, req: Any):
+        """How logprobs name a token id: its text, or with ``return_tokens_as_token_ids``
+        ``"token_id:<id>"`` (vLLM's; unambiguous where partial UTF-8 tokens all read as U+FFFD)."""
+        return (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else self.tokens.text
+
     def check_model(self, model: Optional[str]) -> str:
         """The name to report. Raises RequestError 404 (``NotFoundError``, as OpenAI and vLLM
         answer) for a model this server does not serve."""

@@ -70,16 +70,16 @@ class OpenAIServingCompletion(OpenAIServing):
             self.input_processor.check_token_ids(out[-1].token_ids)
         return out
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], ch: ChoiceState) -> CompletionLogProbs:
-        """OpenAI's legacy logprobs of ``token_ids``; an entry None (an echoed prompt's first
-        token) has a null logprob and top_logprobs."""
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], ch: ChoiceState, name) -> CompletionLogProbs:
+        """OpenAI's legacy logprobs of ``token_ids``, tokens named by ``name`` (``token_name``);
+        an entry None (an echoed prompt's first token) has a null logprob and top_logprobs."""
         out = CompletionLogProbs()
         for tid, entry in zip(token_ids, logprobs):
-            tok = self.tokens.text(tid)
+            tok = name(tid)
             lp = entry.get(tid) if entry is not None else None
             out.tokens.append(tok)
             out.token_logprobs.append(finite_logprob(lp.logprob) if lp is not None else None)
-            out.top_logprobs.append({self.tokens.text(t): finite_logprob(v.logprob) for t, v in entry.items()} if entry is not None else None)
+            out.top_logprobs.append({name(t): finite_logprob(v.logprob) for t, v in entry.items()} if entry is not None else None)
             out.text_offset.append(ch.text_offset)
             ch.text_offset += len(tok)
         return out
@@ -107,9 +107,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 p = prompts[pi]
                 text = (p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) + text
                 if req.logprobs is not None:
-                    lps = self._completion_logprobs(p.token_ids + ch.token_ids, (prompt_lps[pi] or []) + ch.logprobs, ch)
+                    lps = self._completion_logprobs(p.token_ids + ch.token_ids, (prompt_lps[pi] or []) + ch.logprobs, ch, self.token_name(req))
             elif req.logprobs is not None:
-                lps = self._completion_logprobs(ch.token_ids, ch.logprobs, ch)
+                lps = self._completion_logprobs(ch.token_ids, ch.logprobs, ch, self.token_name(req))
             result.append(CompletionResponseChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
                                                    prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps[pi])))
         num_prompt = sum(len(p.token_ids) for p in prompts)
@@ -150,7 +150,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
                         if not text and o.finish_reason is None and not token_ids:
                             continue
-                        lps = self._completion_logprobs(token_ids, entries, ch) if req.logprobs is not None else None
+                        lps = self._completion_logprobs(token_ids, entries, ch, self.token_name(req)) if req.logprobs is not None else None
                         chunk = CompletionStreamResponse(
                             id=request_id, model=model, created=created,
                             choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
