@@ -101,6 +101,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream"),
+    ("/v1/completions", {"prompt": "hello " * 1900, "prompt_logprobs": 20, "n": 26, "max_tokens": 1}, "prompt_logprobs", "exceed"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64 - 1, "n": 2, "stream": True}, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "temperature": "inf"}, "temperature", "finite"),

@@ -49,6 +49,7 @@ class OpenAIServingChat(OpenAIServing):
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.input_processor.resolve_max_tokens(self.requested_max_tokens(req.requested_max_tokens), len(ids), field_name, "messages")
         params = self.sampling_params(req, max_tokens)
+        self.check_prompt_logprobs([len(ids)], params)
         if plan.constraint is not None:  # required / named tool choice: the grammar of the calls
             params.structured_outputs = plan.constraint
             try:

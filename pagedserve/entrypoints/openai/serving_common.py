@@ -241,6 +241,18 @@ class OpenAIServing:
             return requested if requested is not None else default
         return min(requested, default)
 
+    # Most prompt-logprob entries (prompt tokens x (k + 1) x choices) one response may carry:
+    # about 100 MB of JSON (an 8k-token prompt at k = 20 allows n = 5).
+    MAX_PROMPT_LOGPROB_ENTRIES = 1_000_000
+
+    def check_prompt_logprobs(self, prompt_lens: list[int], params: SamplingParams) -> None:
+        """Raises RequestError when the prompt logprobs asked would exceed the cap (each choice
+        scores and carries them)."""
+        k = params.prompt_logprobs
+        if k is not None and sum(prompt_lens) * (k + 1) * params.n > self.MAX_PROMPT_LOGPROB_ENTRIES:
+            raise RequestError(f"prompt_logprobs: {sum(prompt_lens)} prompt tokens x ({k} + 1) x n={params.n} entries exceed "
+                               f"the {self.MAX_PROMPT_LOGPROB_ENTRIES:,} a response may carry; lower prompt_logprobs or n.", param="prompt_logprobs")
+
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         if n > MAX_N:  # the cap on n alone is the limit this request broke
             raise RequestError(f"n must be at most {MAX_N}, got {n}.", param="n")
