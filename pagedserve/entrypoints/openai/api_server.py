@@ -38,13 +38,15 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
+    random_id,
+)
+from pagedserve.entrypoints.openai.protocol_responses import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
-    random_id,
 )
 from pagedserve.entrypoints.openai.server_args import ServerArgs
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
-from pagedserve.entrypoints.openai.protocol import (
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.entrypoints.openai.protocol_responses import (
     ChatChoiceLogProbs,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
@@ -23,15 +23,21 @@ from pagedserve.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
-from pagedserve.engine.input_processor import RequestError
+from pagedserve.engine.input_processor import RequestError, check_text
+from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
 from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
 from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
+from pagedserve.entrypoints.openai.tool_messages import tool_call_for_template, tools_template
 from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools, random_tool_call_id
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
 
+
+# apply_chat_template's own arguments: not the template's to take from a request.
+_RENDER_ARGS = frozenset({"conversation", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                          "return_assistant_tokens_mask", "tokenizer_kwargs", "documents"})
 
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint."""
@@ -57,6 +63,71 @@ class OpenAIServingChat(OpenAIServing):
             except RequestError as e:
                 raise RequestError(e.message.replace("structured_outputs.json", "a tool's parameters schema"), param="tools") from None
         return model, conv, TokenizedPrompt(None, ids), params, plan
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict] = None,
+                    tools: Optional[list] = None, add_special_tokens: bool = False) -> tuple[list[dict], list[int]]:
+        """The conversation as the template sees it, and its token ids. ``chat_template_kwargs``
+        go to the template and override the named arguments (``add_generation_prompt``, ``tools``,
+        ``chat_template``...), as vLLM; the tokenizer's own arguments cannot be set there."""
+        if not messages:
+            raise RequestError("messages must not be empty.", param="messages")
+        kwargs = dict(chat_template_kwargs or {})
+        bad = sorted(set(kwargs) & _RENDER_ARGS)
+        if bad:
+            raise RequestError(f"chat_template_kwargs.{bad[0]} cannot be set.", param="chat_template_kwargs")
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+        continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+        chat_template = kwargs.pop("chat_template", chat_template)
+        tools = kwargs.pop("tools", tools)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise RequestError("chat_template must be a string.", param="chat_template")
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise RequestError(
+                "chat_template in the request is not allowed: a template is code that runs in the server. "
+                "Start the server with --trust-request-chat-template to allow it.", param="chat_template",
+            )
+        conv = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise RequestError(f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}.", param="messages")
+                    parts.append(part["text"])
+                content = "\n".join(parts)
+            if isinstance(content, str):
+                check_text(content, "messages")
+            msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+            if m.name:
+                msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [tool_call_for_template(c, i) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            conv.append(msg)
+        server_template = self.chat_template
+        if tools:
+            kwargs["tools"] = tools
+            if server_template is None and "tools" not in (self.tokenizer.chat_template or ""):
+                server_template = tools_template()  # the model's template would drop the tools
+        try:
+            if chat_template is not None:  # a client's program: sandboxed, with bounds on loops and output
+                text = render_untrusted(chat_template, conv, self.tokenizer, add_generation_prompt, continue_final_message, **kwargs)
+            else:
+                text = self.tokenizer.apply_chat_template(
+                    conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, chat_template=server_template, **kwargs,
+                )
+        except TemplateLimitError as e:
+            raise RequestError(str(e), param="chat_template") from None
+        except Exception as e:  # jinja errors, a template that refuses the roles, ...
+            raise RequestError(f"messages could not be rendered with the chat template: {e}", param="messages") from None
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if not ids:
+            raise RequestError("messages rendered to an empty prompt.", param="messages")
+        return conv, ids
 
     def _message(self, plan: ToolPlan, text: str, single_call: bool) -> tuple[ChatResponseMessage, bool]:
         """The assistant message of a finished choice, and whether it called tools."""

@@ -5,9 +5,9 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator, Optional
 
-from pagedserve.entrypoints.openai.protocol import (
+from pagedserve.entrypoints.openai.protocol import CompletionRequest
+from pagedserve.entrypoints.openai.protocol_responses import (
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,

@@ -152,7 +152,7 @@ class ToolCallStream:
         return self.num_calls > 0
 
     def _calls(self, calls: list[ParsedToolCall]) -> list:
-        from pagedserve.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+        from pagedserve.entrypoints.openai.protocol_responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 
         out = []
         for c in calls:
@@ -164,7 +164,7 @@ class ToolCallStream:
         return out
 
     def feed(self, text: str) -> list:
-        from pagedserve.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+        from pagedserve.entrypoints.openai.protocol_responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 
         if not text:
             return []
@@ -188,7 +188,7 @@ class ToolCallStream:
         """Content deltas of "auto". Whitespace before any real text is held back: with calls, an
         answer of only whitespace around them has no content (as ``calls_from_text`` says);
         without calls it is sent at the end."""
-        from pagedserve.entrypoints.openai.protocol import DeltaMessage
+        from pagedserve.entrypoints.openai.protocol_responses import DeltaMessage
 
         self.held += content
         if not self.held or (not self.sent_text and not self.held.strip()):
@@ -198,7 +198,7 @@ class ToolCallStream:
         return [DeltaMessage(content=out)]
 
     def finish(self) -> list:
-        from pagedserve.entrypoints.openai.protocol import DeltaMessage
+        from pagedserve.entrypoints.openai.protocol_responses import DeltaMessage
 
         if self.plan.mode == "required":
             content, calls = self.plan.calls_from_text("".join(self.text))
