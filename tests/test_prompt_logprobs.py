@@ -83,7 +83,9 @@ def test_prompt_logprobs_are_the_same_through_chunking_preemption_and_prefix_cac
     assert_engine_idle(small)
     # A warm prefix cache does not skip positions: the prompt is recomputed and scored whole.
     whole.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    queries = whole.stats().prefix_cache_queries
     again = _run(whole, prompts[-1:])[0]
+    assert whole.stats().prefix_cache_queries == queries  # no lookup, so none counted (as vLLM)
     assert [a[0] for a in _values(again)] == pytest.approx([a[0] for a in ref[-1]], abs=1e-5)
     assert again.num_cached_tokens == 0
     assert_engine_idle(whole)

@@ -37,8 +37,8 @@ class FakeRequest:
 
 def req(prompt=None, output=None, eos=None, **kw) -> FakeRequest:
     sp = SamplingParams(**kw)
-    gen = None
-    if sp.seed is not None:
+    gen = CachedRequestState.create("r", sp, []).generator if sp.seed is not None else None  # the worker's seeding
+    if sp.seed is not None and gen is None:  # greedy rows keep a generator here, as before
         gen = torch.Generator()
         gen.manual_seed(sp.seed)
     return FakeRequest(
@@ -318,6 +318,16 @@ def test_different_seeds_differ():
     a2 = _run_seeded(lambda: [req(seed=1)], 50, 0, logits_fn)
     assert a == a2
     assert sum(x != y for x, y in zip(a, b)) > 25
+    # Any int64 seed: torch's CPU generator keeps 32 bits, so seeds 2**32 apart (or a negative
+    # one and a small one) drew the same tokens before they were folded (found by review).
+    for other in (1 + 2**32, 1 - 2**32, -(2**63) + 1):
+        c = _run_seeded(lambda: [req(seed=other)], 50, 0, logits_fn)
+        assert sum(x != y for x, y in zip(a, c)) > 25, other
+    from pagedserve.worker.input_batch import fold_seed
+
+    patterned = [k * 2**32 + j for k in (-(2**31), -3, -1, 0, 1, 7, 2**31 - 1) for j in (0, 1, 2, 2**31)]
+    assert all(fold_seed(x) == x for x in (0, 1, 2**32 - 1))  # 32-bit seeds keep their tokens
+    assert len({fold_seed(x) for x in patterned}) == len(patterned)
 
 
 def test_unseeded_rows_follow_global_seed():

@@ -298,6 +298,9 @@ def test_echo_logprobs_and_prompt_logprobs(client, server, smollm2_llm):
     # max_tokens 0 with echo: the prompt, nothing generated.
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=0)
     assert r.choices[0].text == prompt and len(r.choices[0].logprobs.tokens) == len(ids) and r.usage.completion_tokens == 0
+    assert r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, stop=[ref.outputs[0].text[:3]])
+    assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["stop_reason"] is None  # not the dropped token's stop
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
     # Chat: the rendered prompt's logprobs, top level.

@@ -22,6 +22,19 @@ from pagedserve.model.sampling_metadata import SAMPLING_EPS, SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
 
 
+def fold_seed(seed: int) -> int:
+    """An int64 seed as the 32 bits torch's CPU generator keeps (its Mersenne Twister takes the
+    low 32, so seeds 2**32 apart drew the same tokens). Seeds in [0, 2**32) are kept; others
+    are mixed by SplitMix64's finalizer (Steele et al. 2014) first, so no simple pattern of
+    seeds (a negative and its positive, numbers 2**32 apart) collides."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    z = seed & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return (z ^ (z >> 31)) & 0xFFFF_FFFF
+
+
 @dataclass
 class CachedRequestState:
     """What the worker keeps of a live request between steps, batch row or not (a preempted
@@ -46,7 +59,7 @@ class CachedRequestState:
         gen = None
         if params.seed is not None and params.temperature >= SAMPLING_EPS:
             gen = torch.Generator()
-            gen.manual_seed(params.seed)
+            gen.manual_seed(fold_seed(params.seed))
         return cls(req_id, params, list(eos_token_ids), gen)
 
 

@@ -208,8 +208,9 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
                     req.num_cached_tokens = num_hit
-                    self.stats.prefix_cache_queries += req.num_tokens
-                    self.stats.prefix_cache_hits += num_hit
+                    if req.sampling_params.prompt_logprobs is None:  # else no lookup was made (as vLLM counts)
+                        self.stats.prefix_cache_queries += req.num_tokens
+                        self.stats.prefix_cache_hits += num_hit
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = num_hit
                 if req.first_scheduled_time is None:

@@ -225,7 +225,8 @@ class OpenAIServing:
             raise RequestError(msg, param=param) from None
         if params.prompt_logprobs is not None and req.kv_transfer_params is not None:
             # A decode instance loads the prompt's KV: its positions are never scored here.
-            raise RequestError("prompt_logprobs cannot be combined with kv_transfer_params.", param="prompt_logprobs")
+            field = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"  # echo + logprobs scores the prompt
+            raise RequestError(f"{'echo with logprobs' if field == 'echo' else field} cannot be combined with kv_transfer_params.", param=field)
         return params
 
     def requested_max_tokens(self, requested: Optional[int]) -> Optional[int]:

@@ -101,14 +101,15 @@ class OpenAIServingCompletion(OpenAIServing):
         result = []
         for idx, ch in enumerate(choices):
             pi = idx // n
-            if req.echo_only:
-                ch.text, ch.token_ids, ch.logprobs = [], [], []
+            if req.echo_only and ch.finish_reason not in ("timeout", "error"):  # its one token is dropped
+                ch.text, ch.token_ids, ch.logprobs, ch.finish_reason, ch.stop_reason = [], [], [], "length", None
             text, lps = "".join(ch.text), None
             if req.echo:
                 p = prompts[pi]
                 text = (p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) + text
-                if req.logprobs is not None:
-                    lps = self._completion_logprobs(p.token_ids + ch.token_ids, (prompt_lps[pi] or []) + ch.logprobs, ch, self.token_name(req))
+                if req.logprobs is not None:  # null entries where the prompt was never scored (timed out first)
+                    plp = prompt_lps[pi] or [None] * len(p.token_ids)
+                    lps = self._completion_logprobs(p.token_ids + ch.token_ids, plp + ch.logprobs, ch, self.token_name(req))
             elif req.logprobs is not None:
                 lps = self._completion_logprobs(ch.token_ids, ch.logprobs, ch, self.token_name(req))
             result.append(CompletionResponseChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
@@ -145,16 +146,18 @@ class OpenAIServingCompletion(OpenAIServing):
                             if req.echo:  # the prompt, and its logprobs, before the first tokens
                                 p = prompts[pi]
                                 text = (p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) + text
-                                token_ids, entries = p.token_ids + token_ids, (prompt_lps[pi] or []) + entries
+                                token_ids, entries = p.token_ids + token_ids, (prompt_lps[pi] or [None] * len(p.token_ids)) + entries
                         ch.num_tokens += 0 if req.echo_only else len(o.token_ids)
                         raise_if_failed(o)
                         ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+                        if req.echo_only and o.finish_reason not in (None, "timeout", "error"):
+                            ch.finish_reason, ch.stop_reason = "length", None
                         if not text and o.finish_reason is None and not token_ids:
                             continue
                         lps = self._completion_logprobs(token_ids, entries, ch, self.token_name(req)) if req.logprobs is not None else None
                         chunk = CompletionStreamResponse(
                             id=request_id, model=model, created=created,
-                            choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+                            choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)],
                         )
                         if continuous:  # this choice's prompt and tokens so far, as vLLM counts them
                             pt = len(prompts[pi].token_ids)
