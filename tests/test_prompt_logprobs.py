@@ -110,3 +110,17 @@ def test_prompt_logprobs_once_per_request(tiny_dir, prompts):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
     assert_engine_idle(llm)
+
+
+def test_scored_chunks_do_not_teach_the_step_cost_model(tiny_dir, prompts):
+    """A chunk scored for prompt logprobs also runs the LM head on each token; the step-time
+    bound's cost model must not learn that as the price of an ordinary prompt token."""
+    llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, max_model_len=512, max_step_ms=200, max_num_batched_tokens=32)
+    model = llm.llm_engine.core.scheduler.step_cost
+    p = {"prompt_token_ids": prompts[-1]}  # 150 tokens: 5 chunks of 32
+    llm.generate(p, SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)
+    scored = model.num_observed
+    assert scored == 1  # the one decode step: every chunk was scored (the last one samples the first token)
+    llm.generate({"prompt_token_ids": prompts[-2]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert model.num_observed >= scored + 4  # an unscored prompt's 3 chunks (90 tokens) teach it, and its decode
+    assert_engine_idle(llm)

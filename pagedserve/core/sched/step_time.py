@@ -21,7 +21,8 @@ class StepTimeMixin:
     """Needs ``self.config`` and ``self.running`` / ``self.waiting`` of the Scheduler.
 
     ``step_cost`` is the cost model (None with the bound off); ``last_step_features`` the last
-    ``schedule()``'s (tokens, attention pairs), ``last_predicted_ms`` its predicted duration and
+    ``schedule()``'s (tokens, attention pairs), None when it is not to be learned from,
+    ``last_predicted_ms`` its predicted duration and
     ``last_target_ms`` its target when it prefilled under the bound, for
     :meth:`record_step_time` and the step trace."""
 
@@ -45,12 +46,15 @@ class StepTimeMixin:
         if self.step_cost is None:
             return
         pairs = sum(attention_pairs(n, c) for _, c, n in scheduled)
-        self.last_step_features = (num_tokens, pairs)
+        # A chunk scored for prompt logprobs also runs the LM head on every token: that step's
+        # time would teach the model a dearer prompt token, so it is not learned from.
+        scores = any(r.sampling_params.prompt_logprobs is not None and c < r.num_prompt_tokens - 1 for r, c, _ in scheduled)
+        self.last_step_features = None if scores else (num_tokens, pairs)
         self.last_predicted_ms = self.step_cost.predict(num_tokens, pairs) if scheduled else None
         self.last_target_ms = limit.step_target_ms if limit is not None and limit.num_prefills else None
 
     def record_step_time(self, duration_ms: float) -> None:
         """Teach the step-cost model the measured wall time (ms) of the step the last
         ``schedule()`` planned (``EngineCore.step`` calls this after each step)."""
-        if self.step_cost is not None:
+        if self.step_cost is not None and self.last_step_features is not None:
             self.step_cost.observe(*self.last_step_features, duration_ms)
