@@ -109,6 +109,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, "response_format", "invalid"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {}}, "response_format", "needs a type"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex", "regex"),
     ("/v1/completions", {"prompt": "hi", "guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice", "non-empty"),

@@ -92,7 +92,7 @@ class _SamplingFields(OpenAIBaseModel):
     def constraint_fields(self) -> list[str]:
         """The structured-output fields the request sets (at most one is allowed)."""
         given = []
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+        if self.response_format is not None and self.response_format.get("type") != "text":  # no type: a 400 below, as vLLM
             given.append("response_format")
         return given + [f for f in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
                         if getattr(self, f) is not None]
@@ -119,6 +119,8 @@ class _SamplingFields(OpenAIBaseModel):
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                     raise ValueError("response_format.json_schema must be an object with a 'schema' object.")
                 return StructuredOutputsParams(json=spec["schema"])
+            if kind is None:
+                raise ValueError("response_format needs a type (text, json_object or json_schema).")
             raise ValueError(f"response_format of type {kind!r} is not supported (text, json_object or json_schema).")
         if field == "structured_outputs":
             so = self.structured_outputs
