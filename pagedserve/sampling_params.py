@@ -102,6 +102,9 @@ class SamplingParams:
     (``RequestOutput.prompt_logprobs``; such a request skips the prefix cache, since cached
     positions have no logits). Both in [0, 20].
 
+    ``truncate_prompt_tokens=k`` keeps only the last ``k`` prompt tokens (vLLM's; -1 means
+    ``max_model_len``); more than ``max_model_len`` is an error.
+
     Raises:
         ValueError: naming the field, when a value is out of range.
     """
@@ -122,6 +125,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -189,6 +193,9 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}.")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+            bad("truncate_prompt_tokens", f"must be -1 (max_model_len) or at least 1, got {self.truncate_prompt_tokens}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must contain only non-empty strings.")
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):

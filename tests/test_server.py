@@ -316,6 +316,25 @@ def test_echo_logprobs_and_prompt_logprobs(client, server, smollm2_llm):
     wait_idle(server)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server, smollm2_llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what runs (and what echo
+    returns), offline and over HTTP, in completions and chat."""
+    from pagedserve import SamplingParams
+
+    prompt = "One two three four five six seven eight nine ten"
+    ids = httpx.post(server + "/tokenize", headers=AUTH, json={"prompt": prompt}).json()["tokens"]
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    want = smollm2_llm.generate({"prompt_token_ids": ids[-4:]}, greedy, use_tqdm=False)[0]
+    got = smollm2_llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, truncate_prompt_tokens=4), use_tqdm=False)[0]
+    assert got.prompt_token_ids == ids[-4:] and got.outputs[0].token_ids == want.outputs[0].token_ids
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 4})
+    kept = httpx.post(server + "/detokenize", headers=AUTH, json={"tokens": ids[-4:]}).json()["prompt"]
+    assert r.usage.prompt_tokens == 4 and r.choices[0].text == kept + want.outputs[0].text
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "truncate_prompt_tokens": 5}
+    assert httpx.post(server + "/v1/chat/completions", headers=AUTH, json=body).json()["usage"]["prompt_tokens"] == 5
+    wait_idle(server)
+
+
 def test_stop_strings_and_stop_reason(client):
     base = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0).choices[0].text
     assert " Paris." in base

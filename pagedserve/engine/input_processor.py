@@ -95,6 +95,19 @@ class InputProcessor:
         check_text(text, param)
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
+    def truncate_prompt(self, ids: list[int], keep: Optional[int]) -> list[int]:
+        """The last ``keep`` token ids (vLLM's ``truncate_prompt_tokens``: -1 = max_model_len;
+        None = all). Raises RequestError when ``keep`` exceeds max_model_len."""
+        if keep is None:
+            return ids
+        if isinstance(keep, bool) or not isinstance(keep, int) or not (keep == -1 or keep >= 1):
+            raise RequestError(f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {keep!r}.", param="truncate_prompt_tokens")
+        if keep > self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.max_model_len}). "
+                               "Please select a smaller truncation size.", param="truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
     def check_token_ids(self, ids: list[int], what: str = "prompt", param: Optional[str] = "prompt") -> None:
         """Raises RequestError for an empty list or an id outside the vocabulary."""
         if not ids:
@@ -182,6 +195,7 @@ class InputProcessor:
         as_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
         self.check_token_ids(ids, "prompt" if as_text else "prompt_token_ids")
         params = (params or SamplingParams()).clone()
+        ids = self.truncate_prompt(ids, params.truncate_prompt_tokens)
         params.max_tokens = self.resolve_max_tokens(params.max_tokens, len(ids), strict=False)
         self.check_params(params)
         return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt)

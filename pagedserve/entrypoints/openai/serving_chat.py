@@ -51,6 +51,7 @@ class OpenAIServingChat(OpenAIServing):
             raise RequestError(f"tool_choice {plan.mode!r} and {req.constraint_fields()[0]} cannot both be set.", param="tool_choice")
         conv, ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
                                      req.chat_template_kwargs, req.tools, req.add_special_tokens)
+        ids = self.input_processor.truncate_prompt(ids, req.truncate_prompt_tokens)
         self.input_processor.check_token_ids(ids)
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.input_processor.resolve_max_tokens(self.requested_max_tokens(req.requested_max_tokens), len(ids), field_name, "messages")

@@ -127,7 +127,7 @@ SSE_DONE = "data: [DONE]\n\n"
 # does not implement: refused with a 400 naming them (unless set to their "off" value).
 UNSUPPORTED_FIELDS = {
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,), "functions": (None,), "function_call": (None,), "audio": (None,),
+    "functions": (None,), "function_call": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "guided_whitespace_pattern": (None,), "logits_processors": (None,),
     "vllm_xargs": (None,), "prompt_embeds": (None,), "mm_processor_kwargs": (None,),
 }

@@ -35,6 +35,9 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             self.check_num_sequences(1, req.n or 1)
         prompts = self.tokenized_prompts(req.prompt, req.add_special_tokens)
+        if req.truncate_prompt_tokens is not None:  # the last k tokens (the text is then theirs, for echo)
+            cut = [self.input_processor.truncate_prompt(p.token_ids, req.truncate_prompt_tokens) for p in prompts]
+            prompts = [p if len(c) == len(p.token_ids) else TokenizedPrompt(None, c) for p, c in zip(prompts, cut)]
         resolve = self.input_processor.resolve_max_tokens
         requested = 1 if req.echo_only else self.requested_max_tokens(req.max_tokens)  # echo_only drops its one token
         params = [self.sampling_params(req, resolve(requested, len(p.token_ids), "max_tokens")) for p in prompts]
