@@ -101,9 +101,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
-    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
-    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [10**7]}, "allowed_token_ids", "vocabulary"),
-    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5], "guided_regex": "a+"}, "allowed_token_ids", "structured output"),
     ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens", "greater than max_model_len"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "at least 1"),
     ("/v1/completions", {"prompt": "hello " * 3000, "truncate_prompt_tokens": -1}, "prompt", "no room"),
@@ -137,7 +134,7 @@ BAD_REQUESTS = [
     # Fields that would change the answer and are not implemented: refused, not silently ignored.
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
-    ("/v1/completions", {"prompt": "hi", "bad_words": ["x"]}, "bad_words", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
     # Amplification: every list-like or size-like field is capped.
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 65}, "stop", "at most 64"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x" * 2000]}, "stop", "characters"),

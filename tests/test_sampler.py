@@ -385,24 +385,6 @@ def test_penalty_changes_greedy_choice():
     assert out.sampled_token_ids.tolist() == [1]
 
 
-def test_allowed_token_ids_restrict_only_their_rows():
-    torch.manual_seed(16)
-    V = 40
-    logits = torch.randn(6, V)
-    allowed = [3, 17, 31]
-    reqs = [req(temperature=0.0, allowed_token_ids=allowed), req(temperature=0.0)]
-    reqs += [req(temperature=1.0, seed=i, allowed_token_ids=allowed) for i in range(3)] + [req(temperature=1.0, seed=9, logprobs=2)]
-    for _ in range(20):
-        out = sample(logits, reqs)
-        toks = out.sampled_token_ids.tolist()
-        assert toks[0] == max(allowed, key=lambda t: logits[0, t].item())  # greedy: the best allowed token
-        assert toks[1] == int(logits[1].argmax())  # a row without the field is untouched
-        assert all(t in allowed for t in toks[2:5])
-    processed = _processed(logits, reqs)
-    assert torch.isinf(processed[0]).sum() == V - len(allowed) and not torch.isinf(processed[1]).any()
-    torch.testing.assert_close(processed[0, allowed], logits[0, allowed])
-
-
 def test_logit_bias_forces_token():
     torch.manual_seed(15)
     logits = torch.randn(10, 30)

@@ -41,8 +41,6 @@ class SamplingMetadata:
             logit_bias_values: ``[N]`` float32; all ``None`` if no request has a bias.
         min_tokens_rows / min_tokens_cols: ``[M]`` int64 (row, token) pairs to set to ``-inf``
             (stop / EOS ids of rows still under ``min_tokens``); ``None`` if there are none.
-        allowed_rows / allowed_cols: ``[A]`` int64 (row, token) pairs of ``allowed_token_ids``:
-            a row listed here keeps only those tokens; ``None`` if no request restricts.
         vocab_size: ``V``, the width of the logits.
     """
 
@@ -66,7 +64,5 @@ class SamplingMetadata:
     logit_bias_values: Optional[torch.Tensor]
     min_tokens_rows: Optional[torch.Tensor]
     min_tokens_cols: Optional[torch.Tensor]
-    allowed_rows: Optional[torch.Tensor] = None
-    allowed_cols: Optional[torch.Tensor] = None
     vocab_size: int = 0
     num_reqs: int = field(default=0)

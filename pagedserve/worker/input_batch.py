@@ -107,7 +107,6 @@ class InputBatch:
         self.min_tokens = np.zeros(R, dtype=np.int64)
         self.stop_ids: dict[int, list[int]] = {}  # rows with min_tokens: EOS + stop ids
         self.logit_bias: dict[int, dict[int, float]] = {}
-        self.allowed_ids: dict[int, list[int]] = {}  # row -> its allowed_token_ids
         self.generators: dict[int, torch.Generator] = {}
 
     @property
@@ -164,8 +163,6 @@ class InputBatch:
         bias = {int(t): float(v) for t, v in (params.logit_bias or {}).items() if 0 <= t < V}
         if bias:
             self.logit_bias[row] = bias
-        if params.allowed_token_ids:
-            self.allowed_ids[row] = sorted({int(t) for t in params.allowed_token_ids if 0 <= t < V})
         if state.generator is not None and not greedy:
             self.generators[row] = state.generator
 
@@ -177,7 +174,6 @@ class InputBatch:
         self.req_ids[row] = None
         self.stop_ids.pop(row, None)
         self.logit_bias.pop(row, None)
-        self.allowed_ids.pop(row, None)
         self.generators.pop(row, None)
         self._free_rows.append(row)
         return row
@@ -236,7 +232,6 @@ class InputBatch:
             output_ids = tensor(self._padded_tokens(rows, pen_rows, self.num_prompt_tokens[rows], self.num_tokens[rows]))
 
         lb = self._pairs(rows, lambda r: self.logit_bias.get(r, {}).items()) if self.logit_bias else None
-        al = self._pairs(rows, lambda r: ((t, 0.0) for t in self.allowed_ids.get(r, ()))) if self.allowed_ids else None
         mt = None
         if self.stop_ids:
             under = self.min_tokens[rows] > self.num_tokens[rows] - self.num_prompt_tokens[rows]
@@ -262,8 +257,6 @@ class InputBatch:
             logit_bias_rows=lb[0] if lb else None,
             logit_bias_cols=lb[1] if lb else None,
             logit_bias_values=lb[2] if lb else None,
-            allowed_rows=al[0] if al else None,
-            allowed_cols=al[1] if al else None,
             min_tokens_rows=mt[0] if mt else None,
             min_tokens_cols=mt[1] if mt else None,
             vocab_size=V,
