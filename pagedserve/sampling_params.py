@@ -16,6 +16,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 17  # allowed_token_ids: a list longer than any vocabulary means nothing
 
 
 class RequestOutputKind(enum.Enum):
@@ -100,7 +101,8 @@ class SamplingParams:
     ``logprobs=k`` returns, per generated token, its raw logprob and the top ``k``;
     ``prompt_logprobs=k`` does the same for every prompt token after the first
     (``RequestOutput.prompt_logprobs``; such a request skips the prefix cache, since cached
-    positions have no logits). Both in [0, 20].
+    positions have no logits). Both in [0, 20]. ``allowed_token_ids`` restricts sampling to
+    those tokens (vLLM's; logprobs stay those of the raw distribution).
 
     ``truncate_prompt_tokens=k`` keeps only the last ``k`` prompt tokens (vLLM's; -1 means
     ``max_model_len``); more than ``max_model_len`` is an error.
@@ -131,6 +133,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
 
@@ -208,6 +211,12 @@ class SamplingParams:
             bad("stop_token_ids", "must contain only non-negative integers.")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100].")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, list) and len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                bad("allowed_token_ids", f"must hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}.")
+            if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                bad("allowed_token_ids", "must be a non-empty list of non-negative token ids.")
 
     @property
     def greedy(self) -> bool:
@@ -215,10 +224,13 @@ class SamplingParams:
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary. Raises ValueError naming the field."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             for t in ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"{name} contains token id {t} outside the vocabulary [0, {vocab_size}).")
+        if self.allowed_token_ids and len(self.allowed_token_ids) > vocab_size:
+            raise ValueError(f"allowed_token_ids must hold at most {vocab_size} ids (the vocabulary), got {len(self.allowed_token_ids)}.")
 
     def clone(self) -> "SamplingParams":
         import copy

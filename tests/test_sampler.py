@@ -385,6 +385,45 @@ def test_penalty_changes_greedy_choice():
     assert out.sampled_token_ids.tolist() == [1]
 
 
+def test_allowed_token_ids_restrict_only_their_rows():
+    torch.manual_seed(16)
+    V = 40
+    logits = torch.randn(6, V)
+    allowed = [3, 17, 31]
+    reqs = [req(temperature=0.0, allowed_token_ids=allowed), req(temperature=0.0)]
+    reqs += [req(temperature=1.0, seed=i, allowed_token_ids=allowed) for i in range(3)] + [req(temperature=1.0, seed=9, logprobs=2)]
+    for _ in range(20):
+        out = sample(logits, reqs)
+        toks = out.sampled_token_ids.tolist()
+        assert toks[0] == max(allowed, key=lambda t: logits[0, t].item())  # greedy: the best allowed token
+        assert toks[1] == int(logits[1].argmax())  # a row without the field is untouched
+        assert all(t in allowed for t in toks[2:5])
+    processed = _processed(logits, reqs)
+    assert torch.isinf(processed[0]).sum() == V - len(allowed) and not torch.isinf(processed[1]).any()
+    torch.testing.assert_close(processed[0, allowed], logits[0, allowed])
+
+
+def test_allowed_token_ids_mask_leaves_with_its_row():
+    """The mask is built once when a row is filled; a freed row's next request is unrestricted,
+    and a restricted request in a reused row gets its own ids, not the previous one's."""
+    V = 12
+    batch = InputBatch(2, 8, 1, V, torch.device(CPU))
+
+    def add(rid, **kw):
+        return batch.add_request(CachedRequestState(rid, SamplingParams(temperature=0.0, **kw), [], None), [1, 2], [], [0], 0)
+
+    row = add("a", allowed_token_ids=[4, 5])
+    other = add("b")
+    md = batch.sampling_metadata(np.array([other, row], dtype=np.int64))
+    assert md.banned_mask[0].sum() == 0 and md.banned_mask[1].tolist() == [t not in (4, 5) for t in range(V)]
+    batch.remove_request("a")
+    assert add("c") == row and batch.sampling_metadata(np.array([row, other], dtype=np.int64)).banned_mask is None
+    batch.remove_request("c")
+    assert add("d", allowed_token_ids=[7]) == row
+    md = batch.sampling_metadata(np.array([row], dtype=np.int64))
+    assert torch.nonzero(~md.banned_mask[0]).flatten().tolist() == [7]
+
+
 def test_logit_bias_forces_token():
     torch.manual_seed(15)
     logits = torch.randn(10, 30)

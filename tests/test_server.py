@@ -330,6 +330,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server, smollm2_ll
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 4})
     kept = httpx.post(server + "/detokenize", headers=AUTH, json={"tokens": ids[-4:]}).json()["prompt"]
     assert r.usage.prompt_tokens == 4 and r.choices[0].text == kept + want.outputs[0].text
+    # allowed_token_ids (vLLM's): sampling keeps to them, greedy or not.
+    allowed = ids[:3]
+    for t in (0, 1.0):
+        r = httpx.post(server + "/v1/completions", headers=AUTH, json={"prompt": prompt, "max_tokens": 6, "temperature": t, "seed": 3,
+                                                                        "ignore_eos": True, "allowed_token_ids": allowed, "logprobs": 0,
+                                                                        "return_tokens_as_token_ids": True})
+        out_ids = [int(tok.split(":")[1]) for tok in r.json()["choices"][0]["logprobs"]["tokens"]]
+        assert len(out_ids) == 6 and set(out_ids) <= set(allowed), (out_ids, allowed)
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "truncate_prompt_tokens": 5}
     assert httpx.post(server + "/v1/chat/completions", headers=AUTH, json=body).json()["usage"]["prompt_tokens"] == 5
     wait_idle(server)

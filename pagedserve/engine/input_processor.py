@@ -41,7 +41,7 @@ _KNOWN_PARAMS = {
     "stop_token_ids", "max_tokens", "max_completion_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "best_of",
     "stream_options", "response_format", "request_id", "tokens", "continue_final_message", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "allowed_token_ids", "truncate_prompt_tokens",
 }
 
 
@@ -181,6 +181,12 @@ class InputProcessor:
             raise RequestError(str(e), param=param_of(str(e))) from None
         except RecursionError:
             raise RequestError("structured_outputs is nested too deeply.", param="structured_outputs") from None
+        if params.allowed_token_ids and params.structured_outputs is not None:  # the two masks could leave nothing
+            raise RequestError("allowed_token_ids cannot be combined with a structured output constraint or a forced tool call.",
+                               param="allowed_token_ids")
+        if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= set(self.eos_token_ids) | set(params.stop_token_ids):
+            raise RequestError("allowed_token_ids holds only EOS and stop token ids, which min_tokens bans: nothing could be sampled.",
+                               param="allowed_token_ids")
 
     # -- requests ---------------------------------------------------------------------------
     def process(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,

@@ -6,7 +6,8 @@ sample this step (row ``i`` of the logits belongs to the ``i``-th of them), then
 
 1. raw logprobs (``log_softmax`` of the model's logits, before any processing), only if some
    request asked for them; they are gathered after sampling;
-2. ``min_tokens``: EOS ids and ``stop_token_ids`` get ``-inf`` until enough tokens are out;
+2. ``allowed_token_ids``: every other token gets ``-inf``; ``min_tokens``: EOS ids and
+   ``stop_token_ids`` get ``-inf`` until enough tokens are out;
 3. ``logit_bias``;
 4. repetition / frequency / presence penalties;
 5. greedy rows (``temperature < 1e-5``): argmax of the processed logits;
@@ -97,11 +98,15 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """min_tokens, logit_bias and penalties on ``[B, V]`` float32 logits (before temperature).
+        """allowed_token_ids, min_tokens, logit_bias and penalties on ``[B, V]`` float32 logits
+        (before temperature).
 
         Returns a new tensor when anything applies, else ``logits`` itself (never modified).
         """
         copied = False
+        if metadata.banned_mask is not None:
+            logits = logits.masked_fill(metadata.banned_mask, float("-inf"))
+            copied = True
         if metadata.min_tokens_rows is not None:
             logits = logits.clone()
             copied = True
@@ -225,7 +230,8 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _processes_logits(metadata: SamplingMetadata) -> bool:
     """Whether ``process_logits`` changes anything for this batch."""
-    return metadata.min_tokens_rows is not None or metadata.logit_bias_rows is not None or not metadata.no_penalties
+    return (metadata.min_tokens_rows is not None or metadata.logit_bias_rows is not None or metadata.banned_mask is not None
+            or not metadata.no_penalties)
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

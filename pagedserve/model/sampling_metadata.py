@@ -41,6 +41,8 @@ class SamplingMetadata:
             logit_bias_values: ``[N]`` float32; all ``None`` if no request has a bias.
         min_tokens_rows / min_tokens_cols: ``[M]`` int64 (row, token) pairs to set to ``-inf``
             (stop / EOS ids of rows still under ``min_tokens``); ``None`` if there are none.
+        banned_mask: ``[B, V]`` bool, True for tokens outside a row's ``allowed_token_ids``
+            (all False for rows without the field); ``None`` if no request restricts.
         vocab_size: ``V``, the width of the logits.
     """
 
@@ -64,5 +66,6 @@ class SamplingMetadata:
     logit_bias_values: Optional[torch.Tensor]
     min_tokens_rows: Optional[torch.Tensor]
     min_tokens_cols: Optional[torch.Tensor]
+    banned_mask: Optional[torch.Tensor] = None
     vocab_size: int = 0
     num_reqs: int = field(default=0)

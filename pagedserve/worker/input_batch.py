@@ -107,6 +107,9 @@ class InputBatch:
         self.min_tokens = np.zeros(R, dtype=np.int64)
         self.stop_ids: dict[int, list[int]] = {}  # rows with min_tokens: EOS + stop ids
         self.logit_bias: dict[int, dict[int, float]] = {}
+        # allowed_token_ids: row -> [V] bool, True where the token is banned. Built once when the
+        # row is filled (not per step), so a long list costs its length once.
+        self.banned: dict[int, torch.Tensor] = {}
         self.generators: dict[int, torch.Generator] = {}
 
     @property
@@ -163,6 +166,11 @@ class InputBatch:
         bias = {int(t): float(v) for t, v in (params.logit_bias or {}).items() if 0 <= t < V}
         if bias:
             self.logit_bias[row] = bias
+        if params.allowed_token_ids:
+            banned = torch.ones(V, dtype=torch.bool, device=self.device)
+            ids = torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=self.device)
+            banned[ids[(ids >= 0) & (ids < V)]] = False
+            self.banned[row] = banned
         if state.generator is not None and not greedy:
             self.generators[row] = state.generator
 
@@ -174,6 +182,7 @@ class InputBatch:
         self.req_ids[row] = None
         self.stop_ids.pop(row, None)
         self.logit_bias.pop(row, None)
+        self.banned.pop(row, None)
         self.generators.pop(row, None)
         self._free_rows.append(row)
         return row
@@ -232,6 +241,7 @@ class InputBatch:
             output_ids = tensor(self._padded_tokens(rows, pen_rows, self.num_prompt_tokens[rows], self.num_tokens[rows]))
 
         lb = self._pairs(rows, lambda r: self.logit_bias.get(r, {}).items()) if self.logit_bias else None
+        banned = self._banned(rows) if self.banned else None
         mt = None
         if self.stop_ids:
             under = self.min_tokens[rows] > self.num_tokens[rows] - self.num_prompt_tokens[rows]
@@ -257,11 +267,23 @@ class InputBatch:
             logit_bias_rows=lb[0] if lb else None,
             logit_bias_cols=lb[1] if lb else None,
             logit_bias_values=lb[2] if lb else None,
+            banned_mask=banned,
             min_tokens_rows=mt[0] if mt else None,
             min_tokens_cols=mt[1] if mt else None,
             vocab_size=V,
             num_reqs=B,
         )
+
+    def _banned(self, rows: np.ndarray) -> Optional[torch.Tensor]:
+        """``[B, V]`` bool, True where ``allowed_token_ids`` bans a token (all False for rows
+        without it); None when no row of ``rows`` restricts."""
+        hit = [(i, self.banned[r]) for i, r in enumerate(rows.tolist()) if r in self.banned]
+        if not hit:
+            return None
+        out = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=self.device)
+        for i, mask in hit:
+            out[i] = mask
+        return out
 
     def _padded_tokens(self, rows: np.ndarray, use: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """``[B, L]`` int64: row i holds ``token_ids[rows[i], lo[i]:hi[i]]`` where ``use[i]``,

@@ -75,6 +75,7 @@ class _SamplingFields(OpenAIBaseModel):
     prompt_logprobs: Optional[int] = None  # vLLM's: the top-k logprobs of every prompt position
     return_tokens_as_token_ids: Optional[bool] = None  # vLLM's: logprob tokens as "token_id:<id>"
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
     cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (vLLM's field)
     timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
@@ -168,6 +169,7 @@ class _SamplingFields(OpenAIBaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

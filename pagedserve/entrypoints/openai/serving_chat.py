@@ -62,6 +62,8 @@ class OpenAIServingChat(OpenAIServing):
             try:
                 self.input_processor.check_params(params)
             except RequestError as e:
+                if e.param not in (None, "structured_outputs"):  # allowed_token_ids, which a tool call's grammar excludes
+                    raise
                 raise RequestError(e.message.replace("structured_outputs.json", "a tool's parameters schema"), param="tools") from None
         return model, conv, TokenizedPrompt(None, ids), params, plan
 
