@@ -75,6 +75,7 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(model.backend.argmax)
         self.requests: dict[str, CachedRequestState] = {}
+        self.prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt_logprobs
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size), cfg.vocab_size, device)
 
     # -- state ----------------------------------------------------------------------------
@@ -82,6 +83,7 @@ class ModelRunner:
         batch = self.input_batch
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.prompt_logprob_reqs.discard(rid)
             batch.remove_request(rid)
         for rid in so.preempted_req_ids:
             batch.remove_request(rid)
@@ -90,6 +92,8 @@ class ModelRunner:
             if state is None:
                 state = CachedRequestState.create(new.req_id, new.sampling_params, new.eos_token_ids)
                 self.requests[new.req_id] = state
+                if new.sampling_params.prompt_logprobs is not None:
+                    self.prompt_logprob_reqs.add(new.req_id)
             batch.remove_request(new.req_id)
             batch.add_request(state, new.prompt_token_ids, new.output_token_ids, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
@@ -182,6 +186,8 @@ class ModelRunner:
         ``p`` up to ``num_prompt_tokens - 2``. Each position once: a chunk recomputed after
         preemption skips what was sent. Under tensor parallelism every rank calls
         ``compute_logits`` alike (the decision uses only the message) and rank 0 keeps them."""
+        if not self.prompt_logprob_reqs:
+            return
         batch = self.input_batch
         todo = []  # (request id, k, hidden rows, target token ids)
         for i, rid in enumerate(order):
