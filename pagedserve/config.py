@@ -55,6 +55,10 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks across requests by chained block hashes.
         enable_chunked_prefill: split long prompts across steps under the token budget.
         long_prefill_token_threshold: cap on one request's prefill chunk per step (0 = none).
+        scheduling_policy: "fcfs" (waiting requests in arrival order; a request's ``priority``
+            must be 0) or "priority" (smaller ``priority`` first, then arrival; when blocks run
+            out the running request with the largest ``(priority, arrival)`` is preempted
+            first), as vLLM's ``--scheduling-policy``.
         max_step_ms: step-time target (milliseconds; 0 = off, the fixed token budget alone;
             None = the entry point's default: ``SERVING_MAX_STEP_MS`` (200) for the server's
             ``AsyncLLM``, off for the offline ``LLM`` and ``bench throughput``, whose figure is
@@ -125,6 +129,9 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse KV blocks of shared prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_flag("split long prompts under the token budget"))
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one request's prefill chunk per step (0 = none)"))
+    scheduling_policy: str = field(default="fcfs", metadata=_flag(
+        "fcfs (arrival order) or priority (a request's priority, smaller first, then arrival; the largest is preempted first)",
+        choices=["fcfs", "priority"]))
     max_step_ms: Optional[float] = field(default=None, metadata=_flag(
         "step-time target in ms: prefill chunks are sized from the measured step cost to keep each step under it "
         f"(0 = off; default: {SERVING_MAX_STEP_MS:g} for serve, off offline)"))
@@ -184,6 +191,8 @@ class EngineConfig:
         positive("threads_per_replica")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.router not in ("kv-aware", "least-loaded", "round-robin"):
             raise ValueError(f"router must be kv-aware, least-loaded or round-robin, got {self.router!r}")
         if not isinstance(self.trace_buffer_steps, int) or isinstance(self.trace_buffer_steps, bool) or self.trace_buffer_steps < 0:

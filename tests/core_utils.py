@@ -29,7 +29,7 @@ def make_kv_manager(num_blocks: int = 16, caching: bool = True, identity: str = 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, max_model_len: Optional[int] = None,
                    chunked: bool = True, threshold: int = 0, caching: bool = True, max_step_ms: float = 0.0,
-                   max_step_decode_multiple: float = 0.0) -> Scheduler:
+                   max_step_decode_multiple: float = 0.0, policy: str = "fcfs") -> Scheduler:
     """A scheduler over a fresh pool of ``num_blocks`` blocks of ``B`` tokens. The step-time
     bound is off unless ``max_step_ms`` is given (the token-budget tests pin the plain rule;
     with it on, ``step(..., step_ms=...)`` plays the clock); its decode multiple is off unless
@@ -37,17 +37,19 @@ def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8
     cfg = EngineConfig(
         block_size=B, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold, enable_prefix_caching=caching, max_step_ms=max_step_ms,
-        max_step_decode_multiple=max_step_decode_multiple,
+        max_step_decode_multiple=max_step_decode_multiple, scheduling_policy=policy,
     ).resolved(max_model_len or num_blocks * B)
     sched = Scheduler(cfg, make_kv_manager(num_blocks, caching, "unit"))
     sched.fake_worker = FakeWorker()
     return sched
 
 
-def make_request(rid: str, tokens: list[int], salt: Optional[str] = None, eos: int = EOS, **params) -> Request:
+def make_request(rid: str, tokens: list[int], salt: Optional[str] = None, eos: int = EOS, priority: int = 0,
+                 arrival_time: Optional[float] = None, **params) -> Request:
     params.setdefault("max_tokens", 8)
     params.setdefault("temperature", 0.0)
-    return Request(rid, tokens, SamplingParams(**params), eos_token_ids={eos}, cache_salt=salt)
+    return Request(rid, tokens, SamplingParams(**params), eos_token_ids={eos}, cache_salt=salt, priority=priority,
+                   arrival_time=arrival_time)
 
 
 @dataclass
@@ -175,6 +177,9 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(running_ids) + len(waiting_ids) == len(live)
     assert set(running_ids) | set(waiting_ids) == set(live)
     assert len(sched.running) <= sched.config.max_num_seqs
+    if sched.config.scheduling_policy == "priority":  # the back of running is the first to preempt
+        keys = [(r.priority, r.arrival_time) for r in sched.running]
+        assert keys == sorted(keys), keys
     # Free queue vs ref counts: free + used == total, and a block is free iff ref_cnt == 0.
     free_ids = [b.block_id for b in pool.free_queue]
     assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks

@@ -39,9 +39,9 @@ def test_core_and_package_import_no_torch():
 
 def test_message_codec_round_trip_and_refusals():
     params = SamplingParams(n=1, temperature=0.7, top_k=5, stop=["x"], stop_token_ids=[3], logit_bias={7: 1.5}, seed=9,
-                            min_tokens=2, logprobs=3, output_kind=RequestOutputKind.DELTA)
+                            min_tokens=2, logprobs=3, output_kind=RequestOutputKind.DELTA, allowed_token_ids=[4, 9])
     params._all_stop_token_ids = {2, 3}
-    req = EngineCoreRequest("r", [1, 2, 3], params, [2], 12.5, "salt")
+    req = EngineCoreRequest("r", [1, 2, 3], params, [2], 12.5, "salt", priority=-(2**63))
     back = serial.decode(serial.encode(["add", req]))
     assert back[0] == "add" and back[1] == req and back[1].sampling_params._all_stop_token_ids == {2, 3}
     so = SchedulerOutput([NewRequestData("a", [1, 2], [], params, [2], [4, 5], 0)], CachedRequestData(["b"], [[6]], [17], [[]]),

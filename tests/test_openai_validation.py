@@ -138,6 +138,10 @@ BAD_REQUESTS = [
                               "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot both"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": "required", "allowed_token_ids": [5]}, "allowed_token_ids", "forced tool call"),
+    # vLLM's priority needs --scheduling-policy priority (this app's engine is fcfs).
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, "priority", "--scheduling-policy priority"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -4}, "priority", "not enabled"),
+    ("/v1/completions", {"prompt": "hi", "priority": 2**64}, "priority", "integer"),
     # Fields that would change the answer and are not implemented: refused, not silently ignored.
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
@@ -189,6 +193,23 @@ def test_vllm_accepts_these_and_so_do_we(app_client, body):
         pass
     assert len(llm.reached_engine) == before + 1
     llm.reached_engine.pop()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "priority": -7}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -7, "stream": True}),
+])
+def test_priority_reaches_the_engine_request_under_the_priority_policy(app_client, path, body):
+    client, llm = app_client
+    llm.input_processor.scheduling_policy = "priority"
+    try:
+        try:
+            client.post(path, json=body)
+        except AssertionError:  # the stub refuses to generate once the request got there
+            pass
+        assert [c.priority for c in llm.reached_engine.pop().children] == [-7]
+    finally:
+        llm.input_processor.scheduling_policy = "fcfs"
 
 
 def test_unknown_model_is_404_and_aliases_answer(app_client):

@@ -100,7 +100,7 @@ def test_loaded_but_waiting_requests_give_blocks_back_when_nothing_can_run():
     step(s)  # both hold 5 blocks, 6 free
     step(s, KVConnectorOutput(finished_recving=["a", "b"]))  # back in the queue, holding their blocks
     big = make_request("c", list(range(70, 95)), max_tokens=2)  # 25 tokens: 7 blocks
-    s.waiting.appendleft(big)  # ahead of both (as a request resumed after preemption would be)
+    s.waiting.prepend(big)  # ahead of both (as a request resumed after preemption would be)
     s.requests["c"] = big
     step(s)
     # c could not get 7 blocks and nothing ran, so a and b gave theirs back (kept in the prefix

@@ -405,21 +405,21 @@ class Harness:
     each slot it reads holds its own (salt, token), which catches a wrong prefix hit, a stale
     hash, a block reused while still referenced, or a block shared across cache salts."""
 
-    def __init__(self, num_blocks, budget, max_num_seqs, threshold, chunked, caching, max_model_len):
+    def __init__(self, num_blocks, budget, max_num_seqs, threshold, chunked, caching, max_model_len, policy="fcfs"):
         max_model_len = min(max_model_len, num_blocks * B)  # every request fits alone
         if not chunked:
             budget = max(budget, max_model_len)  # the engine enforces this
-        self.sched = make_sched(num_blocks, budget, max_num_seqs, max_model_len, chunked, threshold, caching)
+        self.sched = make_sched(num_blocks, budget, max_num_seqs, max_model_len, chunked, threshold, caching, policy=policy)
         self.slots: dict[int, tuple] = {}
         self.n = 0
         self.all_reqs: list[Request] = []
 
-    def add(self, prefix, prefix_len, suffix, max_tokens, salt, stop, ignore_eos) -> None:
+    def add(self, prefix, prefix_len, suffix, max_tokens, salt, stop, ignore_eos, priority=0) -> None:
         tokens = (PREFIXES[prefix][:prefix_len] + suffix)[: self.sched.config.max_model_len - 1] or [3]
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=[STOP] if stop else None
         )
-        req = Request(f"q{self.n}", tokens, params, eos_token_ids={EOS}, cache_salt=salt)
+        req = Request(f"q{self.n}", tokens, params, eos_token_ids={EOS}, cache_salt=salt, priority=priority)
         self.n += 1
         self.sched.add_request(req)
         self.all_reqs.append(req)
@@ -481,8 +481,8 @@ class Harness:
         check_invariants(self.sched)
 
     def drain(self) -> None:
-        """Never deadlocks: each step the oldest running request advances and is never preempted
-        (it fits alone), so every request finishes within max_model_len steps of becoming the
+        """Never deadlocks: each step the first running request (the oldest; under the priority
+        policy the smallest key) advances and is never preempted (it fits alone), so every request finishes within max_model_len steps of becoming the
         oldest. Afterwards: nothing leaked."""
         s = self.sched
         bound = (len(s.requests) + 1) * s.config.max_model_len + 5
@@ -510,13 +510,14 @@ class Harness:
     p_add=st.floats(0.1, 0.5),
     num_ops=st.integers(40, 150),
     seed=st.integers(0, 2**32 - 1),
+    policy=st.sampled_from(["fcfs", "fcfs", "priority"]),
 )
 def test_random_interleavings_keep_the_invariants(
-    num_blocks, budget, max_num_seqs, threshold, chunked, caching, max_model_len, p_add, num_ops, seed
+    num_blocks, budget, max_num_seqs, threshold, chunked, caching, max_model_len, p_add, num_ops, seed, policy
 ):
     """Hypothesis draws the configuration and a seed; the seed drives the op sequence (random
     ops explore tight pools, shared prefixes and preemption far better than drawn op lists)."""
-    h = Harness(num_blocks, budget, max_num_seqs, threshold, chunked, caching, max_model_len)
+    h = Harness(num_blocks, budget, max_num_seqs, threshold, chunked, caching, max_model_len, policy)
     rnd = random.Random(seed)
     for _ in range(num_ops):
         x = rnd.random()
@@ -529,6 +530,7 @@ def test_random_interleavings_keep_the_invariants(
                 rnd.choice([None, None, None, "s1", "s2"]),
                 rnd.random() < 0.3,
                 rnd.random() < 0.3,
+                rnd.randint(-2, 2) if policy == "priority" else 0,
             )
         elif x < p_add + 0.05:
             h.finish(rnd.randrange(10**6), rnd.choice([RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED]))

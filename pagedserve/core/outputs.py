@@ -88,6 +88,8 @@ class EngineCoreRequest:
             (its blocks freed), or None.
         kv_transfer_params: prefill/decode disaggregation parameters (see
             ``pagedserve.distributed.kv_transfer``), or None.
+        priority: under ``scheduling_policy="priority"``, smaller values are scheduled first
+            (0 otherwise).
     """
 
     request_id: str
@@ -98,6 +100,7 @@ class EngineCoreRequest:
     cache_salt: Optional[str] = None
     deadline: Optional[float] = None
     kv_transfer_params: Optional[dict] = None
+    priority: int = 0
 
 
 @dataclass

@@ -65,6 +65,7 @@ class Request:
         cache_salt: Optional[str] = None,
         deadline: Optional[float] = None,
         kv_transfer_params: Optional[dict] = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -94,6 +95,7 @@ class Request:
         self.pending_prompt_logprobs: Optional[tuple[list, list, list]] = None
         # Timestamps (seconds, time.monotonic()) for metrics.
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.priority = priority  # the priority policy runs smaller values first
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None

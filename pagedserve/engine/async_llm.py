@@ -135,14 +135,14 @@ class AsyncLLM(CoreUtilityCalls, OutputThread):
             return self.output_processor.get_num_unfinished_requests()
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Validate an offline-style prompt (see ``InputProcessor.process``) and stream its outputs.
 
         Raises:
             ValueError: the request is invalid (the message names the field) or the id is in use.
             EngineDeadError: the engine core is not running.
         """
-        processed = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt)
+        processed = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
         async for out in self.generate_processed(processed):
             yield out
 

@@ -105,7 +105,7 @@ class EngineCore:
         """Queue a validated request. Raises ValueError when its id is in use."""
         self.scheduler.add_request(
             Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids, req.arrival_time, req.cache_salt,
-                    req.deadline, req.kv_transfer_params)
+                    req.deadline, req.kv_transfer_params, req.priority)
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -80,10 +80,14 @@ class InputProcessor:
         vocab_size: ids must lie in ``[0, vocab_size)``.
         max_model_len: prompt + output limit (tokens), as resolved by the engine core.
         eos_token_ids: the model's EOS ids (generation config).
+        scheduling_policy: the engine's (``EngineConfig.scheduling_policy``); under "fcfs" a
+            request's priority must be 0.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: set[int],
+                 scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = sorted(eos_token_ids)
@@ -188,15 +192,29 @@ class InputProcessor:
             raise RequestError("allowed_token_ids holds only EOS and stop token ids, which min_tokens bans: nothing could be sampled.",
                                param="allowed_token_ids")
 
+    def check_priority(self, priority: Any) -> int:
+        """A request's priority (an int64; smaller runs first under the priority policy).
+
+        Raises:
+            RequestError: not an int64, or non-zero while the policy is "fcfs" (as vLLM).
+        """
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise RequestError(f"priority must be an integer in [-2**63, 2**63), got {priority!r}.", param="priority")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise RequestError(f"priority {priority} needs priority scheduling, which is not enabled "
+                               "(start the engine with --scheduling-policy priority).", param="priority")
+        return priority
+
     # -- requests ---------------------------------------------------------------------------
     def process(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
-                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> ProcessedRequest:
+                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None, priority: int = 0) -> ProcessedRequest:
         """Validate an offline prompt (any :data:`PromptType`) and fan it out.
 
         Raises:
             RequestError: naming the field (empty prompt, prompt too long, ids outside the
                 vocabulary, invalid sampling parameters).
         """
+        self.check_priority(priority)
         text, ids, salt = self.parse_prompt(prompt)
         as_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
         self.check_token_ids(ids, "prompt" if as_text else "prompt_token_ids")
@@ -204,15 +222,16 @@ class InputProcessor:
         ids = self.truncate_prompt(ids, params.truncate_prompt_tokens)
         params.max_tokens = self.resolve_max_tokens(params.max_tokens, len(ids), strict=False)
         self.check_params(params)
-        return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt)
+        return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt,
+                                 priority=priority)
 
     def make_request(self, request_id: Optional[str], prompt_text: Optional[str], prompt_token_ids: list[int],
                      params: SamplingParams, arrival_time: Optional[float] = None,
                      cache_salt: Optional[str] = None, timeout_s: Optional[float] = None,
-                     kv_transfer_params: Optional[dict] = None) -> ProcessedRequest:
-        """Fan out checked token ids and params (``check_params`` passed, ``max_tokens`` set)
-        into the core's requests (each child carries ``kv_transfer_params``: siblings of one
-        remote prefill share its load)."""
+                     kv_transfer_params: Optional[dict] = None, priority: int = 0) -> ProcessedRequest:
+        """Fan out checked token ids and params (``check_params`` passed, ``max_tokens`` set,
+        ``priority`` checked) into the core's requests (each child carries
+        ``kv_transfer_params``: siblings of one remote prefill share its load)."""
         if request_id is None:
             request_id = str(self._counter)
             self._counter += 1
@@ -229,5 +248,5 @@ class InputProcessor:
                     child.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt, deadline,
-                                              kv_transfer_params))
+                                              kv_transfer_params, priority))
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, children)

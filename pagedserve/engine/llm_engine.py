@@ -43,7 +43,7 @@ def make_processors(info, model_dir: str) -> tuple[InputProcessor, OutputProcess
     tokenizer = loader.load_tokenizer(info.config.tokenizer or model_dir)
     hf_config = loader.load_config(model_dir)
     eos = loader.load_eos_token_ids(model_dir, hf_config, tokenizer)
-    inputs = InputProcessor(tokenizer, hf_config.vocab_size, info.config.max_model_len, eos)
+    inputs = InputProcessor(tokenizer, hf_config.vocab_size, info.config.max_model_len, eos, info.config.scheduling_policy)
     return inputs, OutputProcessor(tokenizer), tokenizer
 
 
@@ -75,14 +75,14 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> str:
-        """Validate and queue a request; returns its id.
+                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None, priority: int = 0) -> str:
+        """Validate and queue a request; returns its id. ``priority``: see ``EngineConfig.scheduling_policy``.
 
         Raises:
             ValueError: naming the field: empty prompt, prompt too long for max_model_len, token
                 ids outside the vocabulary, duplicate request_id, invalid sampling parameters.
         """
-        req = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt)
+        req = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority)
         self.output_processor.add_request(req)
         for child in req.children:
             self.core.add_request(child)

@@ -55,12 +55,15 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Generate completions for one prompt or a list of prompts (str, token-id list or
-        ``{"prompt_token_ids": [...]}``), in input order.
+        ``{"prompt_token_ids": [...]}``), in input order. ``priority``: one int per prompt
+        (smaller runs first), only with ``scheduling_policy="priority"``, as vLLM's.
 
         Raises:
-            ValueError: for invalid prompts or sampling parameters (nothing is queued then).
+            ValueError: for invalid prompts, sampling parameters or priorities (nothing is
+                queued then).
         """
         if prompts is None or isinstance(prompts, bytes):
             raise ValueError(f"prompts must be a string, a token-id list, a dict or a list of these, got {type(prompts).__name__}")
@@ -75,7 +78,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        return self._run(prompts, params_list, use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority must hold one value per prompt: {len(priorities)} for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, priorities)
 
     def chat(
         self,
@@ -96,12 +102,12 @@ class LLM:
         text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool, priorities: list[int]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
-            for p, sp in zip(prompts, params_list):
-                ids.append(engine.add_request(None, p, sp))
+            for p, sp, prio in zip(prompts, params_list, priorities):
+                ids.append(engine.add_request(None, p, sp, priority=prio))
         except Exception:
             engine.abort_request(ids)
             raise

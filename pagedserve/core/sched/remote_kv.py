@@ -60,7 +60,7 @@ class RemoteKVMixin:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_hit, num_external)
-        self.waiting.popleft()
+        self.waiting.pop()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[req.request_id] = req
         return True
@@ -128,7 +128,8 @@ class RemoteKVMixin:
             for w in waiters:
                 w.status = RequestStatus.WAITING
                 resumed.append(w)
-        self.waiting.extendleft(reversed(resumed))
+        for req in reversed(resumed):
+            self.waiting.prepend(req)
         s = self.stats
         s.kv_transfer_sent_tokens += kvo.sent_tokens
         s.kv_transfer_received_tokens += kvo.received_tokens

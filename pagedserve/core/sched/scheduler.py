@@ -4,9 +4,11 @@ Each step decides ``{request: num_tokens}`` under a token budget (``max_num_batc
 and a sequence limit (``max_num_seqs``), following vLLM v1's unified scheduler: there is no
 prefill or decode phase, every request just tries to bring ``num_computed_tokens`` up to
 ``num_tokens``. RUNNING requests go first (a decode costs one token, a mid-prefill request
-takes what the budget leaves), then WAITING requests in FCFS order, each after its prefix-cache
+takes what the budget leaves), then WAITING requests in the order of the scheduling policy
+(arrival, or ``priority`` then arrival: see :mod:`.request_queue`), each after its prefix-cache
 hit. Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, not separate
-code. When a running request cannot get a block, the most recently admitted running request is
+code. When a running request cannot get a block, the running list's last request (the most
+recently admitted; under the priority policy the one with the largest priority value) is
 preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new is
 admitted in that step. A decode instance's request whose prompt KV comes from a prefill instance
 waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`). Prefill
@@ -14,8 +16,8 @@ chunks are also cut to a step-time target (see :mod:`.step_time`).
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from typing import Iterable, Optional
 
 from pagedserve.config import EngineConfig
@@ -24,6 +26,7 @@ from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRu
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
 from pagedserve.core.sched.remote_kv import RemoteKVMixin
+from pagedserve.core.sched.request_queue import make_request_queue, priority_key
 from pagedserve.core.sched.stop import check_stop
 from pagedserve.core.sched.step_time import StepTimeMixin
 from pagedserve.core.structured_output import StructuredOutputManager
@@ -50,7 +53,7 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.structured_output_manager = structured_output_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_request_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats(num_total_blocks=kv_cache_manager.num_total_blocks)
@@ -77,7 +80,7 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
                 raise ValueError("structured_outputs is not supported by this engine")
             request.grammar = self.structured_output_manager.new_matcher(constraint)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         if request.deadline is not None:
             self.num_with_deadline += 1
 
@@ -132,7 +135,7 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and tokens, allocate their blocks, advance their
@@ -150,7 +153,7 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         limit = self._step_time_budget()
         decodes_left = limit.num_decodes if limit is not None else 0  # not scheduled yet: kept from prefills
 
-        # 1) running requests, in admission order; preempt from the back when blocks run out.
+        # 1) running requests, in list order; preempt from the back when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -179,10 +182,10 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
                 continue
             break  # req itself was preempted: nothing after it is left
 
-        # 2) waiting requests, FCFS, unless this step had to preempt.
+        # 2) waiting requests, in the policy's order, unless this step had to preempt.
         if not out.preempted_req_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
+                req = self.waiting.peek()
                 if req.request_id in kv.req_to_blocks:  # its remote KV arrived: it holds the loaded blocks
                     hit_blocks, num_hit = [], req.num_computed_tokens
                 else:
@@ -205,7 +208,7 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
                     if not self.running and self.connector is not None and self._release_loaded_waiting():
                         continue
                     break
-                self.waiting.popleft()
+                self.waiting.pop()
                 if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
                     req.num_cached_tokens = num_hit
                     if req.sampling_params.prompt_logprobs is None:  # else no lookup was made (as vLLM counts)
@@ -215,7 +218,10 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
                 req.num_computed_tokens = num_hit
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
-                self.running.append(req)
+                if self.config.scheduling_policy == "priority":  # the back is preempted first
+                    bisect.insort(self.running, req, key=priority_key)
+                else:
+                    self.running.append(req)
                 scheduled.append((req, num_hit, num_new))
                 new_ids.add(req.request_id)
                 budget -= num_new

@@ -79,6 +79,7 @@ class _SamplingFields(OpenAIBaseModel):
     cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (vLLM's field)
     timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, smaller runs first
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None

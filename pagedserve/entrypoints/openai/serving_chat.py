@@ -167,7 +167,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [ChoiceState() for _ in range(params.n)]
         cached = 0
         kv_params = prompt_lps = None
-        async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
+        async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
             async for _, out in stream:
                 prompt_lps = out.prompt_logprobs or prompt_lps
                 if out.finished:
@@ -217,7 +217,7 @@ class OpenAIServingChat(OpenAIServing):
             if echo:
                 for i in range(params.n):
                     yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
-            async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params)) as stream:
+            async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
                 async for _, out in stream:
                     cached = out.num_cached_tokens
                     for o in out.outputs:

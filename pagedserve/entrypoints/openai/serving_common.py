@@ -182,6 +182,7 @@ class OpenAIServing:
             raise RequestError(f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {req.timeout}.", param="timeout")
         if req.kv_transfer_params is not None:
             serving_kv.check_kv_transfer_params(self.llm.config, req.kv_transfer_params)
+        self.input_processor.check_priority(req.priority)
         return self.check_model(req.model)
 
     def timeout_of(self, req: Any) -> Optional[float]:
@@ -260,13 +261,13 @@ class OpenAIServing:
 
     async def run(self, request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
                   cache_salt: Optional[str], timeout_s: Optional[float] = None,
-                  kv_transfer_params: Optional[dict] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  kv_transfer_params: Optional[dict] = None, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt; yield ``(prompt index, delta output)``. However this
         ends (finished, client gone, cancelled, error), no request is left running."""
         rids = [f"{request_id}-{i}" if len(prompts) > 1 else request_id for i in range(len(prompts))]
         make = self.input_processor.make_request
         gens = [self.llm.generate_processed(make(rid, p.text, p.token_ids, sp, cache_salt=cache_salt, timeout_s=timeout_s,
-                                                 kv_transfer_params=kv_transfer_params))
+                                                 kv_transfer_params=kv_transfer_params, priority=priority))
                 for rid, p, sp in zip(rids, prompts, params)]
         unfinished = set(rids)
         try:

@@ -94,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cached = 0
         kv_params = None
         prompt_lps: list = [None] * len(prompts)
-        async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts))) as stream:
+        async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
                 kv_params = out.kv_transfer_params or kv_params
@@ -133,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cached = 0
         prompt_lps: list = [None] * len(prompts)
         try:
-            async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts))) as stream:
+            async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
                 async for pi, out in stream:
                     cached = cached + out.num_cached_tokens if out.finished else cached
                     prompt_lps[pi] = out.prompt_logprobs or prompt_lps[pi]  # with the first tokens of any choice

@@ -1,0 +1,110 @@
+"""The scheduler's waiting queue, one class per scheduling policy (vLLM v1's
+``--scheduling-policy``: ``fcfs`` or ``priority``; see vLLM's ``v1/core/sched/request_queue.py``).
+
+- ``fcfs``: arrival order; a preempted request goes back to the front.
+- ``priority``: a min-heap on ``(priority, arrival_time)``: a smaller ``priority`` value runs
+  first, ties by arrival. A preempted request goes back by the same key, so it is first among
+  its equals. Under this policy the scheduler also keeps its running list in that order, so the
+  request it preempts first (the list's back) is the one with the largest key, as vLLM's.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from typing import Iterator, Protocol
+
+from pagedserve.core.request import Request
+
+def priority_key(req: Request) -> tuple[int, float]:
+    """The order of the ``priority`` policy: smaller first."""
+    return (req.priority, req.arrival_time)
+
+
+class RequestQueue(Protocol):
+    def add(self, req: Request) -> None: ...
+    def prepend(self, req: Request) -> None: ...
+    def peek(self) -> Request: ...
+    def pop(self) -> Request: ...
+    def remove(self, req: Request) -> None: ...
+    def __iter__(self) -> Iterator[Request]: ...
+    def __len__(self) -> int: ...
+
+
+class FCFSQueue:
+    """Arrival order (``add`` appends); ``prepend`` puts a preempted request first."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, req: Request) -> None:
+        self._q.append(req)
+
+    def prepend(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> Request:
+        """The next request. Raises IndexError when empty."""
+        return self._q[0]
+
+    def pop(self) -> Request:
+        """Remove and return the next request. Raises IndexError when empty."""
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        """Raises ValueError when ``req`` is not queued."""
+        self._q.remove(req)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
+class PriorityQueue:
+    """A heap on :func:`priority_key`; ``prepend`` is ``add`` (the key decides).
+    ``remove`` is O(n), as is an abort's search of the FCFS deque."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()  # ties of equal keys: insertion order, never comparing Requests
+
+    def add(self, req: Request) -> None:
+        heapq.heappush(self._heap, (*priority_key(req), next(self._seq), req))
+
+    prepend = add
+
+    def peek(self) -> Request:
+        """The next request. Raises IndexError when empty."""
+        return self._heap[0][-1]
+
+    def pop(self) -> Request:
+        """Remove and return the next request. Raises IndexError when empty."""
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, req: Request) -> None:
+        """Raises ValueError when ``req`` is not queued."""
+        for i, entry in enumerate(self._heap):
+            if entry[-1] is req:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return
+        raise ValueError(f"request {req.request_id!r} is not waiting")
+
+    def __iter__(self) -> Iterator[Request]:
+        """In scheduling order (sorts a copy)."""
+        return (entry[-1] for entry in sorted(self._heap, key=lambda e: e[:3]))
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+def make_request_queue(policy: str) -> RequestQueue:
+    """The queue of ``EngineConfig.scheduling_policy``. Raises ValueError for another name."""
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
+    raise ValueError(f"scheduling_policy must be fcfs or priority, got {policy!r}")
