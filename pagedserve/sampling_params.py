@@ -17,6 +17,8 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 17  # allowed_token_ids: a list longer than any vocabulary means nothing
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 
 
 class RequestOutputKind(enum.Enum):
@@ -102,7 +104,9 @@ class SamplingParams:
     ``prompt_logprobs=k`` does the same for every prompt token after the first
     (``RequestOutput.prompt_logprobs``; such a request skips the prefix cache, since cached
     positions have no logits). Both in [0, 20]. ``allowed_token_ids`` restricts sampling to
-    those tokens (vLLM's; logprobs stay those of the raw distribution).
+    those tokens (vLLM's; logprobs stay those of the raw distribution). ``bad_words`` (vLLM's)
+    never generates those words: each is tokenized as it stands and after a space, and a
+    word's last token is banned whenever the generated tokens end with the tokens before it.
 
     ``truncate_prompt_tokens=k`` keeps only the last ``k`` prompt tokens (vLLM's; -1 means
     ``max_model_len``); more than ``max_model_len`` is an error.
@@ -134,12 +138,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
 
     # Filled by the engine: the model's EOS ids (generation config) that end a request
     # unless ignore_eos is set. Not part of the user surface.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the input processor: the token ids of each bad word's spellings.
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -217,6 +224,12 @@ class SamplingParams:
                 bad("allowed_token_ids", f"must hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}.")
             if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
                 bad("allowed_token_ids", "must be a non-empty list of non-negative token ids.")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list) or any(not isinstance(w, str) or not w.strip() for w in words):
+                bad("bad_words", "must be a list of strings that are not empty or whitespace.")
+            if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+                bad("bad_words", f"must hold at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters.")
 
     @property
     def greedy(self) -> bool:

@@ -145,7 +145,11 @@ BAD_REQUESTS = [
     # Fields that would change the answer and are not implemented: refused, not silently ignored.
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
-    ("/v1/completions", {"prompt": "hi", "bad_words": ["x"]}, "bad_words", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "length_penalty": 2.0}, "length_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["x"] * 65}, "bad_words", "at most 64"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": [""]}, "bad_words", "not empty"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": "x"}, "bad_words", "bad_words"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["x"], "guided_choice": ["x", "y"]}, "bad_words", "structured output"),
     # Amplification: every list-like or size-like field is capped.
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 65}, "stop", "at most 64"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x" * 2000]}, "stop", "characters"),

@@ -41,7 +41,7 @@ _KNOWN_PARAMS = {
     "stop_token_ids", "max_tokens", "max_completion_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "best_of",
     "stream_options", "response_format", "request_id", "tokens", "continue_final_message", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "allowed_token_ids", "truncate_prompt_tokens",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "allowed_token_ids", "truncate_prompt_tokens", "bad_words",
 }
 
 
@@ -185,12 +185,28 @@ class InputProcessor:
             raise RequestError(str(e), param=param_of(str(e))) from None
         except RecursionError:
             raise RequestError("structured_outputs is nested too deeply.", param="structured_outputs") from None
-        if params.allowed_token_ids and params.structured_outputs is not None:  # the two masks could leave nothing
-            raise RequestError("allowed_token_ids cannot be combined with a structured output constraint or a forced tool call.",
-                               param="allowed_token_ids")
-        if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= set(self.eos_token_ids) | set(params.stop_token_ids):
-            raise RequestError("allowed_token_ids holds only EOS and stop token ids, which min_tokens bans: nothing could be sampled.",
-                               param="allowed_token_ids")
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(params, name) and params.structured_outputs is not None:  # the two masks could leave nothing
+                raise RequestError(f"{name} cannot be combined with a structured output constraint or a forced tool call.", param=name)
+        params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
+        if params.allowed_token_ids:
+            usable = set(params.allowed_token_ids) - {ids[-1] for ids in params._bad_words_token_ids}
+            if not usable:
+                raise RequestError("bad_words can ban every token of allowed_token_ids: nothing could be sampled.", param="bad_words")
+            if params.min_tokens and usable <= set(self.eos_token_ids) | set(params.stop_token_ids):
+                raise RequestError("allowed_token_ids holds only EOS and stop token ids (and bad words), which min_tokens bans: "
+                                   "nothing could be sampled.", param="allowed_token_ids")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token ids of each bad word as it stands (leading spaces stripped) and after a
+        space (mid-text spelling, kept where it differs), as vLLM's ``bad_words``."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def check_priority(self, priority: Any) -> int:
         """A request's priority (an int64; smaller runs first under the priority policy).

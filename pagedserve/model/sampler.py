@@ -6,7 +6,8 @@ sample this step (row ``i`` of the logits belongs to the ``i``-th of them), then
 
 1. raw logprobs (``log_softmax`` of the model's logits, before any processing), only if some
    request asked for them; they are gathered after sampling;
-2. ``allowed_token_ids``: every other token gets ``-inf``; ``min_tokens``: EOS ids and
+2. ``allowed_token_ids``: every other token gets ``-inf``, as do ``bad_words``' tokens where
+   the output ends with the rest of the word (``pagedserve.worker.token_bans``); ``min_tokens``: EOS ids and
    ``stop_token_ids`` get ``-inf`` until enough tokens are out;
 3. ``logit_bias``;
 4. repetition / frequency / presence penalties;

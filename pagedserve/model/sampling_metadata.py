@@ -41,8 +41,9 @@ class SamplingMetadata:
             logit_bias_values: ``[N]`` float32; all ``None`` if no request has a bias.
         min_tokens_rows / min_tokens_cols: ``[M]`` int64 (row, token) pairs to set to ``-inf``
             (stop / EOS ids of rows still under ``min_tokens``); ``None`` if there are none.
-        banned_mask: ``[B, V]`` bool, True for tokens outside a row's ``allowed_token_ids``
-            (all False for rows without the field); ``None`` if no request restricts.
+        banned_mask: ``[B, V]`` bool, True for tokens outside a row's ``allowed_token_ids`` or
+            that ``bad_words`` ban this step (all False for other rows); ``None`` if nothing is
+            banned.
         vocab_size: ``V``, the width of the logits.
     """
 

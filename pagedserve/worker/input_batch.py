@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.model.sampling_metadata import SAMPLING_EPS, SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.token_bans import TokenBans
 
 
 def fold_seed(seed: int) -> int:
@@ -107,9 +108,7 @@ class InputBatch:
         self.min_tokens = np.zeros(R, dtype=np.int64)
         self.stop_ids: dict[int, list[int]] = {}  # rows with min_tokens: EOS + stop ids
         self.logit_bias: dict[int, dict[int, float]] = {}
-        # allowed_token_ids: row -> [V] bool, True where the token is banned. Built once when the
-        # row is filled (not per step), so a long list costs its length once.
-        self.banned: dict[int, torch.Tensor] = {}
+        self.token_bans = TokenBans(vocab_size, device)  # allowed_token_ids, bad_words
         self.generators: dict[int, torch.Generator] = {}
 
     @property
@@ -166,11 +165,7 @@ class InputBatch:
         bias = {int(t): float(v) for t, v in (params.logit_bias or {}).items() if 0 <= t < V}
         if bias:
             self.logit_bias[row] = bias
-        if params.allowed_token_ids:
-            banned = torch.ones(V, dtype=torch.bool, device=self.device)
-            ids = torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=self.device)
-            banned[ids[(ids >= 0) & (ids < V)]] = False
-            self.banned[row] = banned
+        self.token_bans.add(row, params)
         if state.generator is not None and not greedy:
             self.generators[row] = state.generator
 
@@ -182,7 +177,7 @@ class InputBatch:
         self.req_ids[row] = None
         self.stop_ids.pop(row, None)
         self.logit_bias.pop(row, None)
-        self.banned.pop(row, None)
+        self.token_bans.remove(row)
         self.generators.pop(row, None)
         self._free_rows.append(row)
         return row
@@ -241,7 +236,7 @@ class InputBatch:
             output_ids = tensor(self._padded_tokens(rows, pen_rows, self.num_prompt_tokens[rows], self.num_tokens[rows]))
 
         lb = self._pairs(rows, lambda r: self.logit_bias.get(r, {}).items()) if self.logit_bias else None
-        banned = self._banned(rows) if self.banned else None
+        banned = self.token_bans.mask(rows, self.token_ids, self.num_tokens, self.num_prompt_tokens) if self.token_bans else None
         mt = None
         if self.stop_ids:
             under = self.min_tokens[rows] > self.num_tokens[rows] - self.num_prompt_tokens[rows]
@@ -273,17 +268,6 @@ class InputBatch:
             vocab_size=V,
             num_reqs=B,
         )
-
-    def _banned(self, rows: np.ndarray) -> Optional[torch.Tensor]:
-        """``[B, V]`` bool, True where ``allowed_token_ids`` bans a token (all False for rows
-        without it); None when no row of ``rows`` restricts."""
-        hit = [(i, self.banned[r]) for i, r in enumerate(rows.tolist()) if r in self.banned]
-        if not hit:
-            return None
-        out = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=self.device)
-        for i, mask in hit:
-            out[i] = mask
-        return out
 
     def _padded_tokens(self, rows: np.ndarray, use: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """``[B, L]`` int64: row i holds ``token_ids[rows[i], lo[i]:hi[i]]`` where ``use[i]``,

@@ -76,6 +76,7 @@ class _SamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: Optional[bool] = None  # vLLM's: logprob tokens as "token_id:<id>"
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
+    bad_words: Optional[list[str]] = None  # vLLM's: words never generated
     cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (vLLM's field)
     timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
@@ -171,6 +172,7 @@ class _SamplingFields(OpenAIBaseModel):
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

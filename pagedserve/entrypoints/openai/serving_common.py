@@ -126,7 +126,7 @@ SSE_DONE = "data: [DONE]\n\n"
 # Fields of OpenAI's or vLLM's API that would change what a request means and that this server
 # does not implement: refused with a 400 naming them (unless set to their "off" value).
 UNSUPPORTED_FIELDS = {
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "bad_words": (None, []),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0),
     "functions": (None,), "function_call": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "guided_whitespace_pattern": (None,), "logits_processors": (None,),
     "vllm_xargs": (None,), "prompt_embeds": (None,), "mm_processor_kwargs": (None,),

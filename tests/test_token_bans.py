@@ -1,0 +1,74 @@
+"""vLLM's ``bad_words`` and ``allowed_token_ids``: the worker's per-row bans
+(``pagedserve.worker.token_bans``), the frontend's tokenization and refusals, and SmolLM2
+end to end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_engine_idle
+from pagedserve import SamplingParams
+from pagedserve.engine.input_processor import RequestError
+from pagedserve.worker.input_batch import CachedRequestState, InputBatch
+
+
+def _batch_with(bad_words_ids, prompt, allowed=None, V=20):
+    batch = InputBatch(2, 16, 1, V, torch.device("cpu"))
+    sp = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    sp._bad_words_token_ids = bad_words_ids
+    row = batch.add_request(CachedRequestState("r", sp, [], None), prompt, [], [0], 0)
+    return batch, row
+
+
+def _banned(batch, row):
+    md = batch.sampling_metadata(np.array([row], dtype=np.int64))
+    return set() if md.banned_mask is None else set(torch.nonzero(md.banned_mask[0]).flatten().tolist())
+
+
+def test_a_bad_word_bans_its_last_token_after_its_prefix_in_the_output_only():
+    batch, row = _batch_with([[3], [5, 6], [7, 8, 9]], prompt=[1, 5])  # the prompt ends with 5: does not count
+    assert _banned(batch, row) == {3}
+    for out, want in (([5], {3, 6}), ([8], {3}), ([7, 8], {3, 9}), ([8], {3}), ([5], {3, 6}), ([7], {3})):
+        batch.append_token_ids(row, out)
+        assert _banned(batch, row) == want, (out, batch.token_ids[row, : batch.num_tokens[row]])
+
+
+def test_bad_words_and_allowed_token_ids_add_up_and_leave_with_the_row():
+    batch, row = _batch_with([[4], [2, 6]], prompt=[1], allowed=[4, 6, 9])
+    assert _banned(batch, row) == set(range(20)) - {6, 9}
+    batch.append_token_ids(row, [2])
+    assert _banned(batch, row) == set(range(20)) - {9}
+    batch.remove_request("r")
+    assert not batch.token_bans
+    plain = batch.add_request(CachedRequestState("s", SamplingParams(temperature=0.0), [], None), [2], [], [0], 0)
+    assert _banned(batch, plain) == set()
+
+
+def test_frontend_tokenizes_both_spellings_and_refuses_what_leaves_nothing(smollm2_llm):
+    ip = smollm2_llm.llm_engine.input_processor
+    tok = smollm2_llm.get_tokenizer()
+    spellings = ip.bad_words_token_ids(["  Paris"])
+    assert spellings == [tok("Paris", add_special_tokens=False)["input_ids"], tok(" Paris", add_special_tokens=False)["input_ids"]]
+    params = SamplingParams(bad_words=["Paris"], allowed_token_ids=[s[-1] for s in spellings])
+    with pytest.raises(RequestError, match="bad_words can ban every token"):
+        ip.check_params(params)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["   "])
+    with pytest.raises(ValueError, match="at most 64"):
+        SamplingParams(bad_words=["x"] * 65)
+
+
+def test_smollm2_never_generates_a_bad_word(smollm2_llm):
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = smollm2_llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert "Paris" in first.text  # the word the test bans
+    spellings = smollm2_llm.llm_engine.input_processor.bad_words_token_ids(["Paris"])
+    for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=["Paris"]),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, bad_words=["Paris"], n=3)):
+        for out in smollm2_llm.generate(prompt, params, use_tqdm=False)[0].outputs:
+            ids = list(out.token_ids)
+            for w in spellings:
+                assert not any(ids[i:i + len(w)] == w for i in range(len(ids))), (w, out.text)
+    assert_engine_idle(smollm2_llm)
