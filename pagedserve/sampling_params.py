@@ -203,8 +203,8 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}.")
-        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
-                                                        or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+        if self.truncate_prompt_tokens is not None and (isinstance(self.truncate_prompt_tokens, bool)
+                                                        or not isinstance(self.truncate_prompt_tokens, int) or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
             bad("truncate_prompt_tokens", f"must be -1 (max_model_len) or at least 1, got {self.truncate_prompt_tokens}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must contain only non-empty strings.")

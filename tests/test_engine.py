@@ -219,6 +219,8 @@ def test_cli_generate_capital_of_france():
         ("temperature", dict(temperature=-0.5)),
         ("top_p", dict(top_p=0.0)),
         ("top_p", dict(top_p=1.5)),
+        ("truncate_prompt_tokens", dict(truncate_prompt_tokens=True)),  # a bool is not a count
+        ("bad_words", dict(bad_words="Paris")),  # a list of words, not one string
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, kwargs):
