@@ -147,6 +147,9 @@ class SamplingParams:
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the input processor: the token ids of each bad word's spellings.
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Set by a chat server with a reasoning parser for a request that starts thinking: its
+    # structured-output constraint applies only after this token (``</think>``).
+    _reasoning_end_token_id: Optional[int] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

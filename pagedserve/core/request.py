@@ -90,6 +90,8 @@ class Request:
         self.num_tokens_on_worker = 0
         # The grammar matcher of a constrained request (structured output), set by the scheduler.
         self.grammar: Optional[object] = None
+        # A thinking request (reasoning parser): the grammar starts after its end-of-thinking token.
+        self.in_reasoning = sampling_params._reasoning_end_token_id is not None
         self.error: Optional[str] = None  # why it finished with FINISHED_ERROR
         # Prompt logprobs computed so far ((ids, logprobs, ranks) lists), sent with the first token.
         self.pending_prompt_logprobs: Optional[tuple[list, list, list]] = None

@@ -253,7 +253,8 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
-        constrained = [req for req, _, _ in scheduled if req.grammar is not None and req.num_computed_tokens == req.num_tokens]
+        constrained = [req for req, _, _ in scheduled
+                       if req.grammar is not None and not req.in_reasoning and req.num_computed_tokens == req.num_tokens]
         if constrained:  # they sample this step: the worker masks their logits
             out.structured_output_request_ids = [req.request_id for req in constrained]
             out.grammar_bitmask, slow = self.structured_output_manager.grammar_bitmask([req.grammar for req in constrained])

@@ -9,10 +9,13 @@ from pagedserve.core.structured_output import StructuredOutputManager
 
 def check_stop(req: Request, tok: int, max_model_len: int, grammars: Optional[StructuredOutputManager]) -> bool:
     """After ``tok`` was appended to ``req``: set its finished status and return True when it
-    ends here (its grammar completed or failed, EOS unless ``ignore_eos`` once ``min_tokens``
+    ends here (its grammar, which starts after a thinking request's end-of-thinking token,
+    completed or failed, EOS unless ``ignore_eos`` once ``min_tokens``
     are out, a stop token id, ``max_tokens``, or ``max_model_len``)."""
     params = req.sampling_params
-    if req.grammar is not None:
+    if req.in_reasoning:  # unconstrained until it stops thinking; the end token is not the grammar's
+        req.in_reasoning = tok != params._reasoning_end_token_id
+    elif req.grammar is not None:
         state = grammars.accept_token(req.grammar, tok)
         if state is not None and state != "done":
             req.error = f"structured output failed: {state}"

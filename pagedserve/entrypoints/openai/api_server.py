@@ -76,6 +76,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     served = list(llm.served_model_names)
     kw = dict(trust_request_chat_template=server.trust_request_chat_template, chat_template=server.chat_template_text(),
               enable_auto_tool_choice=server.enable_auto_tool_choice, tool_call_parser=server.tool_call_parser,
+              reasoning_parser=server.reasoning_parser,
               default_sampling=generation_defaults(server.generation_config, llm.model_dir), log_requests=server.enable_log_requests,
               request_timeout=server.request_timeout)
     llm.max_queued_requests = server.max_queued_requests

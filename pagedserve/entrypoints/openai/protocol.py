@@ -232,6 +232,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, false drops reasoning_content
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

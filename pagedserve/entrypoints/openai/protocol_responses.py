@@ -121,6 +121,8 @@ class DeltaToolCall(_DropNone):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # vLLM's (--reasoning-parser), and its newer name:
+    reasoning: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -146,6 +148,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(_DropNone):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

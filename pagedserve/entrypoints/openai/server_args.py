@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
@@ -23,6 +24,8 @@ class ServerArgs:
             code in the server).
         enable_auto_tool_choice, tool_call_parser: ``tool_choice: "auto"`` and how calls are
             read from the model's text ("hermes" or "json").
+        reasoning_parser: "deepseek_r1" or "qwen3": chat answers split a thinking model's
+            ``<think>`` text into ``reasoning_content`` (see ``reasoning``); None = off.
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (FastAPI's
             middleware), vLLM's defaults: every origin, method and header.
         generation_config: "auto" (the model's generation_config.json gives the default
@@ -51,6 +54,7 @@ class ServerArgs:
     trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
@@ -76,6 +80,8 @@ class ServerArgs:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if not 0 <= self.frontend_nice <= 19:
             raise ValueError(f"--frontend-nice must be in [0, 19], got {self.frontend_nice}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         self.api_key = self.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
@@ -107,6 +113,8 @@ class ServerArgs:
         g.add_argument("--trust-request-chat-template", action="store_true", help="allow a chat_template field in requests (it runs as code in the server)")
         g.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (needs --tool-call-parser)')
         g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="how tool calls are read from the model's text")
+        g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                       help="split a thinking model's <think> text into the chat message's reasoning_content")
         g.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins")
         g.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS methods")
         g.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS headers")

@@ -25,6 +25,7 @@ from pagedserve.entrypoints.openai.protocol_responses import (
 )
 from pagedserve.engine.input_processor import RequestError, check_text
 from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
+from pagedserve.entrypoints.openai.reasoning import ReasoningStream
 from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
@@ -57,6 +58,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.input_processor.resolve_max_tokens(self.requested_max_tokens(req.requested_max_tokens), len(ids), field_name, "messages")
         params = self.sampling_params(req, max_tokens)
         self.check_prompt_logprobs([len(ids)], params)
+        if self.reasoning is not None and self.reasoning.thinks(ids, req.chat_template_kwargs):
+            params._reasoning_end_token_id = self.reasoning.end_id  # constraints wait for </think>
         if plan.constraint is not None:  # required / named tool choice: the grammar of the calls
             params.structured_outputs = plan.constraint
             try:
@@ -177,9 +180,15 @@ class OpenAIServingChat(OpenAIServing):
                     choices[o.index].add(o)
         echo = "" if plan.parses_calls else self._echo_text(req, conv)  # echoed text is not a tool's arguments
         top_n = req.top_logprobs or 0
+        thinking = params._reasoning_end_token_id is not None
         result = []
         for i, ch in enumerate(choices):
-            message, called = self._message(plan, echo + "".join(ch.text), req.parallel_tool_calls is False)
+            reasoning, content = self.reasoning.split("".join(ch.text)) if thinking else (None, "".join(ch.text))
+            message, called = self._message(plan, echo + (content or ""), req.parallel_tool_calls is False)
+            if content is None and not echo and not message.tool_calls:
+                message.content = None  # it only thought (cut by max_tokens), as vLLM
+            if req.include_reasoning:
+                message.reasoning_content = message.reasoning = reasoning
             called = called and ch.finish_reason == "stop"  # cut by length: the calls may be incomplete
             result.append(ChatCompletionResponseChoice(
                 index=i, message=message,
@@ -196,6 +205,7 @@ class OpenAIServingChat(OpenAIServing):
                           params: SamplingParams, plan: ToolPlan) -> AsyncIterator[str]:
         choices = [ChoiceState() for _ in range(params.n)]
         streams = [ToolCallStream(plan, single_call=req.parallel_tool_calls is False) for _ in range(params.n)]
+        thinking = [ReasoningStream(params._reasoning_end_token_id is not None) for _ in range(params.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         num_prompt = len(prompt.token_ids)
@@ -231,7 +241,12 @@ class OpenAIServingChat(OpenAIServing):
                             continue
                         lps = self._chat_logprobs(o.token_ids, o.logprobs or [], top_n, self.token_name(req)) if req.logprobs else None
                         tools = streams[o.index]
-                        deltas = tools.feed(o.text) + (tools.finish() if o.finish_reason is not None else [])
+                        reasoning, content = thinking[o.index].feed(o.text)
+                        if o.finish_reason is not None:
+                            reasoning += thinking[o.index].finish()
+                        deltas = tools.feed(content) + (tools.finish() if o.finish_reason is not None else [])
+                        if reasoning and req.include_reasoning:
+                            deltas.insert(0, DeltaMessage(reasoning_content=reasoning, reasoning=reasoning))
                         if not deltas and (lps is not None or o.finish_reason is not None):
                             deltas = [DeltaMessage() if o.finish_reason is not None else DeltaMessage(content="")]
                         for k, delta in enumerate(deltas):

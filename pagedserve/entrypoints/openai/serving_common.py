@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Optional, Union
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedserve.entrypoints.openai import serving_kv
 from pagedserve.engine.input_processor import RequestError, param_of
+from pagedserve.entrypoints.openai.reasoning import ReasoningParser
 from pagedserve.entrypoints.openai.token_strings import TokenStrings
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -161,7 +162,7 @@ class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False,
                  chat_template: Optional[str] = None, enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
                  default_sampling: Optional[dict[str, Any]] = None, log_requests: bool = False,
-                 request_timeout: Optional[float] = None) -> None:
+                 request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None) -> None:
         self.llm = llm
         self.input_processor = llm.input_processor
         self.trust_request_chat_template = trust_request_chat_template
@@ -171,6 +172,7 @@ class OpenAIServing:
         self.chat_template = chat_template  # the server's --chat-template (text), else the model's
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
+        self.reasoning = ReasoningParser.load(reasoning_parser, self.tokenizer) if reasoning_parser else None
         self.default_sampling = dict(default_sampling or {})
         self.log_requests = log_requests
         self.request_timeout = request_timeout
