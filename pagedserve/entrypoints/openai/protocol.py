@@ -74,6 +74,7 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None  # vLLM's: the top-k logprobs of every prompt position
     return_tokens_as_token_ids: Optional[bool] = None  # vLLM's: logprob tokens as "token_id:<id>"
+    return_token_ids: Optional[bool] = None  # vLLM's: prompt and generated token ids beside the text
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
     bad_words: Optional[list[str]] = None  # vLLM's: words never generated

@@ -39,6 +39,22 @@ class PromptLogprob(OpenAIBaseModel):
     decoded_token: Optional[str] = None
 
 
+class _DropNone(OpenAIBaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # a delta carries only what changed, as OpenAI's
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class _TokenIdsIfAsked(OpenAIBaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_token_ids(self, handler):  # a stream chunk carries token ids only for return_token_ids
+        d = handler(self)
+        for k in ("token_ids", "prompt_token_ids"):
+            if k in d and d[k] is None:
+                del d[k]
+        return d
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
@@ -46,6 +62,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     prompt_logprobs: Optional[PromptLogprobsJSON] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids (vLLM's)
+    token_ids: Optional[list[int]] = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -58,12 +76,14 @@ class CompletionResponse(OpenAIBaseModel):
     kv_transfer_params: Optional[dict[str, Any]] = None
 
 
-class CompletionResponseStreamChoice(OpenAIBaseModel):
+class CompletionResponseStreamChoice(_TokenIdsIfAsked):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_token_ids: Optional[list[int]] = None  # the first chunk of a choice
+    token_ids: Optional[list[int]] = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -87,12 +107,6 @@ class ChatLogProbContent(ChatLogProbEntry):
 
 class ChatChoiceLogProbs(OpenAIBaseModel):
     content: Optional[list[ChatLogProbContent]] = None
-
-
-class _DropNone(OpenAIBaseModel):
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):  # a delta carries only what changed, as OpenAI's
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -132,6 +146,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: Optional[ChatChoiceLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None  # return_token_ids (vLLM's)
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -142,6 +157,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: Optional[PromptLogprobsJSON] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids (vLLM's)
     kv_transfer_params: Optional[dict[str, Any]] = None
 
 
@@ -153,21 +169,23 @@ class DeltaMessage(_DropNone):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+class ChatCompletionResponseStreamChoice(_TokenIdsIfAsked):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(_TokenIdsIfAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None  # the stream's first chunk
 
 
 class ModelCard(OpenAIBaseModel):

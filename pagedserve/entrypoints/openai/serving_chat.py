@@ -194,12 +194,14 @@ class OpenAIServingChat(OpenAIServing):
                 index=i, message=message,
                 logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n, self.token_name(req)) if req.logprobs else None,
                 finish_reason=plan.calls_finish_reason if called else ch.finish_reason, stop_reason=None if called else ch.stop_reason,
+                token_ids=ch.token_ids if req.return_token_ids else None,
             ))
         num_gen = sum(len(ch.token_ids) for ch in choices)
         usage = UsageInfo(prompt_tokens=len(prompt.token_ids), completion_tokens=num_gen, total_tokens=len(prompt.token_ids) + num_gen,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
         return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params,
-                                      prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps))
+                                      prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps),
+                                      prompt_token_ids=prompt.token_ids if req.return_token_ids else None)
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
                           params: SamplingParams, plan: ToolPlan) -> AsyncIterator[str]:
@@ -214,16 +216,17 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         cached = 0
 
-        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
-            c = ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice])
+        def chunk(choice: ChatCompletionResponseStreamChoice, prompt_token_ids: Optional[list[int]] = None) -> str:
+            c = ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice], prompt_token_ids=prompt_token_ids)
             if continuous:  # this choice's tokens so far, as vLLM counts them
                 gen = choices[choice.index].num_tokens
                 c.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)
             return sse(c)
 
         try:
-            for i in range(params.n):  # the role comes first, as OpenAI sends it
-                yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None))
+            for i in range(params.n):  # the role comes first, as OpenAI sends it (and the prompt's ids, vLLM's return_token_ids)
+                yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None),
+                            prompt.token_ids if req.return_token_ids and i == 0 else None)
             if echo:
                 for i in range(params.n):
                     yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
@@ -247,7 +250,7 @@ class OpenAIServingChat(OpenAIServing):
                         deltas = tools.feed(content) + (tools.finish() if o.finish_reason is not None else [])
                         if reasoning and req.include_reasoning:
                             deltas.insert(0, DeltaMessage(reasoning_content=reasoning, reasoning=reasoning))
-                        if not deltas and (lps is not None or o.finish_reason is not None):
+                        if not deltas and (lps is not None or o.finish_reason is not None or (req.return_token_ids and o.token_ids)):
                             deltas = [DeltaMessage() if o.finish_reason is not None else DeltaMessage(content="")]
                         for k, delta in enumerate(deltas):
                             last = k == len(deltas) - 1
@@ -256,6 +259,7 @@ class OpenAIServingChat(OpenAIServing):
                             yield chunk(ChatCompletionResponseStreamChoice(
                                 index=o.index, delta=delta, logprobs=lps if k == 0 else None, finish_reason=finish,
                                 stop_reason=(None if called else o.stop_reason) if last else None,
+                                token_ids=(list(o.token_ids) if k == 0 else []) if req.return_token_ids else None,
                             ))
             if include_usage:
                 gen = sum(x.num_tokens for x in choices)

@@ -116,7 +116,9 @@ class OpenAIServingCompletion(OpenAIServing):
             elif req.logprobs is not None:
                 lps = self._completion_logprobs(ch.token_ids, ch.logprobs, ch, self.token_name(req))
             result.append(CompletionResponseChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
-                                                   prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps[pi])))
+                                                   prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps[pi]),
+                                                   prompt_token_ids=prompts[pi].token_ids if req.return_token_ids else None,
+                                                   token_ids=ch.token_ids if req.return_token_ids else None))
         num_prompt = sum(len(p.token_ids) for p in prompts)
         num_gen = sum(len(ch.token_ids) for ch in choices)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen,
@@ -143,6 +145,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         if ch.finish_reason is not None:
                             continue
                         token_ids, entries = ([], []) if req.echo_only else (o.token_ids, o.logprobs or [])
+                        new_ids, first_chunk = list(token_ids), not ch.started
                         text = "" if req.echo_only else o.text
                         if not ch.started:
                             ch.started = True
@@ -158,10 +161,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         if not text and o.finish_reason is None and not token_ids:
                             continue
                         lps = self._completion_logprobs(token_ids, entries, ch, self.token_name(req)) if req.logprobs is not None else None
-                        chunk = CompletionStreamResponse(
-                            id=request_id, model=model, created=created,
-                            choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)],
-                        )
+                        choice = CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
+                        if req.return_token_ids:
+                            choice.token_ids = new_ids
+                            choice.prompt_token_ids = prompts[pi].token_ids if first_chunk else None
+                        chunk = CompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice])
                         if continuous:  # this choice's prompt and tokens so far, as vLLM counts them
                             pt = len(prompts[pi].token_ids)
                             chunk.usage = UsageInfo(prompt_tokens=pt, completion_tokens=ch.num_tokens, total_tokens=pt + ch.num_tokens)
