@@ -45,7 +45,7 @@ def test_completions_return_token_ids(url):
     for c in _chunks(url, "/v1/completions", {**body, "return_token_ids": True}):
         for ch in c["choices"]:
             streamed.setdefault(ch["index"], []).extend(ch["token_ids"])
-            if "prompt_token_ids" in ch:
+            if ch["prompt_token_ids"] is not None:  # null after a choice's first chunk
                 prompt_ids.setdefault(ch["index"], []).append(ch["prompt_token_ids"])
     assert streamed == {ch["index"]: ch["token_ids"] for ch in r["choices"]}
     assert prompt_ids == {ch["index"]: [ch["prompt_token_ids"]] for ch in r["choices"]}  # once per choice
@@ -62,7 +62,13 @@ def test_chat_return_token_ids(url):
     ids = r["choices"][0]["token_ids"]
     assert len(ids) == r["usage"]["completion_tokens"] == 6
     chunks = _chunks(url, "/v1/chat/completions", body)
-    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [r["prompt_token_ids"]]  # the first chunk only
+    assert [c["prompt_token_ids"] for c in chunks if c["prompt_token_ids"] is not None] == [r["prompt_token_ids"]]  # the first chunk only
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []] == ids
     plain = httpx.post(url + "/v1/chat/completions", json={**body, "return_token_ids": False}).json()
     assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+    echo = {**body, "echo": True, "messages": msgs + [{"role": "assistant", "content": "Blue"}]}
+    chunks = _chunks(url, "/v1/chat/completions", {**echo, "return_token_ids": False})
+    assert all("prompt_token_ids" not in c and "token_ids" not in ch for c in chunks for ch in c["choices"])
+    chunks = _chunks(url, "/v1/chat/completions", echo)  # the echoed text's chunk has no ids of its own
+    assert chunks[1]["choices"][0]["delta"]["content"] == "Blue" and chunks[1]["choices"][0]["token_ids"] == []
+    assert len([t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]) == 6

@@ -45,16 +45,6 @@ class _DropNone(OpenAIBaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class _TokenIdsIfAsked(OpenAIBaseModel):
-    @model_serializer(mode="wrap")
-    def _drop_token_ids(self, handler):  # a stream chunk carries token ids only for return_token_ids
-        d = handler(self)
-        for k in ("token_ids", "prompt_token_ids"):
-            if k in d and d[k] is None:
-                del d[k]
-        return d
-
-
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
@@ -76,14 +66,19 @@ class CompletionResponse(OpenAIBaseModel):
     kv_transfer_params: Optional[dict[str, Any]] = None
 
 
-class CompletionResponseStreamChoice(_TokenIdsIfAsked):
+class CompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+
+
+# Stream chunks of return_token_ids requests (vLLM's) are subclasses, so that other chunks
+# neither carry the fields nor pay for leaving them out.
+class CompletionResponseStreamChoiceIds(CompletionResponseStreamChoice):
     prompt_token_ids: Optional[list[int]] = None  # the first chunk of a choice
-    token_ids: Optional[list[int]] = None
+    token_ids: list[int] = Field(default_factory=list)
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -93,6 +88,10 @@ class CompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
+
+
+class CompletionStreamResponseIds(CompletionStreamResponse):
+    choices: list[CompletionResponseStreamChoiceIds]
 
 
 class ChatLogProbEntry(OpenAIBaseModel):
@@ -169,22 +168,29 @@ class DeltaMessage(_DropNone):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
-class ChatCompletionResponseStreamChoice(_TokenIdsIfAsked):
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = None
 
 
-class ChatCompletionStreamResponse(_TokenIdsIfAsked):
+class ChatCompletionResponseStreamChoiceIds(ChatCompletionResponseStreamChoice):
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
+
+
+class ChatCompletionStreamResponseIds(ChatCompletionStreamResponse):
+    choices: list[ChatCompletionResponseStreamChoiceIds]  # (pydantic writes the declared type's fields)
     prompt_token_ids: Optional[list[int]] = None  # the stream's first chunk
 
 

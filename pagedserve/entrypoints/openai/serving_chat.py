@@ -13,7 +13,9 @@ from pagedserve.entrypoints.openai.protocol_responses import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
+    ChatCompletionResponseStreamChoiceIds,
     ChatCompletionStreamResponse,
+    ChatCompletionStreamResponseIds,
     ChatLogProbContent,
     ChatLogProbEntry,
     ChatResponseMessage,
@@ -216,20 +218,24 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         cached = 0
 
-        def chunk(choice: ChatCompletionResponseStreamChoice, prompt_token_ids: Optional[list[int]] = None) -> str:
-            c = ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice], prompt_token_ids=prompt_token_ids)
+        def chunk(prompt_token_ids: Optional[list[int]] = None, token_ids: Optional[list[int]] = None, **fields) -> str:
+            """One choice's chunk; with return_token_ids it carries the ids (the prompt's: once)."""
+            if req.return_token_ids:
+                c = ChatCompletionStreamResponseIds(id=request_id, model=model, created=created, prompt_token_ids=prompt_token_ids,
+                                                    choices=[ChatCompletionResponseStreamChoiceIds(**fields, token_ids=token_ids or [])])
+            else:
+                c = ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[ChatCompletionResponseStreamChoice(**fields)])
             if continuous:  # this choice's tokens so far, as vLLM counts them
-                gen = choices[choice.index].num_tokens
+                gen = choices[fields["index"]].num_tokens
                 c.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)
             return sse(c)
 
         try:
             for i in range(params.n):  # the role comes first, as OpenAI sends it (and the prompt's ids, vLLM's return_token_ids)
-                yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None),
-                            prompt.token_ids if req.return_token_ids and i == 0 else None)
+                yield chunk(prompt.token_ids if i == 0 else None, index=i, delta=DeltaMessage(role="assistant", content=""))
             if echo:
                 for i in range(params.n):
-                    yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
+                    yield chunk(index=i, delta=DeltaMessage(content=echo))
             async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
                 async for _, out in stream:
                     cached = out.num_cached_tokens
@@ -256,11 +262,9 @@ class OpenAIServingChat(OpenAIServing):
                             last = k == len(deltas) - 1
                             called = tools.called and o.finish_reason == "stop"
                             finish = (plan.calls_finish_reason if called else o.finish_reason) if last else None
-                            yield chunk(ChatCompletionResponseStreamChoice(
-                                index=o.index, delta=delta, logprobs=lps if k == 0 else None, finish_reason=finish,
-                                stop_reason=(None if called else o.stop_reason) if last else None,
-                                token_ids=(list(o.token_ids) if k == 0 else []) if req.return_token_ids else None,
-                            ))
+                            yield chunk(token_ids=list(o.token_ids) if k == 0 else None, index=o.index, delta=delta,
+                                        logprobs=lps if k == 0 else None, finish_reason=finish,
+                                        stop_reason=(None if called else o.stop_reason) if last else None)
             if include_usage:
                 gen = sum(x.num_tokens for x in choices)
                 yield sse(ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(

@@ -11,7 +11,9 @@ from pagedserve.entrypoints.openai.protocol_responses import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
+    CompletionResponseStreamChoiceIds,
     CompletionStreamResponse,
+    CompletionStreamResponseIds,
     PromptTokensDetails,
     UsageInfo,
 )
@@ -161,11 +163,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         if not text and o.finish_reason is None and not token_ids:
                             continue
                         lps = self._completion_logprobs(token_ids, entries, ch, self.token_name(req)) if req.logprobs is not None else None
-                        choice = CompletionResponseStreamChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
+                        fields = dict(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
                         if req.return_token_ids:
-                            choice.token_ids = new_ids
-                            choice.prompt_token_ids = prompts[pi].token_ids if first_chunk else None
-                        chunk = CompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice])
+                            choice = CompletionResponseStreamChoiceIds(**fields, token_ids=new_ids,
+                                                                       prompt_token_ids=prompts[pi].token_ids if first_chunk else None)
+                            chunk = CompletionStreamResponseIds(id=request_id, model=model, created=created, choices=[choice])
+                        else:
+                            chunk = CompletionStreamResponse(id=request_id, model=model, created=created,
+                                                             choices=[CompletionResponseStreamChoice(**fields)])
                         if continuous:  # this choice's prompt and tokens so far, as vLLM counts them
                             pt = len(prompts[pi].token_ids)
                             chunk.usage = UsageInfo(prompt_tokens=pt, completion_tokens=ch.num_tokens, total_tokens=pt + ch.num_tokens)
