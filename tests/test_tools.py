@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pagedserve.engine.input_processor import RequestError
-from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser, JsonToolParser
+from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser, JsonToolParser, Llama3JsonToolParser
 from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -65,6 +65,15 @@ def test_json_parser():
     assert p.extract('{"not": "a call"}') == ('{"not": "a call"}', [])
 
 
+def test_llama3_json_parser():
+    p = Llama3JsonToolParser()
+    content, calls = p.extract('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Rome"}), ("get_time", {})]
+    assert [c.name for c in p.extract('[{"name": "get_time", "arguments": {}}]')[1]] == ["get_time"]
+    for text in ("Hello there", '{"name": "get_time", "parameters": {}} and some words', '{"not": "a call"}', "<|python_tag|>", "[1, 2]"):
+        assert p.extract(text) == (text, [])
+
+
 def _streamed(plan: ToolPlan, text: str, rnd: random.Random) -> tuple[str, list[tuple[str, str]], set]:
     """Feed ``text`` in random pieces; returns (content, [(name, arguments)], call ids)."""
     stream = ToolCallStream(plan)
@@ -96,6 +105,9 @@ def test_streamed_deltas_concatenate_to_the_full_result(seed):
         (ToolPlan("auto", [WEATHER], parser="hermes"), "   "),
         (ToolPlan("auto", [WEATHER], parser="json"), '{"name": "get_weather", "arguments": {"city": "Lima"}}'),
         (ToolPlan("auto", [WEATHER], parser="json"), "Plain answer."),
+        (ToolPlan("auto", [WEATHER, TIME], parser="llama3_json"), '<|python_tag|>{"name": "get_time", "parameters": {}};{"name": "get_weather", "parameters": {"city": "Quito"}}'),
+        (ToolPlan("auto", [WEATHER], parser="llama3_json"), "<|pyth not a tag, plain text."),
+        (ToolPlan("auto", [WEATHER], parser="llama3_json"), "<"),
         (ToolPlan("required", [WEATHER, TIME]), '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'),
         (ToolPlan("named", [WEATHER], named="get_weather"), '{"city": "Kyoto"}'),
     ]

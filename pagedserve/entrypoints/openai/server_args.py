@@ -23,7 +23,7 @@ class ServerArgs:
         trust_request_chat_template: allow a ``chat_template`` field in requests (it runs as
             code in the server).
         enable_auto_tool_choice, tool_call_parser: ``tool_choice: "auto"`` and how calls are
-            read from the model's text ("hermes" or "json").
+            read from the model's text ("hermes", "json" or "llama3_json").
         reasoning_parser: "deepseek_r1" or "qwen3": chat answers split a thinking model's
             ``<think>`` text into ``reasoning_content`` (see ``reasoning``); None = off.
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (FastAPI's

@@ -6,6 +6,8 @@ a model's text into ``(content, tool calls)``, at the end of a request or as it 
   the tags is the content.
 * ``json``: the whole answer is one JSON object ``{"name": ..., "arguments" | "parameters": {...}}``
   or a JSON list of them (Llama 3's JSON tool format); anything else is content.
+* ``llama3_json`` (vLLM's name for Llama 3.1-3.3): the same objects, optionally after
+  ``<|python_tag|>``, several separated by ``;``.
 
 A streaming parser emits content as soon as it cannot be the start of a tool call, and each
 tool call whole once it is complete, so the concatenated stream equals the end-of-request parse.
@@ -140,8 +142,9 @@ class _JsonStream:
     """Text that starts with ``{`` or ``[`` is held to the end (it may be a call); other text
     streams as content."""
 
-    def __init__(self, parser: JsonToolParser) -> None:
+    def __init__(self, parser: JsonToolParser, starts: tuple[str, ...] = ("{", "[")) -> None:
         self.parser = parser
+        self.starts = starts  # text that may begin a call
         self.buffer = ""
         self.decided: Optional[bool] = None  # True: could be calls, held back
 
@@ -152,7 +155,9 @@ class _JsonStream:
         head = self.buffer.lstrip()
         if not head:
             return "", []
-        self.decided = head[0] in "{["
+        if any(s.startswith(head) for s in self.starts if len(head) < len(s)):
+            return "", []  # too short to tell (a tag's first characters)
+        self.decided = head.startswith(self.starts)
         if self.decided:
             return "", []
         out, self.buffer = self.buffer, ""
@@ -166,4 +171,33 @@ class _JsonStream:
         return (content or "", calls)
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesToolParser(), JsonToolParser())}
+class Llama3JsonToolParser(JsonToolParser):
+    """``[<|python_tag|>]{call}[; {call}...]`` or a JSON list: all calls, or none and the text is content."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+        body = text.strip()
+        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        if body.startswith("["):
+            return super().extract(body) if super().extract(body)[1] else (text, [])
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        while i < len(body):
+            try:
+                obj, i = decoder.raw_decode(body, i)
+            except json.JSONDecodeError:
+                return text, []
+            call = _call_from(obj)
+            if call is None:
+                return text, []
+            calls.append(call)
+            while i < len(body) and (body[i].isspace() or body[i] == ";"):
+                i += 1
+        return (None, calls) if calls else (text, [])
+
+    def streaming(self) -> "_JsonStream":
+        return _JsonStream(self, starts=("{", "[", self.TAG))
+
+
+TOOL_PARSERS = {p.name: p for p in (HermesToolParser(), JsonToolParser(), Llama3JsonToolParser())}
