@@ -181,7 +181,8 @@ class Llama3JsonToolParser(JsonToolParser):
         body = text.strip()
         body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
         if body.startswith("["):
-            return super().extract(body) if super().extract(body)[1] else (text, [])
+            calls = super().extract(body)[1]
+            return (None, calls) if calls else (text, [])
         decoder, calls, i = json.JSONDecoder(), [], 0
         while i < len(body):
             try:
