@@ -148,6 +148,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "length_penalty": 2.0}, "length_penalty", "not supported"),
     ("/v1/completions", {"prompt": "hi", "bad_words": ["x"] * 65}, "bad_words", "at most 64"),
     ("/v1/completions", {"prompt": "hi", "bad_words": [""]}, "bad_words", "not empty"),
+    ("/v1/completions", b'{"prompt": "hi", "bad_words": ["\\ud800"]}', "bad_words", "Unicode"),
+    # Each sequence carries its own copy of the ban lists: their total per request is capped.
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": list(range(49152)), "n": 6}, "allowed_token_ids", "exceed"),
+    ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e", "f"], "allowed_token_ids": list(range(49152))}, "allowed_token_ids", "exceed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "bad_words": ["\u0300" * 254 + chr(65 + i) for i in range(64)], "n": 5},
+     "bad_words", "exceed"),
     ("/v1/completions", {"prompt": "hi", "bad_words": "x"}, "bad_words", "bad_words"),
     ("/v1/completions", {"prompt": "hi", "bad_words": ["x"], "guided_choice": ["x", "y"]}, "bad_words", "structured output"),
     # Amplification: every list-like or size-like field is capped.

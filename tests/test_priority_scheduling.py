@@ -3,6 +3,7 @@ run by ``(priority, arrival_time)``, smaller first; when blocks run out the runn
 the largest key is preempted. Under ``fcfs`` (the default) a non-zero priority is refused."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from core_utils import assert_scheduler_idle, check_invariants, drain, make_request, make_scheduler, plan, step
@@ -82,6 +83,23 @@ def test_queue_remove_and_errors(queue_cls):
     assert [q.pop().request_id for _ in range(4)] == want
     with pytest.raises(IndexError):
         q.pop()
+    q.add(reqs[1])  # popped, then queued again (a preempted request), then aborted
+    q.add(reqs[3])
+    q.remove(reqs[1])
+    assert [r.request_id for r in q] == ["r3"] and q.peek() is reqs[3] and len(q) == 1
+
+
+def test_priority_queue_mass_abort_keeps_the_order():
+    q = PriorityQueue()
+    reqs = [make_request(f"r{i}", [1], priority=i % 7, arrival_time=float(i)) for i in range(3000)]
+    for r in reqs:
+        q.add(r)
+    gone = set(range(0, 3000, 3))
+    for i in sorted(gone, reverse=True):
+        q.remove(reqs[i])
+    left = sorted((r for i, r in enumerate(reqs) if i not in gone), key=lambda r: (r.priority, r.arrival_time))
+    assert len(q) == len(left) and [r.request_id for r in q] == [r.request_id for r in left]
+    assert [q.pop() for _ in range(len(left))] == left and len(q) == 0
 
 
 def test_offline_priority_orders_admission_and_keeps_greedy_tokens(tiny_model_factory):
@@ -101,7 +119,7 @@ def test_offline_priority_orders_admission_and_keeps_greedy_tokens(tiny_model_fa
 
     llm = LLM(model, dtype="float32", num_kv_blocks=64, max_model_len=128, num_threads=1, scheduling_policy="priority",
               max_num_seqs=1, trace_buffer_steps=10_000)
-    outs = llm.generate(prompts, greedy, use_tqdm=False, priority=[3, 1, 2, 0])
+    outs = llm.generate(prompts, greedy, use_tqdm=False, priority=np.array([3, 1, 2, 0]))  # NumPy integers too
     assert [o.outputs[0].token_ids for o in outs] == want  # results stay in input order
     admitted = [e["request_id"] for r in llm.get_step_trace() for e in r["scheduled"] if e["admitted"]]
     assert [int(rid) for rid in admitted] == [3, 1, 2, 0]  # ids count up in input order

@@ -72,3 +72,11 @@ def test_smollm2_never_generates_a_bad_word(smollm2_llm):
             for w in spellings:
                 assert not any(ids[i:i + len(w)] == w for i in range(len(ids))), (w, out.text)
     assert_engine_idle(smollm2_llm)
+
+
+def test_n_copies_share_the_ban_lists():
+    params = SamplingParams(allowed_token_ids=list(range(1000)), bad_words=["Paris"], n=4)
+    params._bad_words_token_ids = [[5, 6]]
+    child = params.clone()
+    assert child.allowed_token_ids is params.allowed_token_ids and child._bad_words_token_ids is params._bad_words_token_ids
+    assert child.stop is not params.stop  # other lists are still copies

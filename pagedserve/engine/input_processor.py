@@ -36,6 +36,11 @@ class RequestError(ValueError):
         self.headers = headers or {}
 
 
+# allowed_token_ids and bad-word token ids over all of one request's sequences (each carries a
+# copy to the engine, which builds a [vocab] mask for each): 2**18 is five full-vocabulary lists
+# of SmolLM2.
+MAX_BAN_IDS_PER_REQUEST = 1 << 18
+
 _KNOWN_PARAMS = {
     "prompt", "prompt_token_ids", "messages", "model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "stop_token_ids", "max_tokens", "max_completion_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
@@ -189,6 +194,7 @@ class InputProcessor:
             if getattr(params, name) and params.structured_outputs is not None:  # the two masks could leave nothing
                 raise RequestError(f"{name} cannot be combined with a structured output constraint or a forced tool call.", param=name)
         params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
+        self.check_ban_budget(params)
         if params.allowed_token_ids:
             usable = set(params.allowed_token_ids) - {ids[-1] for ids in params._bad_words_token_ids}
             if not usable:
@@ -196,6 +202,16 @@ class InputProcessor:
             if params.min_tokens and usable <= set(self.eos_token_ids) | set(params.stop_token_ids):
                 raise RequestError("allowed_token_ids holds only EOS and stop token ids (and bad words), which min_tokens bans: "
                                    "nothing could be sampled.", param="allowed_token_ids")
+
+    def check_ban_budget(self, params: SamplingParams, num_prompts: int = 1) -> None:
+        """Each sequence carries its own copy of ``allowed_token_ids`` and the bad words' ids to
+        the engine, which builds a mask per sequence: their total over the request's sequences
+        is capped (``MAX_BAN_IDS_PER_REQUEST``). Raises RequestError naming the field."""
+        size = len(params.allowed_token_ids or ()) + sum(len(w) for w in params._bad_words_token_ids)
+        if size * params.n * num_prompts > MAX_BAN_IDS_PER_REQUEST:
+            name = "allowed_token_ids" if params.allowed_token_ids else "bad_words"
+            raise RequestError(f"{name}: {size} token ids for each of {params.n * num_prompts} sequences exceed the "
+                               f"{MAX_BAN_IDS_PER_REQUEST:,} one request may carry; lower n or shorten the list.", param=name)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """The token ids of each bad word as it stands (leading spaces stripped) and after a
@@ -214,8 +230,13 @@ class InputProcessor:
         Raises:
             RequestError: not an int64, or non-zero while the policy is "fcfs" (as vLLM).
         """
-        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+        try:
+            value = operator.index(priority)  # an int, or a NumPy integer
+        except TypeError:
+            value = None
+        if isinstance(priority, bool) or value is None or not -(2**63) <= value < 2**63:
             raise RequestError(f"priority must be an integer in [-2**63, 2**63), got {priority!r}.", param="priority")
+        priority = value
         if priority != 0 and self.scheduling_policy != "priority":
             raise RequestError(f"priority {priority} needs priority scheduling, which is not enabled "
                                "(start the engine with --scheduling-policy priority).", param="priority")
@@ -230,7 +251,7 @@ class InputProcessor:
             RequestError: naming the field (empty prompt, prompt too long, ids outside the
                 vocabulary, invalid sampling parameters).
         """
-        self.check_priority(priority)
+        priority = self.check_priority(priority)
         text, ids, salt = self.parse_prompt(prompt)
         as_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
         self.check_token_ids(ids, "prompt" if as_text else "prompt_token_ids")

@@ -3,9 +3,11 @@
 
 - ``fcfs``: arrival order; a preempted request goes back to the front.
 - ``priority``: a min-heap on ``(priority, arrival_time)``: a smaller ``priority`` value runs
-  first, ties by arrival. A preempted request goes back by the same key, so it is first among
-  its equals. Under this policy the scheduler also keeps its running list in that order, so the
-  request it preempts first (the list's back) is the one with the largest key, as vLLM's.
+  first, ties by arrival, then by insertion (so a preempted request goes after exact ties:
+  the n > 1 siblings of one request). Under this policy the scheduler also keeps its running
+  list in that order, so the request it preempts first (the list's back) is the one with the
+  largest key, as vLLM's. (vLLM keeps running requests in admission order, so there they also
+  take the step's token budget in that order; here the smaller key takes it first.)
 """
 from __future__ import annotations
 
@@ -63,42 +65,51 @@ class FCFSQueue:
 
 
 class PriorityQueue:
-    """A heap on :func:`priority_key`; ``prepend`` is ``add`` (the key decides).
-    ``remove`` is O(n), as is an abort's search of the FCFS deque."""
+    """A heap on :func:`priority_key`; ``prepend`` is ``add`` (the key decides). ``remove``
+    marks the entry dead in O(1) and ``peek`` / ``pop`` drop dead entries from the top, so a
+    mass abort costs O(n log n), not O(n) a request."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[list] = []  # [priority, arrival_time, seq, request or None when removed]
+        self._entries: dict[int, list] = {}  # id(request) -> its live entry
         self._seq = itertools.count()  # ties of equal keys: insertion order, never comparing Requests
 
     def add(self, req: Request) -> None:
-        heapq.heappush(self._heap, (*priority_key(req), next(self._seq), req))
+        entry = [*priority_key(req), next(self._seq), req]
+        self._entries[id(req)] = entry
+        heapq.heappush(self._heap, entry)
 
     prepend = add
 
+    def _top(self) -> list:
+        while self._heap and self._heap[0][-1] is None:
+            heapq.heappop(self._heap)
+        return self._heap[0]
+
     def peek(self) -> Request:
         """The next request. Raises IndexError when empty."""
-        return self._heap[0][-1]
+        return self._top()[-1]
 
     def pop(self) -> Request:
         """Remove and return the next request. Raises IndexError when empty."""
-        return heapq.heappop(self._heap)[-1]
+        self._top()
+        req = heapq.heappop(self._heap)[-1]
+        del self._entries[id(req)]
+        return req
 
     def remove(self, req: Request) -> None:
         """Raises ValueError when ``req`` is not queued."""
-        for i, entry in enumerate(self._heap):
-            if entry[-1] is req:
-                self._heap[i] = self._heap[-1]
-                self._heap.pop()
-                heapq.heapify(self._heap)
-                return
-        raise ValueError(f"request {req.request_id!r} is not waiting")
+        entry = self._entries.pop(id(req), None)
+        if entry is None:
+            raise ValueError(f"request {req.request_id!r} is not waiting")
+        entry[-1] = None
 
     def __iter__(self) -> Iterator[Request]:
         """In scheduling order (sorts a copy)."""
-        return (entry[-1] for entry in sorted(self._heap, key=lambda e: e[:3]))
+        return (e[-1] for e in sorted(self._entries.values(), key=lambda e: e[:3]))
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._entries)
 
 
 def make_request_queue(policy: str) -> RequestQueue:

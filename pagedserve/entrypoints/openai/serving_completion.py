@@ -44,6 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         requested = 1 if req.echo_only else self.requested_max_tokens(req.max_tokens)  # echo_only drops its one token
         params = [self.sampling_params(req, resolve(requested, len(p.token_ids), "max_tokens")) for p in prompts]
         self.check_prompt_logprobs([len(p.token_ids) for p in prompts], params[0])
+        self.input_processor.check_ban_budget(params[0], len(prompts))
         return model, prompts, params
 
     @staticmethod
