@@ -61,12 +61,12 @@ def test_frontend_tokenizes_both_spellings_and_refuses_what_leaves_nothing(smoll
 
 def test_smollm2_never_generates_a_bad_word(smollm2_llm):
     prompt = "The capital of France is"
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     first = smollm2_llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
     assert "Paris" in first.text  # the word the test bans
     spellings = smollm2_llm.llm_engine.input_processor.bad_words_token_ids(["Paris"])
-    for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=["Paris"]),
-                   SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, bad_words=["Paris"], n=3)):
+    for params in (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, bad_words=["Paris"]),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, bad_words=["Paris"], n=2)):
         for out in smollm2_llm.generate(prompt, params, use_tqdm=False)[0].outputs:
             ids = list(out.token_ids)
             for w in spellings:
