@@ -106,7 +106,7 @@ class Sampler(torch.nn.Module):
         """
         copied = False
         if metadata.banned_mask is not None:
-            # torch.where: 1.1 ms at 32 x 49k where masked_fill took 6 (most entries banned)
+            # torch.where, not masked_fill: much faster when most entries are banned (benchmarks/README.md)
             logits = torch.where(metadata.banned_mask, float("-inf"), logits)
             copied = True
         if metadata.min_tokens_rows is not None:
