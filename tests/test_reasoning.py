@@ -128,3 +128,21 @@ def _stream(url: str, body: dict) -> list[dict]:
                 for ch in json.loads(line[6:])["choices"]:
                     deltas.append(ch["delta"])
     return deltas
+
+
+def test_serve_refuses_a_model_without_think_tokens_before_loading_it():
+    """A new user found the refusal came only after the engine had loaded (10.8 s here, minutes
+    for a big model): it now comes from the tokenizer alone, before the port is bound."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from app_utils import free_port
+
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--reasoning-parser", "deepseek_r1",
+           "--port", str(free_port()), "--num-kv-blocks", "64", "--num-threads", "1"]
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert res.returncode == 2 and "no single <think> token" in res.stderr, res.stderr[-2000:]
+    assert "engine ready" not in res.stderr and "listening" not in res.stderr and time.monotonic() - t0 < 60

@@ -53,6 +53,9 @@ def test_frontend_tokenizes_both_spellings_and_refuses_what_leaves_nothing(smoll
     params = SamplingParams(bad_words=["Paris"], allowed_token_ids=[s[-1] for s in spellings])
     with pytest.raises(RequestError, match="bad_words can ban every token"):
         ip.check_params(params)
+    two = ip.bad_words_token_ids(["omt"])[0]  # two tokens: its last is banned only after the first,
+    assert len(two) == 2  # which is not allowed here, so the request can always sample
+    ip.check_params(SamplingParams(bad_words=["omt"], allowed_token_ids=[two[-1]]))
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=["   "])
     with pytest.raises(ValueError, match="at most 64"):

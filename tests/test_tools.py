@@ -132,3 +132,25 @@ def test_required_lifts_the_tools_shared_definitions():
         "$defs": {"P": {"type": "string"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}}}}
     with pytest.raises(RequestError, match="differently"):
         plan_tools([nested, clash], "required", False, None)
+
+
+def test_fallback_template_asks_for_the_parsers_format(smollm2_dir):
+    """The packaged template (for models whose own ignores tools) asks for <tool_call> blocks
+    under hermes and for bare JSON under json / llama3_json, and renders past calls the same way
+    (a new user found llama3_json asked for tags it does not read)."""
+    from pagedserve.entrypoints.openai.tool_messages import tools_template
+    from pagedserve.model.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    calls = [{"type": "function", "function": {"name": n, "arguments": {"city": c}}} for n, c in (("get_weather", "Oslo"), ("get_weather", "Rome"))]
+    conv = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "content": "sunny"}]
+
+    def render(**kw):
+        return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, chat_template=tools_template(), tools=[WEATHER], **kw)
+
+    hermes, js = render(), render(tool_call_format="json")
+    assert "inside <tool_call></tool_call> tags" in hermes and hermes.count("<tool_call>\n{") == 3  # the example and two calls
+    assert "<tool_call>" not in js and "answer with only a JSON object" in js
+    past = js.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert [c.name for c in Llama3JsonToolParser().extract(past)[1]] == ["get_weather", "get_weather"]

@@ -195,10 +195,12 @@ class InputProcessor:
                 raise RequestError(f"{name} cannot be combined with a structured output constraint or a forced tool call.", param=name)
         params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
         self.check_ban_budget(params)
-        if params.allowed_token_ids:
-            usable = set(params.allowed_token_ids) - {ids[-1] for ids in params._bad_words_token_ids}
+        if params.allowed_token_ids:  # a bad word bans its last token only after its other tokens, which must be allowed
+            allowed = set(params.allowed_token_ids)
+            usable = allowed - {w[-1] for w in params._bad_words_token_ids if allowed.issuperset(w[:-1])}
             if not usable:
-                raise RequestError("bad_words can ban every token of allowed_token_ids: nothing could be sampled.", param="bad_words")
+                raise RequestError("bad_words can ban every token of allowed_token_ids (after the words' other tokens): "
+                                   "nothing could be sampled.", param="bad_words")
             if params.min_tokens and usable <= set(self.eos_token_ids) | set(params.stop_token_ids):
                 raise RequestError("allowed_token_ids holds only EOS and stop token ids (and bad words), which min_tokens bans: "
                                    "nothing could be sampled.", param="allowed_token_ids")
@@ -239,7 +241,8 @@ class InputProcessor:
         priority = value
         if priority != 0 and self.scheduling_policy != "priority":
             raise RequestError(f"priority {priority} needs priority scheduling, which is not enabled "
-                               "(start the engine with --scheduling-policy priority).", param="priority")
+                               "(start the engine with --scheduling-policy priority, or LLM(scheduling_policy=\"priority\")).",
+                               param="priority")
         return priority
 
     # -- requests ---------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 newer name), the rest as ``content``. Parsers, as vLLM's:
 
 - ``deepseek_r1`` (DeepSeek-R1 and its distills, QwQ): the chat template may put ``<think>`` in
-  the prompt, so the output is reasoning until ``</think>``; a leading ``<think>`` in the output
-  is dropped; without ``</think>`` (cut by max_tokens) everything is reasoning.
+  the prompt, so the output is reasoning until ``</think>``; the first ``<think>`` in the
+  reasoning is dropped; without ``</think>`` (cut by max_tokens) everything is reasoning.
 - ``qwen3``: the same, except that ``chat_template_kwargs: {"enable_thinking": false}`` makes
   the whole output content.
 

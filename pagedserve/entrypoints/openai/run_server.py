@@ -125,6 +125,11 @@ def run_server(args: Any) -> int:
     config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
     server_args = ServerArgs.from_cli_args(args)
     server_args.chat_template_text()  # a missing template file fails now, not at the first request
+    if server_args.reasoning_parser:  # a tokenizer without think tokens fails now, not after the engine loaded
+        from pagedserve.entrypoints.openai.reasoning import ReasoningParser
+        from pagedserve.model import loader
+
+        ReasoningParser.load(server_args.reasoning_parser, loader.load_tokenizer(config.tokenizer or loader.resolve_model(config.model)))
     log_level = str(getattr(args, "log_level", "info")).lower()
     sock = bind(server_args.host, server_args.port)
     loading = LoadingApp()

@@ -120,6 +120,7 @@ class OpenAIServingChat(OpenAIServing):
             kwargs["tools"] = tools
             if server_template is None and "tools" not in (self.tokenizer.chat_template or ""):
                 server_template = tools_template()  # the model's template would drop the tools
+                kwargs.setdefault("tool_call_format", "json" if self.tool_call_parser in ("json", "llama3_json") else "hermes")
         try:
             if chat_template is not None:  # a client's program: sandboxed, with bounds on loops and output
                 text = render_untrusted(chat_template, conv, self.tokenizer, add_generation_prompt, continue_final_message, **kwargs)

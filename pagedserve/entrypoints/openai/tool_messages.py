@@ -27,7 +27,8 @@ def tool_call_for_template(call: Any, i: int) -> dict:
 @lru_cache(maxsize=1)
 def tools_template() -> str:
     """ChatML with Hermes tool calls (``templates/chatml_hermes_tools.jinja``), used when tools are
-    given and the chat template does not render them."""
+    given and the chat template does not render them; with the template variable
+    ``tool_call_format="json"`` (the json and llama3_json parsers) calls are bare JSON."""
     import importlib.resources
 
     return importlib.resources.files("pagedserve.entrypoints.openai").joinpath("templates/chatml_hermes_tools.jinja").read_text()
