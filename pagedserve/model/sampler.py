@@ -7,8 +7,8 @@ sample this step (row ``i`` of the logits belongs to the ``i``-th of them), then
 1. raw logprobs (``log_softmax`` of the model's logits, before any processing), only if some
    request asked for them; they are gathered after sampling;
 2. ``allowed_token_ids``: every other token gets ``-inf``, as do ``bad_words``' tokens where
-   the output ends with the rest of the word (``pagedserve.worker.token_bans``); ``min_tokens``: EOS ids and
-   ``stop_token_ids`` get ``-inf`` until enough tokens are out;
+   the output ends with the rest of the word (``pagedserve.worker.token_bans``);
+   ``min_tokens``: EOS ids and ``stop_token_ids`` get ``-inf`` until enough tokens are out;
 3. ``logit_bias``;
 4. repetition / frequency / presence penalties;
 5. greedy rows (``temperature < 1e-5``): argmax of the processed logits;
@@ -99,8 +99,8 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """allowed_token_ids, min_tokens, logit_bias and penalties on ``[B, V]`` float32 logits
-        (before temperature).
+        """allowed_token_ids / bad_words, min_tokens, logit_bias and penalties on ``[B, V]``
+        float32 logits (before temperature).
 
         Returns a new tensor when anything applies, else ``logits`` itself (never modified).
         """
