@@ -99,6 +99,7 @@ def test_priority_queue_mass_abort_keeps_the_order():
         q.remove(reqs[i])
     left = sorted((r for i, r in enumerate(reqs) if i not in gone), key=lambda r: (r.priority, r.arrival_time))
     assert len(q) == len(left) and [r.request_id for r in q] == [r.request_id for r in left]
+    assert len(q._heap) <= 2 * len(q) + 64  # dead entries do not pile up
     assert [q.pop() for _ in range(len(left))] == left and len(q) == 0
 
 

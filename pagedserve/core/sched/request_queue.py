@@ -67,7 +67,8 @@ class FCFSQueue:
 class PriorityQueue:
     """A heap on :func:`priority_key`; ``prepend`` is ``add`` (the key decides). ``remove``
     marks the entry dead in O(1) and ``peek`` / ``pop`` drop dead entries from the top, so a
-    mass abort costs O(n log n), not O(n) a request."""
+    mass abort costs O(n log n), not O(n) a request; when dead entries outnumber the live ones
+    (aborts deep in the heap that never surface), the heap is rebuilt from the live ones."""
 
     def __init__(self) -> None:
         self._heap: list[list] = []  # [priority, arrival_time, seq, request or None when removed]
@@ -103,6 +104,9 @@ class PriorityQueue:
         if entry is None:
             raise ValueError(f"request {req.request_id!r} is not waiting")
         entry[-1] = None
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = [e for e in self._heap if e[-1] is not None]
+            heapq.heapify(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
         """In scheduling order (sorts a copy)."""
