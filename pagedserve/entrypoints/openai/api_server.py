@@ -32,14 +32,14 @@ from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai import serving_kv
 from pagedserve.entrypoints.openai import dashboard
 from pagedserve.entrypoints.openai.http_common import (
-    SSE_HEADERS, APIKeyMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers, run_until_disconnect,
+    SSE_HEADERS, APIKeyMiddleware, RequestIdHeaderMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers,
+    request_ids, run_until_disconnect,
 )
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    random_id,
 )
 from pagedserve.entrypoints.openai.protocol_responses import (
     DetokenizeResponse,
@@ -110,6 +110,8 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
                            public_prefixes=(dashboard.PUBLIC_PREFIX,))
     add_cors(app, server)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=server.max_request_body_bytes, max_header_bytes=server.max_header_bytes)
+    if server.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -147,30 +149,32 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
         try:
+            request_id, engine_id = request_ids("cmpl", raw_request, req.request_id)
             with llm.admission():  # 503 at once when too many requests wait to start
                 model, prompts, params = await off_loop(completions.prepare_completion, req)
         except RequestError:
             serving_kv.release_unused_kv(llm, req.kv_transfer_params)
             raise
-        request_id = random_id("cmpl")
-        completions.log_request(request_id, req, [len(p.token_ids) for p in prompts], params)
+        completions.log_request(engine_id, req, [len(p.token_ids) for p in prompts], params)
         if req.stream:
-            return StreamingResponse(completions.completion_stream(req, request_id, model, prompts, params), media_type="text/event-stream", headers=SSE_HEADERS)
-        return await run_until_disconnect(raw_request, completions.completion_full(req, request_id, model, prompts, params))
+            return StreamingResponse(completions.completion_stream(req, request_id, model, prompts, params, engine_id),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return await run_until_disconnect(raw_request, completions.completion_full(req, request_id, model, prompts, params, engine_id))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         try:
+            request_id, engine_id = request_ids("chatcmpl", raw_request, req.request_id)
             with llm.admission():
                 model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
         except RequestError:
             serving_kv.release_unused_kv(llm, req.kv_transfer_params)
             raise
-        request_id = random_id("chatcmpl")
-        chats.log_request(request_id, req, [len(prompt.token_ids)], [params])
+        chats.log_request(engine_id, req, [len(prompt.token_ids)], [params])
         if req.stream:
-            return StreamingResponse(chats.chat_stream(req, request_id, model, conv, prompt, params, tools), media_type="text/event-stream", headers=SSE_HEADERS)
-        return await run_until_disconnect(raw_request, chats.chat_full(req, request_id, model, conv, prompt, params, tools))
+            return StreamingResponse(chats.chat_stream(req, request_id, model, conv, prompt, params, tools, engine_id),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return await run_until_disconnect(raw_request, chats.chat_full(req, request_id, model, conv, prompt, params, tools, engine_id))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
+import uuid
 from typing import Any, Awaitable, Optional
 
 from fastapi import FastAPI, Request
@@ -19,6 +21,49 @@ from pagedserve.entrypoints.openai.serving_common import error_body
 logger = logging.getLogger("pagedserve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_REQUEST_ID_CHARS = 256  # it is repeated in every streamed chunk
+
+
+def request_ids(prefix: str, request: Request, body_id: Optional[str]) -> tuple[str, str]:
+    """``(response id, engine id)`` of a completion request, as vLLM names it: the
+    ``X-Request-Id`` header, else the body's ``request_id``, else a random hex, after ``prefix-``.
+    A client's id gets a random suffix in the engine, so two requests that send the same id
+    never collide there (vLLM v1 does the same).
+
+    Raises:
+        RequestError: an empty id, one over ``MAX_REQUEST_ID_CHARS`` characters, or one with
+            control characters (it is logged).
+    """
+    header = request.headers.get("x-request-id")
+    base, field = (header, "X-Request-Id header") if header is not None else (body_id, "request_id")
+    if base is None:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return rid, rid
+    if not base or len(base) > MAX_REQUEST_ID_CHARS or not base.isprintable():
+        raise RequestError(f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable characters.",
+                           param="request_id" if header is None else None)
+    return f"{prefix}-{base}", f"{prefix}-{base}-{secrets.token_hex(4)}"
+
+
+class RequestIdHeaderMiddleware:
+    """Pure ASGI middleware (``--enable-request-id-headers``, vLLM's): every HTTP response
+    carries ``X-Request-Id``, the request's own header or else a new random hex."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def error_response(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> JSONResponse:

@@ -7,16 +7,11 @@ Unknown request fields are accepted and ignored, as vLLM does. Ranges are checke
 """
 from __future__ import annotations
 
-import uuid
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from pagedserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class OpenAIBaseModel(BaseModel):
@@ -55,6 +50,7 @@ class _SamplingFields(OpenAIBaseModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM)."""
 
     model: Optional[str] = None
+    request_id: Optional[str] = None  # vLLM's: the response's id after its prefix (X-Request-Id wins)
     n: int = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None

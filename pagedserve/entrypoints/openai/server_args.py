@@ -32,6 +32,8 @@ class ServerArgs:
             sampling parameters of requests that do not set them), "vllm" (none), or a folder
             holding a generation_config.json.
         enable_log_requests: log each request's id, prompt length and sampling parameters.
+        enable_request_id_headers: every response carries ``X-Request-Id`` (the request's
+            own, else a new random hex), as vLLM's flag.
         uvicorn_log_level: uvicorn's own log level.
         max_queued_requests: requests admitted but not started (no output yet) beyond which a
             new one gets 503 with ``Retry-After`` at once; None = no limit.
@@ -61,6 +63,7 @@ class ServerArgs:
     allow_credentials: bool = False
     generation_config: str = "auto"
     enable_log_requests: bool = False
+    enable_request_id_headers: bool = False
     uvicorn_log_level: str = "info"
     max_queued_requests: Optional[int] = None
     request_timeout: Optional[float] = None
@@ -121,6 +124,7 @@ class ServerArgs:
         g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
         g.add_argument("--generation-config", default="auto", help="auto (the model's sampling defaults), vllm (none) or a folder")
         g.add_argument("--enable-log-requests", action="store_true", help="log every request (id, prompt length, sampling parameters)")
+        g.add_argument("--enable-request-id-headers", action="store_true", help="answer every request with an X-Request-Id header (the request's own, else a new one)")
         g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
         g.add_argument("--max-queued-requests", type=int, default=None, help="beyond this many requests waiting to start, answer 503 with Retry-After")
         g.add_argument("--request-timeout", type=float, default=None, help="default deadline of a request in seconds (the request's timeout field overrides it)")

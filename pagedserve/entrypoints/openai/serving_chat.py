@@ -169,11 +169,11 @@ class OpenAIServingChat(OpenAIServing):
         return ""
 
     async def chat_full(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
-                        params: SamplingParams, plan: ToolPlan) -> ChatCompletionResponse:
+                        params: SamplingParams, plan: ToolPlan, engine_id: Optional[str] = None) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in range(params.n)]
         cached = 0
         kv_params = prompt_lps = None
-        async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
+        async with aclosing(self.run(engine_id or request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
             async for _, out in stream:
                 prompt_lps = out.prompt_logprobs or prompt_lps
                 if out.finished:
@@ -207,7 +207,7 @@ class OpenAIServingChat(OpenAIServing):
                                       prompt_token_ids=prompt.token_ids if req.return_token_ids else None)
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
-                          params: SamplingParams, plan: ToolPlan) -> AsyncIterator[str]:
+                          params: SamplingParams, plan: ToolPlan, engine_id: Optional[str] = None) -> AsyncIterator[str]:
         choices = [ChoiceState() for _ in range(params.n)]
         streams = [ToolCallStream(plan, single_call=req.parallel_tool_calls is False) for _ in range(params.n)]
         thinking = [ReasoningStream(params._reasoning_end_token_id is not None) for _ in range(params.n)]
@@ -237,7 +237,7 @@ class OpenAIServingChat(OpenAIServing):
             if echo:
                 for i in range(params.n):
                     yield chunk(index=i, delta=DeltaMessage(content=echo))
-            async with aclosing(self.run(request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
+            async with aclosing(self.run(engine_id or request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
                 async for _, out in stream:
                     cached = out.num_cached_tokens
                     for o in out.outputs:

@@ -91,13 +91,14 @@ class OpenAIServingCompletion(OpenAIServing):
             ch.text_offset += len(tok)
         return out
 
-    async def completion_full(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams]) -> CompletionResponse:
+    async def completion_full(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
+                              engine_id: Optional[str] = None) -> CompletionResponse:
         n = params[0].n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         cached = 0
         kv_params = None
         prompt_lps: list = [None] * len(prompts)
-        async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
+        async with aclosing(self.run(engine_id or request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
                 kv_params = out.kv_transfer_params or kv_params
@@ -128,7 +129,8 @@ class OpenAIServingCompletion(OpenAIServing):
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
         return CompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params)
 
-    async def completion_stream(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams]) -> AsyncIterator[str]:
+    async def completion_stream(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
+                                engine_id: Optional[str] = None) -> AsyncIterator[str]:
         n = params[0].n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -138,7 +140,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cached = 0
         prompt_lps: list = [None] * len(prompts)
         try:
-            async with aclosing(self.run(request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
+            async with aclosing(self.run(engine_id or request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
                 async for pi, out in stream:
                     cached = cached + out.num_cached_tokens if out.finished else cached
                     prompt_lps[pi] = out.prompt_logprobs or prompt_lps[pi]  # with the first tokens of any choice
