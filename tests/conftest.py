@@ -3,6 +3,7 @@ user's checkpoint takes) and one SmolLM2 engine per session."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -122,3 +123,18 @@ def assert_engine_idle(llm_or_engine) -> None:
     engine.core.step()
     runner = engine.core.worker.model_runner
     assert not runner.requests and runner.input_batch.num_reqs == 0, list(runner.requests)
+
+
+@pytest.fixture(scope="session")
+def thinking_model(tiny_model_factory, tmp_path_factory):
+    """The tiny llama with 128 spare embedding rows, and SmolLM2's tokenizer plus <think> and
+    </think> (ids 49152 and 49153, not special: they stay in the text, as DeepSeek-R1's)."""
+    from transformers import AutoTokenizer
+
+    src = tiny_model_factory("llama", vocab_size=49280)
+    path = tmp_path_factory.mktemp("thinking")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(path)
+    return str(path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import httpx
 import pytest
@@ -64,21 +63,6 @@ def test_a_tokenizer_without_think_tokens_is_refused(smollm2_dir):
         ReasoningParser.load("deepseek_r1", load_tokenizer(smollm2_dir))
     with pytest.raises(ValueError, match="reasoning-parser"):
         ServerArgs(reasoning_parser="nope")
-
-
-@pytest.fixture(scope="module")
-def thinking_model(tiny_model_factory, tmp_path_factory):
-    """The tiny llama with 128 spare embedding rows, and SmolLM2's tokenizer plus <think> and
-    </think> (ids 49152 and 49153, not special: they stay in the text, as DeepSeek-R1's)."""
-    from transformers import AutoTokenizer
-
-    src = tiny_model_factory("llama", vocab_size=49280)
-    path = tmp_path_factory.mktemp("thinking")
-    shutil.copytree(src, path, dirs_exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(src)
-    tok.add_tokens(["<think>", "</think>"])
-    tok.save_pretrained(path)
-    return str(path)
 
 
 CLOSED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`AsyncLLM`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, GET /v1/models/{id},
 GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
 
 ``pagedserve serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY]`` binds its port first,
@@ -51,6 +51,8 @@ from pagedserve.entrypoints.openai.protocol_responses import (
 from pagedserve.entrypoints.openai.server_args import ServerArgs
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedserve.entrypoints.openai.responses_api import ResponsesRequest
 from pagedserve.entrypoints.openai.tools import plan_tools
 from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 
@@ -82,6 +84,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     llm.max_queued_requests = server.max_queued_requests
     completions = OpenAIServingCompletion(llm, served, **kw)
     chats = OpenAIServingChat(llm, served, **kw)
+    responses = OpenAIServingResponses(chats)
     model_root = llm.config.model or served[0]
     # Tokenizing, rendering and compiling constraints run on one worker thread, not on the event
     # loop: a big schema must not pause every stream. One thread: the tokenizer is shared.
@@ -175,6 +178,18 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             return StreamingResponse(chats.chat_stream(req, request_id, model, conv, prompt, params, tools, engine_id),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         return await run_until_disconnect(raw_request, chats.chat_full(req, request_id, model, conv, prompt, params, tools, engine_id))
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw_request: Request):
+        with llm.admission():
+            response_id, engine_id = request_ids("resp", raw_request, req.request_id)
+            chat_req, model, conv, prompt, params, tools = await off_loop(responses.prepare, req)
+        chats.log_request(engine_id, chat_req, [len(prompt.token_ids)], [params])
+        args = (req, chat_req, response_id, model, conv, prompt, params, tools, engine_id)
+        if req.stream:
+            return StreamingResponse(responses.response_stream(*args), media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await run_until_disconnect(raw_request, responses.response_full(*args))
+        return result if isinstance(result, Response) else JSONResponse(result)  # a Response: the client left (499)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:

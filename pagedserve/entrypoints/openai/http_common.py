@@ -26,7 +26,8 @@ MAX_REQUEST_ID_CHARS = 256  # it is repeated in every streamed chunk
 
 def request_ids(prefix: str, request: Request, body_id: Optional[str]) -> tuple[str, str]:
     """``(response id, engine id)`` of a completion request, as vLLM names it: the
-    ``X-Request-Id`` header, else the body's ``request_id``, else a random hex, after ``prefix-``.
+    ``X-Request-Id`` header, else the body's ``request_id``, else a random hex, after ``prefix``
+    and a dash (an underscore after ``resp``, as OpenAI's Responses ids).
     A client's id gets a random suffix in the engine, so two requests that send the same id
     never collide there (vLLM v1 does the same).
 
@@ -36,13 +37,14 @@ def request_ids(prefix: str, request: Request, body_id: Optional[str]) -> tuple[
     """
     header = request.headers.get("x-request-id")
     base, field = (header, "X-Request-Id header") if header is not None else (body_id, "request_id")
+    prefix += "_" if prefix == "resp" else "-"
     if base is None:
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        rid = f"{prefix}{uuid.uuid4().hex}"
         return rid, rid
     if not base or len(base) > MAX_REQUEST_ID_CHARS or not base.isprintable():
         raise RequestError(f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable characters.",
                            param="request_id" if header is None else None)
-    return f"{prefix}-{base}", f"{prefix}-{base}-{secrets.token_hex(4)}"
+    return f"{prefix}{base}", f"{prefix}{base}-{secrets.token_hex(4)}"
 
 
 class RequestIdHeaderMiddleware:

@@ -208,6 +208,20 @@ class OpenAIServingChat(OpenAIServing):
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
                           params: SamplingParams, plan: ToolPlan, engine_id: Optional[str] = None) -> AsyncIterator[str]:
+        """The SSE stream of :meth:`chat_chunks`; an error ends it with an error event."""
+        try:
+            async with aclosing(self.chat_chunks(req, request_id, model, conv, prompt, params, plan, engine_id)) as chunks:
+                async for c in chunks:
+                    yield sse(c)
+        except (ValueError, RuntimeError) as e:
+            yield stream_error(e)
+        yield SSE_DONE
+
+    async def chat_chunks(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
+                          params: SamplingParams, plan: ToolPlan, engine_id: Optional[str] = None) -> AsyncIterator[Any]:
+        """The chunks of a streamed answer (``ChatCompletionStreamResponse``, or its ``Ids``
+        variant), the role first, the usage last when asked. Raises ValueError / RuntimeError
+        (RequestError, EngineDeadError) when the request fails after it started."""
         choices = [ChoiceState() for _ in range(params.n)]
         streams = [ToolCallStream(plan, single_call=req.parallel_tool_calls is False) for _ in range(params.n)]
         thinking = [ReasoningStream(params._reasoning_end_token_id is not None) for _ in range(params.n)]
@@ -229,47 +243,43 @@ class OpenAIServingChat(OpenAIServing):
             if continuous:  # this choice's tokens so far, as vLLM counts them
                 gen = choices[fields["index"]].num_tokens
                 c.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen)
-            return sse(c)
+            return c
 
-        try:
-            for i in range(params.n):  # the role comes first, as OpenAI sends it (and the prompt's ids, vLLM's return_token_ids)
-                yield chunk(prompt.token_ids if i == 0 else None, index=i, delta=DeltaMessage(role="assistant", content=""))
-            if echo:
-                for i in range(params.n):
-                    yield chunk(index=i, delta=DeltaMessage(content=echo))
-            async with aclosing(self.run(engine_id or request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
-                async for _, out in stream:
-                    cached = out.num_cached_tokens
-                    for o in out.outputs:
-                        ch = choices[o.index]
-                        if ch.finish_reason is not None:
-                            continue
-                        ch.num_tokens += len(o.token_ids)
-                        raise_if_failed(o)
-                        ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
-                        if not o.text and o.finish_reason is None and not o.token_ids:
-                            continue
-                        lps = self._chat_logprobs(o.token_ids, o.logprobs or [], top_n, self.token_name(req)) if req.logprobs else None
-                        tools = streams[o.index]
-                        reasoning, content = thinking[o.index].feed(o.text)
-                        if o.finish_reason is not None:
-                            reasoning += thinking[o.index].finish()
-                        deltas = tools.feed(content) + (tools.finish() if o.finish_reason is not None else [])
-                        if reasoning and req.include_reasoning:
-                            deltas.insert(0, DeltaMessage(reasoning_content=reasoning, reasoning=reasoning))
-                        if not deltas and (lps is not None or o.finish_reason is not None or (req.return_token_ids and o.token_ids)):
-                            deltas = [DeltaMessage() if o.finish_reason is not None else DeltaMessage(content="")]
-                        for k, delta in enumerate(deltas):
-                            last = k == len(deltas) - 1
-                            called = tools.called and o.finish_reason == "stop"
-                            finish = (plan.calls_finish_reason if called else o.finish_reason) if last else None
-                            yield chunk(token_ids=list(o.token_ids) if k == 0 else None, index=o.index, delta=delta,
-                                        logprobs=lps if k == 0 else None, finish_reason=finish,
-                                        stop_reason=(None if called else o.stop_reason) if last else None)
-            if include_usage:
-                gen = sum(x.num_tokens for x in choices)
-                yield sse(ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(
-                    prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))))
-        except (ValueError, RuntimeError) as e:
-            yield stream_error(e)
-        yield SSE_DONE
+        for i in range(params.n):  # the role comes first, as OpenAI sends it (and the prompt's ids, vLLM's return_token_ids)
+            yield chunk(prompt.token_ids if i == 0 else None, index=i, delta=DeltaMessage(role="assistant", content=""))
+        if echo:
+            for i in range(params.n):
+                yield chunk(index=i, delta=DeltaMessage(content=echo))
+        async with aclosing(self.run(engine_id or request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
+            async for _, out in stream:
+                cached = out.num_cached_tokens
+                for o in out.outputs:
+                    ch = choices[o.index]
+                    if ch.finish_reason is not None:
+                        continue
+                    ch.num_tokens += len(o.token_ids)
+                    raise_if_failed(o)
+                    ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+                    if not o.text and o.finish_reason is None and not o.token_ids:
+                        continue
+                    lps = self._chat_logprobs(o.token_ids, o.logprobs or [], top_n, self.token_name(req)) if req.logprobs else None
+                    tools = streams[o.index]
+                    reasoning, content = thinking[o.index].feed(o.text)
+                    if o.finish_reason is not None:
+                        reasoning += thinking[o.index].finish()
+                    deltas = tools.feed(content) + (tools.finish() if o.finish_reason is not None else [])
+                    if reasoning and req.include_reasoning:
+                        deltas.insert(0, DeltaMessage(reasoning_content=reasoning, reasoning=reasoning))
+                    if not deltas and (lps is not None or o.finish_reason is not None or (req.return_token_ids and o.token_ids)):
+                        deltas = [DeltaMessage() if o.finish_reason is not None else DeltaMessage(content="")]
+                    for k, delta in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        called = tools.called and o.finish_reason == "stop"
+                        finish = (plan.calls_finish_reason if called else o.finish_reason) if last else None
+                        yield chunk(token_ids=list(o.token_ids) if k == 0 else None, index=o.index, delta=delta,
+                                    logprobs=lps if k == 0 else None, finish_reason=finish,
+                                    stop_reason=(None if called else o.stop_reason) if last else None)
+        if include_usage:
+            gen = sum(x.num_tokens for x in choices)
+            yield ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(
+                prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached)))

@@ -147,9 +147,15 @@ def check_extra_fields(req: Any) -> None:
         if name in UNSUPPORTED_FIELDS:
             if value not in UNSUPPORTED_FIELDS[name]:
                 raise RequestError(f"{name} is not supported by this server.", param=name)
-        elif name not in _ignored_logged:
-            _ignored_logged.add(name)
-            logger.warning("request field %r is not used by this server and is ignored (logged once)", name)
+        else:
+            log_ignored(name)
+
+
+def log_ignored(name: str) -> None:
+    """Log once per field name that a request field is ignored."""
+    if name not in _ignored_logged:
+        _ignored_logged.add(name)
+        logger.warning("request field %r is not used by this server and is ignored (logged once)", name)
 
 
 class OpenAIServing:

@@ -1,0 +1,235 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless, as a translation of the chat
+endpoint: the request becomes a :class:`ChatCompletionRequest` (instructions as the system
+message, input items as turns, function tools and ``text.format`` in chat's shapes), and the
+chat answer becomes output items (``reasoning``, ``message`` with ``output_text``,
+``function_call``). Shapes after OpenAI's API reference and vLLM's
+``vllm/entrypoints/openai/responses``.
+
+Nothing is stored, as vLLM without its response store: ``store`` is ignored (logged once),
+``previous_response_id``, ``conversation``, ``prompt`` (a stored template), ``background``,
+built-in tools and non-text inputs are refused with a 400 naming the field.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Optional, Union
+
+from pydantic import ValidationError
+
+from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBaseModel
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# Fields that keep their meaning from the Responses request to the chat one.
+_SAME_FIELDS = ("model", "temperature", "top_p", "logit_bias", "top_k", "min_p", "seed", "stop", "repetition_penalty", "presence_penalty",
+                "frequency_penalty", "parallel_tool_calls", "priority", "cache_salt", "timeout", "chat_template_kwargs")
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    input: Union[str, list[dict[str, Any]]]
+    model: Optional[str] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    stream: bool = False
+    metadata: Optional[dict[str, str]] = None
+    include: Optional[list[str]] = None
+    store: Optional[bool] = None  # nothing is stored; logged once when true
+    previous_response_id: Optional[str] = None
+    background: Optional[bool] = None
+    conversation: Optional[Any] = None
+    prompt: Optional[Any] = None  # a stored prompt template's id
+    reasoning: Optional[dict[str, Any]] = None
+    truncation: Optional[str] = None
+    request_id: Optional[str] = None  # vLLM's: the response id after ``resp_``
+    # vLLM's sampling extras, as on chat completions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    timeout: Optional[float] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+def _refuse(field: str, why: str) -> RequestError:
+    return RequestError(f"{field}: {why}", param=field.split("[")[0].split(".")[0])
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _refuse(f"{where}.content", "must be a string or a list of text parts.")
+    parts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _refuse(f"{where}.content[{k}]", f"only text parts (input_text, output_text) are supported, got {kind!r}.")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """Chat messages from ``instructions`` and ``input``: message items keep their role
+    (``developer`` is ``system``), ``function_call`` items join the assistant turn before them
+    (or start one) as ``tool_calls``, a ``function_call_output`` a ``tool`` turn; ``reasoning`` items
+    are dropped (the template would not show them). Raises RequestError naming the item."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _refuse(where, "must be an object.")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _refuse(f"{where}.role", f"must be user, assistant, system or developer, got {role!r}.")
+            messages.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise _refuse(where, "a function_call needs call_id, name and arguments (strings).")
+            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # its text and its calls are one chat turn
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or output is None:
+                raise _refuse(where, "a function_call_output needs call_id and output.")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output, where)})
+        elif kind != "reasoning":
+            raise _refuse(f"{where}.type", f"{kind!r} is not supported (message, function_call, function_call_output, reasoning).")
+    return messages
+
+
+def chat_tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
+    """Responses' flat function tools in chat's ``{"type": "function", "function": {...}}``."""
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise _refuse(f"tools[{i}].type", f"only function tools are supported, got {kind!r}.")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}})
+    return out
+
+
+def chat_tool_choice(choice: Union[str, dict, None]) -> Union[str, dict, None]:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise _refuse("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}.')
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def chat_response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """``text.format`` as chat's ``response_format``."""
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "schema", "schema": fmt.get("schema")}}
+    raise _refuse("text.format.type", f"must be text, json_object or json_schema, got {fmt.get('type')!r}.")
+
+
+def check_stateless(req: ResponsesRequest) -> None:
+    """Refuse what needs a response store, background runs or hosted tools."""
+    for field in ("previous_response_id", "conversation"):
+        if getattr(req, field) is not None:
+            raise _refuse(field, "this server keeps no responses; send the whole conversation as input.")
+    if req.prompt is not None:
+        raise _refuse("prompt", "this server keeps no prompt templates; send instructions and input.")
+    if req.background:
+        raise _refuse("background", "background responses are not supported.")
+    if req.truncation not in (None, "disabled"):
+        raise _refuse("truncation", 'only "disabled" is supported.')
+    if req.include and "message.output_text.logprobs" in req.include:
+        raise _refuse("include", "message.output_text.logprobs is not supported.")
+
+
+def to_chat_request(req: ResponsesRequest, stream: bool) -> ChatCompletionRequest:
+    """The chat request that computes this response (``return_token_ids`` on, so reasoning
+    tokens can be counted). Raises RequestError naming the Responses field."""
+    check_stateless(req)
+    fields = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
+    fields.update(messages=input_messages(req), max_completion_tokens=req.max_output_tokens, tools=chat_tools(req.tools),
+                  tool_choice=chat_tool_choice(req.tool_choice), response_format=chat_response_format(req.text))
+    try:
+        return ChatCompletionRequest(return_token_ids=True, stream=stream, stream_options={"include_usage": True} if stream else None,
+                                     **fields)
+    except ValidationError as e:  # a message of the wrong shape (content an object, ...)
+        raise RequestError(f"input could not be read: {e.errors()[0]['msg']}", param="input") from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def status_of(finish_reason: Optional[str]) -> tuple[str, Optional[dict]]:
+    """(status, incomplete_details) of a response whose one choice ended so."""
+    if finish_reason in (None, "stop", "tool_calls"):
+        return "completed", None
+    return "incomplete", {"reason": "max_output_tokens" if finish_reason == "length" else finish_reason}
+
+
+def response_object(req: ResponsesRequest, response_id: str, model: str, created_at: int, status: str,
+                    output: list[dict], usage: Optional[dict] = None, incomplete: Optional[dict] = None,
+                    error: Optional[dict] = None) -> dict[str, Any]:
+    """The ``response`` object, echoing the request's settings as OpenAI does."""
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "model": model, "status": status,
+        "output": output, "usage": usage, "incomplete_details": incomplete, "error": error,
+        "instructions": req.instructions, "metadata": req.metadata or {}, "max_output_tokens": req.max_output_tokens,
+        "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
+        "previous_response_id": None, "reasoning": req.reasoning, "store": False, "truncation": "disabled",
+        "background": False, "user": None,
+    }
+
+
+def usage_object(prompt_tokens: int, cached: int, output_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+
+
+def sse_event(event: dict[str, Any]) -> str:
+    """One Responses stream event: ``event: <type>`` and its JSON, as OpenAI sends them."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,218 @@
+"""``POST /v1/responses`` on a tiny random model served in process, driven by the official
+``openai`` client where it can be: the answer equals the chat endpoint's for the same
+conversation (greedy), streamed events add up to the whole response, function tools and
+``text.format`` work, and what needs a response store or hosted tools is a 400."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+import openai
+import pytest
+
+from app_utils import kv_idle, serve, tiny_async_llm
+from pagedserve.entrypoints.openai.server_args import ServerArgs
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    llm = tiny_async_llm(tiny_model_factory("llama"))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    with serve(llm) as base:
+        yield base
+    kv_idle(llm)
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _chat(url: str, messages: list[dict], **kw) -> dict:
+    body = {"model": "tiny", "messages": messages, "temperature": 0, **kw}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+
+
+def _events(client, **kw) -> list:
+    return list(client.responses.create(stream=True, **kw))
+
+
+def test_text_equals_chat_whole_and_streamed(url, client, llm):
+    convo = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]}, {"role": "user", "content": "More?"}]
+    want = _chat(url, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                       {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More?"}], max_tokens=9)
+    r = client.responses.create(model="tiny", input=convo, max_output_tokens=9, temperature=0, metadata={"k": "v"})
+    assert r.id.startswith("resp_") and r.object == "response" and r.metadata == {"k": "v"}
+    assert r.output_text == want["choices"][0]["message"]["content"]
+    assert [o.type for o in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
+    cut = want["choices"][0]["finish_reason"] == "length"
+    assert (r.status, r.incomplete_details and r.incomplete_details.reason) == (("incomplete", "max_output_tokens") if cut else ("completed", None))
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (want["usage"]["prompt_tokens"], want["usage"]["completion_tokens"])
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens and r.usage.output_tokens_details.reasoning_tokens == 0
+    # instructions are the system turn; a string input is one user turn.
+    a = client.responses.create(model="tiny", instructions="Be brief.", input="More?", max_output_tokens=5, temperature=0)
+    b = _chat(url, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "More?"}], max_tokens=5)
+    assert a.output_text == b["choices"][0]["message"]["content"] and a.instructions == "Be brief."
+    # Streamed: numbered from 0, deltas add up, and the last event is the whole response.
+    events = _events(client, model="tiny", input=convo, max_output_tokens=9, temperature=0)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert len(done) == 1 and done[0].text == text
+    last = events[-1]
+    assert last.type == ("response.incomplete" if cut else "response.completed")
+    assert last.response.output[0].content[0].text == text and last.response.usage.output_tokens == r.usage.output_tokens
+    kv_idle(llm)
+
+
+def test_function_tools_round_trip(url, client, llm):
+    r = client.responses.create(model="tiny", input="Weather in Paris?", tools=TOOLS, tool_choice="required", max_output_tokens=60,
+                                temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and r.status == "completed" and all(c.name == "get_weather" for c in calls)
+    assert all(json.loads(c.arguments)["city"] in ("Paris", "Rome") for c in calls)
+    assert len({c.call_id for c in calls}) == len(calls) and all(c.id.startswith("fc_") for c in calls)
+    # Streamed with the client's helper: the final response carries the same calls (ids aside).
+    with client.responses.stream(model="tiny", input="Weather in Paris?", tools=TOOLS, tool_choice="required",
+                                 max_output_tokens=60, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [(c.name, c.arguments) for c in final.output] == [(c.name, c.arguments) for c in calls]
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == "".join(c.arguments for c in calls)
+    # A named choice; then the calls and their outputs go back as input items.
+    one = client.responses.create(model="tiny", input="Weather?", tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"},
+                                  max_output_tokens=60, temperature=0)
+    call = one.output[0]
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    follow = [{"role": "user", "content": "Weather?"},
+              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+              {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
+    r2 = client.responses.create(model="tiny", input=follow, tools=TOOLS, tool_choice="none", max_output_tokens=6, temperature=0)
+    want = _chat(url, [{"role": "user", "content": "Weather?"},
+                       {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",
+                                                                             "function": {"name": call.name, "arguments": call.arguments}}]},
+                       {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}],
+                 tools=[{"type": "function", "function": {k: TOOLS[0][k] for k in ("name", "description", "parameters")}}], tool_choice="none",
+                 max_tokens=6)
+    assert r2.output_text == want["choices"][0]["message"]["content"] and r2.usage.input_tokens == want["usage"]["prompt_tokens"]
+    kv_idle(llm)
+
+
+def test_text_format_json_schema(client, llm):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = client.responses.create(model="tiny", input="Answer in JSON.", max_output_tokens=30, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert r.status == "completed" and isinstance(json.loads(r.output_text)["ok"], bool)
+    kv_idle(llm)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"text": {"format": {"type": "grammar"}}}, "text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+    ({"input": []}, "messages"),
+    ({"max_output_tokens": 0}, "max_completion_tokens"),
+    ({"temperature": -1}, "temperature"),
+])
+def test_refusals_are_400s_naming_the_field(url, llm, body, param):
+    r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "Hi", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    kv_idle(llm)
+
+
+def test_ids_store_and_reasoning_fields(url, client, llm):
+    r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 2, "request_id": "abc",
+                                                 "store": True, "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"]})
+    assert r.status_code == 200 and r.json()["id"] == "resp_abc" and r.json()["store"] is False  # nothing is stored
+    assert httpx.post(url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2},
+                      headers={"X-Request-Id": "h1"}).json()["id"] == "resp_h1"
+    assert httpx.post(url + "/v1/responses", json={"model": "other", "input": "Hi"}).status_code == 404
+    kv_idle(llm)
+
+
+def test_reasoning_items(thinking_model):
+    """With --reasoning-parser, the thinking becomes a reasoning item (its tokens counted), the
+    answer after </think> the message."""
+    llm = tiny_async_llm(thinking_model)
+    try:
+        with serve(llm, ServerArgs(reasoning_parser="deepseek_r1")) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+            no_tags = {"49152": -100, "49153": -100}
+            kw = dict(model="tiny", input="Think first.", max_output_tokens=6, temperature=0)
+            chat = _chat(base, [{"role": "user", "content": "Think first."}], max_tokens=6, logit_bias=no_tags)["choices"][0]["message"]
+            r = client.responses.create(**kw, extra_body={"logit_bias": no_tags})
+            assert [o.type for o in r.output] == ["reasoning"] and r.status == "incomplete"
+            assert r.output[0].content[0].text == chat["reasoning_content"] and r.usage.output_tokens_details.reasoning_tokens == 6
+            events = _events(client, **kw, extra_body={"logit_bias": no_tags})
+            assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat["reasoning_content"]
+            # </think> forced first: an empty reasoning item, then the message; one reasoning token.
+            forced = client.responses.create(**kw, extra_body={"logit_bias": {"49153": 100}})
+            assert forced.usage.output_tokens_details.reasoning_tokens == 1 and forced.output[-1].type == "message"
+            streamed = _events(client, **kw, extra_body={"logit_bias": {"49153": 100}})
+            assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == forced.output_text
+        kv_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_timeout_failure_and_disconnect(url, client, llm, monkeypatch):
+    r = client.responses.create(model="tiny", input="Hi", max_output_tokens=400, extra_body={"timeout": 0.001})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "timeout"
+    # A client that leaves mid-stream: its request is aborted, its blocks come back.
+    body = {"model": "tiny", "input": "Tell me a story.", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as s:
+        lines = s.iter_lines()
+        assert sum(line.startswith("data: ") for line, _ in zip(lines, range(12))) >= 4
+    kv_idle(llm)
+    # A request that fails after it started: an error event, then response.failed.
+    from pagedserve.engine.input_processor import RequestError
+    from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    real = OpenAIServingChat.chat_chunks
+
+    async def failing(self, *args, **kwargs):
+        async for n, c in _numbered(real(self, *args, **kwargs)):
+            yield c
+            if n == 1:  # the role, then the first token
+                raise RequestError("the grammar could not be followed", param=None)
+
+    monkeypatch.setattr(OpenAIServingChat, "chat_chunks", failing)
+    events = _events(client, model="tiny", input="Hi", max_output_tokens=20, temperature=0)
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].message == "the grammar could not be followed" and events[-2].code == "invalid_request_error"
+    assert events[-1].response.status == "failed" and events[-1].response.error.message == events[-2].message
+    kv_idle(llm)
+
+
+async def _numbered(gen):
+    n = 0
+    async with contextlib.aclosing(gen) as g:
+        async for c in g:
+            yield n, c
+            n += 1
