@@ -138,3 +138,23 @@ def thinking_model(tiny_model_factory, tmp_path_factory):
     tok.add_tokens(["<think>", "</think>"])
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_factory):
+    """An in-thread AsyncLLM over the tiny llama (``app_utils.tiny_async_llm``), one per module."""
+    from app_utils import tiny_async_llm
+
+    llm = tiny_async_llm(tiny_model_factory("llama"))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_url(tiny_llm):
+    """``tiny_llm`` served on a loopback port (``app_utils.serve``); every block is back at the end."""
+    from app_utils import kv_idle, serve
+
+    with serve(tiny_llm) as base:
+        yield base
+    kv_idle(tiny_llm)

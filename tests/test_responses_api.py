@@ -19,22 +19,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_factory):
-    llm = tiny_async_llm(tiny_model_factory("llama"))
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def url(llm):
-    with serve(llm) as base:
-        yield base
-    kv_idle(llm)
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+def client(tiny_url):
+    return openai.OpenAI(base_url=tiny_url + "/v1", api_key="none", max_retries=0)
 
 
 def _chat(url: str, messages: list[dict], **kw) -> dict:
@@ -46,10 +32,10 @@ def _events(client, **kw) -> list:
     return list(client.responses.create(stream=True, **kw))
 
 
-def test_text_equals_chat_whole_and_streamed(url, client, llm):
+def test_text_equals_chat_whole_and_streamed(tiny_url, client, tiny_llm):
     convo = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
              {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]}, {"role": "user", "content": "More?"}]
-    want = _chat(url, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+    want = _chat(tiny_url, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More?"}], max_tokens=9)
     r = client.responses.create(model="tiny", input=convo, max_output_tokens=9, temperature=0, metadata={"k": "v"})
     assert r.id.startswith("resp_") and r.object == "response" and r.metadata == {"k": "v"}
@@ -61,7 +47,7 @@ def test_text_equals_chat_whole_and_streamed(url, client, llm):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens and r.usage.output_tokens_details.reasoning_tokens == 0
     # instructions are the system turn; a string input is one user turn.
     a = client.responses.create(model="tiny", instructions="Be brief.", input="More?", max_output_tokens=5, temperature=0)
-    b = _chat(url, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "More?"}], max_tokens=5)
+    b = _chat(tiny_url, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "More?"}], max_tokens=5)
     assert a.output_text == b["choices"][0]["message"]["content"] and a.instructions == "Be brief."
     # Streamed: numbered from 0, deltas add up, and the last event is the whole response.
     events = _events(client, model="tiny", input=convo, max_output_tokens=9, temperature=0)
@@ -76,10 +62,10 @@ def test_text_equals_chat_whole_and_streamed(url, client, llm):
     last = events[-1]
     assert last.type == ("response.incomplete" if cut else "response.completed")
     assert last.response.output[0].content[0].text == text and last.response.usage.output_tokens == r.usage.output_tokens
-    kv_idle(llm)
+    kv_idle(tiny_llm)
 
 
-def test_function_tools_round_trip(url, client, llm):
+def test_function_tools_round_trip(tiny_url, client, tiny_llm):
     r = client.responses.create(model="tiny", input="Weather in Paris?", tools=TOOLS, tool_choice="required", max_output_tokens=60,
                                 temperature=0)
     calls = [o for o in r.output if o.type == "function_call"]
@@ -103,22 +89,22 @@ def test_function_tools_round_trip(url, client, llm):
               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
     r2 = client.responses.create(model="tiny", input=follow, tools=TOOLS, tool_choice="none", max_output_tokens=6, temperature=0)
-    want = _chat(url, [{"role": "user", "content": "Weather?"},
+    want = _chat(tiny_url, [{"role": "user", "content": "Weather?"},
                        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",
                                                                              "function": {"name": call.name, "arguments": call.arguments}}]},
                        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}],
                  tools=[{"type": "function", "function": {k: TOOLS[0][k] for k in ("name", "description", "parameters")}}], tool_choice="none",
                  max_tokens=6)
     assert r2.output_text == want["choices"][0]["message"]["content"] and r2.usage.input_tokens == want["usage"]["prompt_tokens"]
-    kv_idle(llm)
+    kv_idle(tiny_llm)
 
 
-def test_text_format_json_schema(client, llm):
+def test_text_format_json_schema(client, tiny_llm):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
     r = client.responses.create(model="tiny", input="Answer in JSON.", max_output_tokens=30, temperature=0,
                                 text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     assert r.status == "completed" and isinstance(json.loads(r.output_text)["ok"], bool)
-    kv_idle(llm)
+    kv_idle(tiny_llm)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -139,21 +125,21 @@ def test_text_format_json_schema(client, llm):
     ({"max_output_tokens": 0}, "max_completion_tokens"),
     ({"temperature": -1}, "temperature"),
 ])
-def test_refusals_are_400s_naming_the_field(url, llm, body, param):
-    r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "Hi", **body})
+def test_refusals_are_400s_naming_the_field(tiny_url, tiny_llm, body, param):
+    r = httpx.post(tiny_url + "/v1/responses", json={"model": "tiny", "input": "Hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
-    kv_idle(llm)
+    kv_idle(tiny_llm)
 
 
-def test_ids_store_and_reasoning_fields(url, client, llm):
-    r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 2, "request_id": "abc",
+def test_ids_store_and_reasoning_fields(tiny_url, client, tiny_llm):
+    r = httpx.post(tiny_url + "/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 2, "request_id": "abc",
                                                  "store": True, "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"]})
     assert r.status_code == 200 and r.json()["id"] == "resp_abc" and r.json()["store"] is False  # nothing is stored
-    assert httpx.post(url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2},
+    assert httpx.post(tiny_url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2},
                       headers={"X-Request-Id": "h1"}).json()["id"] == "resp_h1"
-    assert httpx.post(url + "/v1/responses", json={"model": "other", "input": "Hi"}).status_code == 404
-    kv_idle(llm)
+    assert httpx.post(tiny_url + "/v1/responses", json={"model": "other", "input": "Hi"}).status_code == 404
+    kv_idle(tiny_llm)
 
 
 def test_reasoning_items(thinking_model):
@@ -171,7 +157,7 @@ def test_reasoning_items(thinking_model):
             assert r.output[0].content[0].text == chat["reasoning_content"] and r.usage.output_tokens_details.reasoning_tokens == 6
             events = _events(client, **kw, extra_body={"logit_bias": no_tags})
             assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat["reasoning_content"]
-            # </think> forced first: an empty reasoning item, then the message; one reasoning token.
+            # </think> forced first: no reasoning item (it is empty), the message; one reasoning token.
             forced = client.responses.create(**kw, extra_body={"logit_bias": {"49153": 100}})
             assert forced.usage.output_tokens_details.reasoning_tokens == 1 and forced.output[-1].type == "message"
             streamed = _events(client, **kw, extra_body={"logit_bias": {"49153": 100}})
@@ -181,15 +167,15 @@ def test_reasoning_items(thinking_model):
         llm.shutdown()
 
 
-def test_timeout_failure_and_disconnect(url, client, llm, monkeypatch):
+def test_timeout_failure_and_disconnect(tiny_url, client, tiny_llm, monkeypatch):
     r = client.responses.create(model="tiny", input="Hi", max_output_tokens=400, extra_body={"timeout": 0.001})
     assert r.status == "incomplete" and r.incomplete_details.reason == "timeout"
     # A client that leaves mid-stream: its request is aborted, its blocks come back.
     body = {"model": "tiny", "input": "Tell me a story.", "max_output_tokens": 400, "stream": True}
-    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as s:
+    with httpx.stream("POST", tiny_url + "/v1/responses", json=body, timeout=60) as s:
         lines = s.iter_lines()
         assert sum(line.startswith("data: ") for line, _ in zip(lines, range(12))) >= 4
-    kv_idle(llm)
+    kv_idle(tiny_llm)
     # A request that fails after it started: an error event, then response.failed.
     from pagedserve.engine.input_processor import RequestError
     from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -207,7 +193,7 @@ def test_timeout_failure_and_disconnect(url, client, llm, monkeypatch):
     assert [e.type for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2].message == "the grammar could not be followed" and events[-2].code == "invalid_request_error"
     assert events[-1].response.status == "failed" and events[-1].response.error.message == events[-2].message
-    kv_idle(llm)
+    kv_idle(tiny_llm)
 
 
 async def _numbered(gen):
