@@ -1,6 +1,7 @@
 """Tools and structured output through the clients people use against a vLLM-style server: the
 official ``openai`` client, LangChain (``langchain-openai``: ``bind_tools``,
-``with_structured_output`` by function calling and by JSON schema) and LiteLLM, all against the
+``with_structured_output`` by function calling and by JSON schema), LiteLLM and the OpenAI Agents
+SDK (over /v1/responses), all against the
 session's real server (SmolLM2, --enable-auto-tool-choice --tool-call-parser hermes)."""
 from __future__ import annotations
 
@@ -129,3 +130,39 @@ def test_litellm_tools_and_response_format(server):
     r = litellm.completion(messages=[{"role": "user", "content": "Invent a person as JSON."}],
                            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person}}, **kw)
     jsonschema.validate(json.loads(r.choices[0].message.content), person)
+
+
+def test_openai_agents_sdk_tool_loop_over_the_responses_api(server):
+    """The OpenAI Agents SDK (``openai-agents``) drives /v1/responses: a forced call of a Python
+    tool, its output sent back as a function_call_output item, then the model's answer (the
+    SDK resets tool_choice to auto after a call); and a streamed run."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+    seen = []
+
+    @function_tool
+    def weather(city: str) -> str:
+        """Current weather of a city."""
+        seen.append(city)
+        return f"Sunny, 21 C in {city}"
+
+    async def main():
+        model = OpenAIResponsesModel(model=MODEL, openai_client=AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0))
+        agent = Agent(name="helper", instructions="Answer briefly.", model=model, tools=[weather],
+                      model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=120))
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+        kinds = [type(i) for i in result.new_items]
+        assert kinds[:2] == [ToolCallItem, ToolCallOutputItem] and kinds[-1] == MessageOutputItem, kinds
+        assert len(seen) == 1 and isinstance(result.final_output, str) and result.final_output
+        plain = Agent(name="plain", instructions="Answer briefly.", model=model, model_settings=ModelSettings(temperature=0, max_tokens=120))
+        streamed = Runner.run_streamed(plain, "Say hello.")
+        deltas = [e.data.delta async for e in streamed.stream_events() if e.type == "raw_response_event"
+                  and e.data.type == "response.output_text.delta"]
+        assert "".join(deltas) == streamed.final_output and streamed.final_output
+
+    asyncio.run(main())
