@@ -42,6 +42,7 @@ def test_text_equals_chat_whole_and_streamed(tiny_url, client, tiny_llm):
     assert r.output_text == want["choices"][0]["message"]["content"]
     assert [o.type for o in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
     cut = want["choices"][0]["finish_reason"] == "length"
+    assert r.output[0].status == ("incomplete" if cut else "completed")
     assert (r.status, r.incomplete_details and r.incomplete_details.reason) == (("incomplete", "max_output_tokens") if cut else ("completed", None))
     assert (r.usage.input_tokens, r.usage.output_tokens) == (want["usage"]["prompt_tokens"], want["usage"]["completion_tokens"])
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens and r.usage.output_tokens_details.reasoning_tokens == 0
@@ -121,14 +122,27 @@ def test_text_format_json_schema(client, tiny_llm):
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
-    ({"input": []}, "messages"),
-    ({"max_output_tokens": 0}, "max_completion_tokens"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": {"x": 1}}]}, "input"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": "json_object"}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "number", "maximum": float("nan")}}],
+      "tool_choice": "none"}, "tools"),
+    ({"max_tokens": 5}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": True}, "logprobs"),
     ({"temperature": -1}, "temperature"),
 ])
 def test_refusals_are_400s_naming_the_field(tiny_url, tiny_llm, body, param):
-    r = httpx.post(tiny_url + "/v1/responses", json={"model": "tiny", "input": "Hi", **body})
+    r = httpx.post(tiny_url + "/v1/responses", content=json.dumps({"model": "tiny", "input": "Hi", **body}),  # NaN allowed
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+    assert "max_completion_tokens" not in r.text and "messages" not in r.text  # chat's names stay out of it
     kv_idle(tiny_llm)
 
 
@@ -202,3 +216,53 @@ async def _numbered(gen):
         async for c in g:
             yield n, c
             n += 1
+
+
+def test_output_items_follow_the_deltas_in_order():
+    """Text around tool calls: each run of text is its own message item, between the calls, in
+    the whole answer and the stream alike (both come from OutputItems)."""
+    from pagedserve.entrypoints.openai.protocol_responses import (
+        ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall, UsageInfo,
+    )
+    from pagedserve.entrypoints.openai.serving_responses import OutputItems
+
+    def chunk(finish=None, **delta):
+        return ChatCompletionStreamResponse(id="c", model="m", choices=[ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(**delta), finish_reason=finish)])
+
+    def call(i, name, args):
+        return [DeltaToolCall(index=i, id=f"call{i}", type="function", function=DeltaFunctionCall(name=name, arguments=args))]
+
+    items = OutputItems()
+    events = []
+    for c in [chunk(role="assistant", content=""), chunk(content="Sure"), chunk(content="."), chunk(tool_calls=call(0, "f", '{"a": 1}')),
+              chunk(content="\n"), chunk(tool_calls=call(1, "g", "{}"), finish="tool_calls"),
+              ChatCompletionStreamResponse(id="c", model="m", choices=[], usage=UsageInfo(prompt_tokens=3, completion_tokens=9, total_tokens=12))]:
+        events += items.feed(c)
+    events += items.finish()
+    got = [(o["type"], o.get("content", [{}])[0].get("text") if o["type"] == "message" else o["arguments"]) for o in items.done]
+    assert got == [("message", "Sure."), ("function_call", '{"a": 1}'), ("message", "\n"), ("function_call", "{}")]
+    assert all(o["status"] == "completed" for o in items.done) and items.usage.completion_tokens == 9
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == [o["type"] for o in items.done]
+    # Cut by the token limit: the last item is incomplete.
+    cut = OutputItems()
+    cut.feed(chunk(content="abc", finish="length"))
+    cut.finish()
+    assert cut.done[0]["status"] == "incomplete"
+
+
+def test_request_id_header_on_a_500_and_utf8_ids(tiny_llm, monkeypatch):
+    from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    with serve(tiny_llm, ServerArgs(enable_request_id_headers=True)) as base:
+        r = httpx.post(base + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, headers={"X-Request-Id": "é-1".encode()})
+        assert r.json()["id"] == "resp_é-1" and r.headers["x-request-id"] == "é-1"
+
+        def broken(self, req):
+            raise KeyError("a bug")
+
+        monkeypatch.setattr(OpenAIServingResponses, "prepare", broken)
+        r = httpx.post(base + "/v1/responses", json={"input": "Hi"}, headers={"X-Request-Id": "e500"})
+        assert r.status_code == 500 and r.headers["x-request-id"] == "e500" and r.json()["error"]["type"] == "InternalServerError"
+    kv_idle(tiny_llm)

@@ -184,7 +184,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
         with llm.admission():
             response_id, engine_id = request_ids("resp", raw_request, req.request_id)
             chat_req, model, conv, prompt, params, tools = await off_loop(responses.prepare, req)
-        chats.log_request(engine_id, chat_req, [len(prompt.token_ids)], [params])
+        chats.log_request(engine_id, req, [len(prompt.token_ids)], [params])
         args = (req, chat_req, response_id, model, conv, prompt, params, tools, engine_id)
         if req.stream:
             return StreamingResponse(responses.response_stream(*args), media_type="text/event-stream", headers=SSE_HEADERS)

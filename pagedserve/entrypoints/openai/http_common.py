@@ -36,6 +36,11 @@ def request_ids(prefix: str, request: Request, body_id: Optional[str]) -> tuple[
             control characters (it is logged).
     """
     header = request.headers.get("x-request-id")
+    if header is not None:  # HTTP hands headers over as latin-1; clients send UTF-8
+        try:
+            header = header.encode("latin-1").decode("utf-8")
+        except UnicodeError:
+            pass
     base, field = (header, "X-Request-Id header") if header is not None else (body_id, "request_id")
     prefix += "_" if prefix == "resp" else "-"
     if base is None:
@@ -59,13 +64,22 @@ class RequestIdHeaderMiddleware:
             return await self.app(scope, receive, send)
         rid = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
 
+        started = False
+
         async def send_with_id(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                 message = {**message, "headers": headers + [(b"x-request-id", rid)]}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # a bug: Starlette's 500 would be made outside this middleware
+            if started:
+                raise
+            await internal_error(scope.get("path", ""), exc)(scope, receive, send_with_id)
 
 
 def error_response(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> JSONResponse:
@@ -217,5 +231,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s", request.url.path)
-        return error_response(f"Internal server error: {exc!r}", 500, "InternalServerError")
+        return internal_error(request.url.path, exc)
+
+
+def internal_error(path: str, exc: Exception) -> JSONResponse:
+    """A bug: logged with its traceback, answered with a 500."""
+    logger.exception("unhandled error in %s", path, exc_info=exc)
+    return error_response(f"Internal server error: {exc!r}", 500, "InternalServerError")

@@ -20,11 +20,22 @@ from pydantic import ValidationError
 
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBaseModel
+from pagedserve.entrypoints.openai.serving_common import check_extra_fields, log_ignored
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields that keep their meaning from the Responses request to the chat one.
-_SAME_FIELDS = ("model", "temperature", "top_p", "logit_bias", "top_k", "min_p", "seed", "stop", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "parallel_tool_calls", "priority", "cache_salt", "timeout", "chat_template_kwargs")
+_SAME_FIELDS = ("model", "temperature", "top_p", "logit_bias", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "parallel_tool_calls", "priority",
+                "cache_salt", "timeout", "chat_template_kwargs")
+# Chat or completions fields a client may send here by mistake: each would change the answer,
+# so each is a 400 saying what to use (unless it holds its "off" value).
+_CHAT_ONLY = {"max_tokens": ("use max_output_tokens", (None,)), "max_completion_tokens": ("use max_output_tokens", (None,)),
+              "n": ("one response per request", (None, 1)), "response_format": ("use text.format", (None,)),
+              "structured_outputs": ("use text.format", (None,)), "guided_json": ("use text.format", (None,)),
+              "guided_regex": ("not supported here", (None,)), "guided_choice": ("not supported here", (None,)),
+              "guided_grammar": ("not supported here", (None,)), "logprobs": ("not supported here", (None, False, 0)),
+              "top_logprobs": ("not supported here", (None, 0)), "prompt_logprobs": ("not supported here", (None,)),
+              "echo": ("not supported here", (None, False)), "kv_transfer_params": ("not supported here", (None,))}
 
 
 class ResponsesRequest(OpenAIBaseModel):
@@ -55,6 +66,9 @@ class ResponsesRequest(OpenAIBaseModel):
     min_p: Optional[float] = None
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
     repetition_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
@@ -68,16 +82,19 @@ def _refuse(field: str, why: str) -> RequestError:
     return RequestError(f"{field}: {why}", param=field.split("[")[0].split(".")[0])
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, field: str) -> str:
+    """A string, or the text of a list of text parts; ``field`` names it in errors."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _refuse(f"{where}.content", "must be a string or a list of text parts.")
+        raise _refuse(field, "must be a string or a list of text parts.")
     parts = []
     for k, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _refuse(f"{where}.content[{k}]", f"only text parts (input_text, output_text) are supported, got {kind!r}.")
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in _TEXT_PARTS:
+            raise _refuse(f"{field}[{k}]", f"only text parts (input_text, output_text) are supported, got {kind!r}.")
+        if not isinstance(part.get("text"), str):
+            raise _refuse(f"{field}[{k}].text", "must be a string.")
         parts.append(part["text"])
     return "".join(parts)
 
@@ -89,6 +106,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     are dropped (the template would not show them). Raises RequestError naming the item."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    if not items:
+        raise _refuse("input", "must not be empty.")
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -98,7 +117,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise _refuse(f"{where}.role", f"must be user, assistant, system or developer, got {role!r}.")
-            messages.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), where)})
+            messages.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise _refuse(where, "a function_call needs call_id, name and arguments (strings).")
@@ -112,9 +131,11 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise _refuse(where, "a function_call_output needs call_id and output.")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output, where)})
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output, f"{where}.output")})
         elif kind != "reasoning":
             raise _refuse(f"{where}.type", f"{kind!r} is not supported (message, function_call, function_call_output, reasoning).")
+    if len(messages) == (1 if req.instructions else 0):
+        raise _refuse("input", "holds no message, function call or function call output.")
     return messages
 
 
@@ -127,6 +148,8 @@ def chat_tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str,
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else None
             raise _refuse(f"tools[{i}].type", f"only function tools are supported, got {kind!r}.")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise _refuse(f"tools[{i}].name", "must be a non-empty string.")
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}})
     return out
 
@@ -141,18 +164,39 @@ def chat_tool_choice(choice: Union[str, dict, None]) -> Union[str, dict, None]:
 
 def chat_response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """``text.format`` as chat's ``response_format``."""
-    fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+    if text is None or text.get("format") is None:
+        return None
+    fmt = text["format"]
+    if not isinstance(fmt, dict):
+        raise _refuse("text.format", 'must be an object such as {"type": "json_schema", "name": ..., "schema": {...}}.')
+    if fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise _refuse("text.format.schema", "must be a JSON schema object.")
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "schema", "schema": fmt.get("schema")}}
     raise _refuse("text.format.type", f"must be text, json_object or json_schema, got {fmt.get('type')!r}.")
 
 
-def check_stateless(req: ResponsesRequest) -> None:
-    """Refuse what needs a response store, background runs or hosted tools."""
+def check_responses_fields(req: ResponsesRequest) -> None:
+    """Refuse what needs a response store or background runs, chat's own fields, and numbers
+    that cannot be echoed as JSON; log once what is ignored. Raises RequestError naming the field."""
+    for name, (hint, off) in _CHAT_ONLY.items():
+        if name in (req.model_extra or {}) and req.model_extra[name] not in off:
+            raise _refuse(name, f"is not a Responses API field ({hint}).")
+    check_extra_fields(req)
+    for name in ("store", "reasoning", "include"):
+        if getattr(req, name):
+            log_ignored(name)  # nothing is stored; effort and encrypted reasoning mean nothing here
+    if isinstance(req.text, dict) and req.text.get("verbosity") is not None:
+        log_ignored("text.verbosity")
+    for name in ("tools", "tool_choice", "text", "reasoning", "metadata"):
+        try:
+            json.dumps(getattr(req, name), allow_nan=False)
+        except ValueError:
+            raise _refuse(name, "must not hold NaN or infinite numbers.") from None
     for field in ("previous_response_id", "conversation"):
         if getattr(req, field) is not None:
             raise _refuse(field, "this server keeps no responses; send the whole conversation as input.")
@@ -166,16 +210,15 @@ def check_stateless(req: ResponsesRequest) -> None:
         raise _refuse("include", "message.output_text.logprobs is not supported.")
 
 
-def to_chat_request(req: ResponsesRequest, stream: bool) -> ChatCompletionRequest:
-    """The chat request that computes this response (``return_token_ids`` on, so reasoning
-    tokens can be counted). Raises RequestError naming the Responses field."""
-    check_stateless(req)
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The streamed chat request that computes this response (with usage, and
+    ``return_token_ids`` so reasoning tokens can be counted). Raises RequestError naming the
+    Responses field."""
     fields = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
     fields.update(messages=input_messages(req), max_completion_tokens=req.max_output_tokens, tools=chat_tools(req.tools),
                   tool_choice=chat_tool_choice(req.tool_choice), response_format=chat_response_format(req.text))
     try:
-        return ChatCompletionRequest(return_token_ids=True, stream=stream, stream_options={"include_usage": True} if stream else None,
-                                     **fields)
+        return ChatCompletionRequest(return_token_ids=True, stream=True, stream_options={"include_usage": True}, **fields)
     except ValidationError as e:  # a message of the wrong shape (content an object, ...)
         raise RequestError(f"input could not be read: {e.errors()[0]['msg']}", param="input") from None
 

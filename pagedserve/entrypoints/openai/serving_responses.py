@@ -1,10 +1,13 @@
-"""``POST /v1/responses``: a Responses request run through the chat endpoint
+"""``POST /v1/responses``: a Responses request run through the chat endpoint's stream
 (:mod:`.responses_api` translates both ways), whole or as OpenAI's stream of typed events:
 ``response.created``, ``response.in_progress``, then per output item ``output_item.added``,
 its deltas (``reasoning_text``, ``output_text`` inside a ``content_part``,
 ``function_call_arguments``) and ``output_item.done``, and last ``response.completed`` (or
 ``response.incomplete`` when cut by ``max_output_tokens``; ``error`` + ``response.failed``
-when the request fails after it started). Every event carries a ``sequence_number``."""
+when the request fails after it started). Every event carries a ``sequence_number``.
+
+The whole answer is built by the same :class:`OutputItems` from the same chat chunks, so its
+items are exactly the streamed ones (text between tool calls is a message item of its own)."""
 from __future__ import annotations
 
 from contextlib import aclosing
@@ -14,13 +17,17 @@ from pagedserve.engine.async_llm import EngineDeadError
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.responses_api import (
-    ResponsesRequest, function_call_item, message_item, new_id, now, reasoning_item, response_object, sse_event, status_of,
-    to_chat_request, usage_object,
+    ResponsesRequest, check_responses_fields, function_call_item, message_item, new_id, now, reasoning_item, response_object,
+    sse_event, status_of, to_chat_request, usage_object,
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedserve.entrypoints.openai.serving_common import TokenizedPrompt, check_extra_fields, log_ignored
+from pagedserve.entrypoints.openai.serving_common import TokenizedPrompt
 from pagedserve.entrypoints.openai.tools import ToolPlan
 from pagedserve.sampling_params import SamplingParams
+
+# Chat's names in messages about a Responses request: (chat param, Responses param).
+_CHAT_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
+               ("response_format", "text.format"), ("messages", "input"))
 
 
 def reasoning_tokens(token_ids: list[int], params: SamplingParams) -> int:
@@ -31,6 +38,97 @@ def reasoning_tokens(token_ids: list[int], params: SamplingParams) -> int:
     return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
 
 
+class OutputItems:
+    """Chat stream chunks in, Responses events out (:meth:`feed`, :meth:`finish`); ``done``
+    holds the finished output items. A new item starts whenever the kind of delta changes
+    (reasoning, text, a new tool call)."""
+
+    def __init__(self) -> None:
+        self.done: list[dict] = []
+        self.cur: Optional[dict] = None  # the item being streamed
+        self.text: list[str] = []
+        self.seq = 0
+        self.token_ids: list[int] = []
+        self.finish_reason: Optional[str] = None
+        self.usage: Any = None
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def _close(self, status: str = "completed") -> list[dict]:
+        item, text, index = self.cur, "".join(self.text), len(self.done)
+        if item is None:
+            return []
+        ids = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "reasoning":
+            item = reasoning_item(item["id"], text)
+            events = [self.event("response.reasoning_text.done", **ids, content_index=0, text=text)]
+        elif item["type"] == "message":
+            item = message_item(item["id"], text)
+            events = [self.event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]),
+                      self.event("response.content_part.done", **ids, content_index=0, part=item["content"][0])]
+        else:
+            item = function_call_item(item["id"], item["call_id"], item["name"], text)
+            events = [self.event("response.function_call_arguments.done", **ids, name=item["name"], arguments=text)]
+        item["status"] = status
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        self.done.append(item)
+        self.cur, self.text = None, []
+        return events
+
+    def _open(self, item: dict) -> list[dict]:
+        events = self._close()
+        self.cur = item
+        events.append(self.event("response.output_item.added", output_index=len(self.done), item=item))
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=len(self.done), content_index=0, part=part))
+        return events
+
+    def _delta(self, kind: str, delta: str) -> list[dict]:
+        events = []
+        if self.cur is None or self.cur["type"] != kind:
+            item = {"reasoning": lambda: {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []},
+                    "message": lambda: message_item(new_id("msg"), "", status="in_progress")}[kind]()
+            events = self._open(item)
+        self.text.append(delta)
+        ids = {"item_id": self.cur["id"], "output_index": len(self.done)}
+        if kind == "reasoning":
+            events.append(self.event("response.reasoning_text.delta", **ids, content_index=0, delta=delta))
+        else:
+            events.append(self.event("response.output_text.delta", **ids, content_index=0, delta=delta, logprobs=[]))
+        return events
+
+    def feed(self, chunk: Any) -> list[dict]:
+        """The events of one chat chunk (the usage chunk, last, has none)."""
+        if not chunk.choices:
+            self.usage = chunk.usage
+        events = []
+        for ch in chunk.choices:
+            self.token_ids += getattr(ch, "token_ids", None) or []
+            d = ch.delta
+            if d.reasoning_content:
+                events += self._delta("reasoning", d.reasoning_content)
+            if d.content:
+                events += self._delta("message", d.content)
+            for tc in d.tool_calls or []:
+                if tc.id is not None:  # a new call
+                    events += self._open(function_call_item(new_id("fc"), tc.id, tc.function.name, "", status="in_progress"))
+                if tc.function is not None and tc.function.arguments:
+                    self.text.append(tc.function.arguments)
+                    events.append(self.event("response.function_call_arguments.delta", item_id=self.cur["id"],
+                                             output_index=len(self.done), delta=tc.function.arguments))
+            self.finish_reason = ch.finish_reason or self.finish_reason
+        return events
+
+    def finish(self) -> list[dict]:
+        """The events that close the last item (an empty message when nothing came); an answer
+        cut short leaves that item ``incomplete``, as OpenAI marks it."""
+        events = [] if self.cur or self.done else self._open(message_item(new_id("msg"), "", status="in_progress"))
+        return events + self._close(status_of(self.finish_reason)[0])
+
+
 class OpenAIServingResponses:
     """The Responses endpoint over the chat one (its template, tools, reasoning parser)."""
 
@@ -38,133 +136,64 @@ class OpenAIServingResponses:
         self.chats = chats
 
     def prepare(self, req: ResponsesRequest) -> tuple[ChatCompletionRequest, str, list[dict], TokenizedPrompt, SamplingParams, ToolPlan]:
-        """Check and render; raises RequestError (HTTP 400) naming the field."""
-        check_extra_fields(req)
-        for name in ("store", "reasoning", "include"):
-            if getattr(req, name):
-                log_ignored(name)  # nothing is stored; effort and encrypted reasoning have no meaning here
-        chat_req = to_chat_request(req, req.stream)
-        model, conv, prompt, params, plan = self.chats.prepare_chat(chat_req)
+        """Check and render; raises RequestError (HTTP 400) naming the Responses field."""
+        check_responses_fields(req)
+        chat_req = to_chat_request(req)
+        try:
+            model, conv, prompt, params, plan = self.chats.prepare_chat(chat_req)
+        except RequestError as e:
+            for chat_name, name in _CHAT_NAMES:
+                if e.param is not None and e.param.startswith(chat_name.split(".")[0]):
+                    e.message, e.param = e.message.replace(chat_name, name), name.split(".")[0]
+                    if chat_name == "messages":
+                        e.message = f"input, as rendered into chat turns: {e.message}"
+                    break
+            raise
         return chat_req, model, conv, prompt, params, plan
 
-    async def response_full(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, response_id: str, model: str, conv: list[dict],
-                            prompt: TokenizedPrompt, params: SamplingParams, plan: ToolPlan, engine_id: Optional[str] = None) -> dict:
+    async def _events(self, stream: bool, items: OutputItems, req: ResponsesRequest, chat_req: ChatCompletionRequest, response_id: str, model: str,
+                      conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams, plan: ToolPlan,
+                      engine_id: Optional[str]) -> AsyncIterator[dict]:
         created = now()
-        r = await self.chats.chat_full(chat_req, response_id, model, conv, prompt, params, plan, engine_id)
-        choice = r.choices[0]
-        msg = choice.message
-        output = []
-        if msg.reasoning_content:
-            output.append(reasoning_item(new_id("rs"), msg.reasoning_content))
-        if msg.content or not (output or msg.tool_calls):
-            output.append(message_item(new_id("msg"), msg.content or ""))
-        for call in msg.tool_calls or []:
-            output.append(function_call_item(new_id("fc"), call.id, call.function.name, call.function.arguments))
-        status, incomplete = status_of(choice.finish_reason)
-        details = r.usage.prompt_tokens_details
-        usage = usage_object(r.usage.prompt_tokens, details.cached_tokens if details else 0, r.usage.completion_tokens,
-                             reasoning_tokens(choice.token_ids or [], params))
-        return response_object(req, response_id, model, created, status, output, usage, incomplete)
-
-    async def response_stream(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, response_id: str, model: str, conv: list[dict],
-                              prompt: TokenizedPrompt, params: SamplingParams, plan: ToolPlan,
-                              engine_id: Optional[str] = None) -> AsyncIterator[str]:
-        created = now()
-        seq = 0
-        done: list[dict] = []  # finished output items
-        cur: Optional[dict] = None  # the item being streamed: {"item": ..., "text": [...]}
-        token_ids: list[int] = []
-        finish = usage = None
-
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal seq
-            seq += 1
-            return sse_event({"type": kind, "sequence_number": seq - 1, **fields})
 
         def response(status: str, **kw: Any) -> dict:
-            return response_object(req, response_id, model, created, status, list(done), **kw)
+            return response_object(req, response_id, model, created, status, list(items.done), **kw)
 
-        def close() -> list[str]:
-            """The events that end the current item; it joins ``done``."""
-            nonlocal cur
-            if cur is None:
-                return []
-            item, text, index = cur["item"], "".join(cur["text"]), len(done)
-            events = []
-            if item["type"] == "reasoning":
-                item = reasoning_item(item["id"], text)
-                events.append(event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
-            elif item["type"] == "message":
-                item = message_item(item["id"], text)
-                part = item["content"][0]
-                events.append(event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text, logprobs=[]))
-                events.append(event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part))
-            else:
-                item = function_call_item(item["id"], item["call_id"], item["name"], text)
-                events.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=text))
-            events.append(event("response.output_item.done", output_index=index, item=item))
-            done.append(item)
-            cur = None
-            return events
-
-        def open_item(item: dict) -> list[str]:
-            nonlocal cur
-            events = close()
-            cur = {"item": item, "text": []}
-            events.append(event("response.output_item.added", output_index=len(done), item=item))
-            if item["type"] == "message":
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                events.append(event("response.content_part.added", item_id=item["id"], output_index=len(done), content_index=0, part=part))
-            return events
-
-        def add(kind: str, delta: str) -> str:
-            cur["text"].append(delta)
-            index = len(done)
-            if kind == "reasoning":
-                return event("response.reasoning_text.delta", item_id=cur["item"]["id"], output_index=index, content_index=0, delta=delta)
-            if kind == "message":
-                return event("response.output_text.delta", item_id=cur["item"]["id"], output_index=index, content_index=0, delta=delta, logprobs=[])
-            return event("response.function_call_arguments.delta", item_id=cur["item"]["id"], output_index=index, delta=delta)
-
-        yield event("response.created", response=response("in_progress"))
-        yield event("response.in_progress", response=response("in_progress"))
+        yield items.event("response.created", response=response("in_progress"))
+        yield items.event("response.in_progress", response=response("in_progress"))
         try:
             async with aclosing(self.chats.chat_chunks(chat_req, response_id, model, conv, prompt, params, plan, engine_id)) as chunks:
                 async for c in chunks:
-                    if not c.choices:  # the usage chunk, last
-                        usage = c.usage
-                    for ch in c.choices:
-                        token_ids += getattr(ch, "token_ids", None) or []
-                        d = ch.delta
-                        if d.reasoning_content:
-                            if cur is None or cur["item"]["type"] != "reasoning":
-                                for e in open_item({"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []}):
-                                    yield e
-                            yield add("reasoning", d.reasoning_content)
-                        if d.content:
-                            if cur is None or cur["item"]["type"] != "message":
-                                for e in open_item(message_item(new_id("msg"), "", status="in_progress")):
-                                    yield e
-                            yield add("message", d.content)
-                        for tc in d.tool_calls or []:
-                            if tc.id is not None:  # a new call
-                                for e in open_item(function_call_item(new_id("fc"), tc.id, tc.function.name, "", status="in_progress")):
-                                    yield e
-                            if tc.function is not None and tc.function.arguments:
-                                yield add("function_call", tc.function.arguments)
-                        finish = ch.finish_reason or finish
-            if cur is None and not done:  # nothing was generated: one empty message, as the whole answer has
-                for e in open_item(message_item(new_id("msg"), "", status="in_progress")):
-                    yield e
-            for e in close():
+                    for e in items.feed(c):
+                        yield e
+            for e in items.finish():
                 yield e
-            status, incomplete = status_of(finish)
-            cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-            final = response(status, usage=usage_object(usage.prompt_tokens, cached, usage.completion_tokens, reasoning_tokens(token_ids, params)),
-                             incomplete=incomplete)
-            yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
+            status, incomplete = status_of(items.finish_reason)
+            u = items.usage
+            cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+            usage = usage_object(u.prompt_tokens, cached, u.completion_tokens, reasoning_tokens(items.token_ids, params))
+            yield items.event("response.completed" if status == "completed" else "response.incomplete",
+                              response=response(status, usage=usage, incomplete=incomplete))
         except (ValueError, RuntimeError) as e:
-            code = "server_error" if isinstance(e, EngineDeadError) or not isinstance(e, ValueError) else "invalid_request_error"
-            param = e.param if isinstance(e, RequestError) else None
-            yield event("error", code=code, message=str(e), param=param)
-            yield event("response.failed", response=response("failed", error={"code": code, "message": str(e)}))
+            if not stream:
+                raise
+            code = "invalid_request_error" if isinstance(e, ValueError) and not isinstance(e, EngineDeadError) else "server_error"
+            message = e.message if isinstance(e, RequestError) else str(e)
+            yield items.event("error", code=code, message=message, param=e.param if isinstance(e, RequestError) else None)
+            yield items.event("response.failed", response=response("failed", error={"code": code, "message": message}))
+
+    async def response_stream(self, *args: Any) -> AsyncIterator[str]:
+        """The SSE events; ``args`` as :meth:`response_full`'s."""
+        async with aclosing(self._events(True, OutputItems(), *args)) as events:
+            async for e in events:
+                yield sse_event(e)
+
+    async def response_full(self, *args: Any) -> dict:
+        """The ``response`` object of the last event. Raises what the chat stream raises when
+        the request fails (RequestError, EngineDeadError)."""
+        last = None
+        async with aclosing(self._events(False, OutputItems(), *args)) as events:
+            async for e in events:
+                last = e
+        return last["response"]
+
