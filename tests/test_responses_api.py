@@ -153,6 +153,9 @@ def test_ids_store_and_reasoning_fields(tiny_url, client, tiny_llm):
     assert httpx.post(tiny_url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2},
                       headers={"X-Request-Id": "h1"}).json()["id"] == "resp_h1"
     assert httpx.post(tiny_url + "/v1/responses", json={"model": "other", "input": "Hi"}).status_code == 404
+    for method, path in (("GET", "/v1/responses/resp_abc"), ("DELETE", "/v1/responses/resp_abc"), ("POST", "/v1/responses/resp_abc/cancel")):
+        r = httpx.request(method, tiny_url + path)
+        assert r.status_code == 404 and "stores no responses" in r.json()["error"]["message"], (method, path)
     kv_idle(tiny_llm)
 
 

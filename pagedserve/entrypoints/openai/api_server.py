@@ -191,6 +191,22 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
         result = await run_until_disconnect(raw_request, responses.response_full(*args))
         return result if isinstance(result, Response) else JSONResponse(result)  # a Response: the client left (499)
 
+    def not_stored(response_id: str) -> RequestError:
+        return RequestError(f"Response {response_id!r} not found: this server stores no responses (store is ignored).",
+                            param="response_id", status_code=404, err_type="NotFoundError")
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        raise not_stored(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        raise not_stored(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        raise not_stored(response_id)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         chats.check_model(req.model)
