@@ -97,6 +97,16 @@ def test_function_tools_round_trip(tiny_url, client, tiny_llm):
                  tools=[{"type": "function", "function": {k: TOOLS[0][k] for k in ("name", "description", "parameters")}}], tool_choice="none",
                  max_tokens=6)
     assert r2.output_text == want["choices"][0]["message"]["content"] and r2.usage.input_tokens == want["usage"]["prompt_tokens"]
+    # Without tools the history's call is still rendered (the packaged template, as with tools).
+    bare = httpx.post(tiny_url + "/tokenize", json={"model": "tiny", "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",
+                                                              "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}]}).json()["tokens"]
+    text = httpx.post(tiny_url + "/detokenize", json={"model": "tiny", "tokens": bare}).json()["prompt"]
+    assert "<tool_call>" in text and call.arguments in text and "<tool_response>" in text
+    r3 = client.responses.create(model="tiny", input=follow, max_output_tokens=2, temperature=0)
+    assert r3.usage.input_tokens == len(bare)
     kv_idle(tiny_llm)
 
 
@@ -135,6 +145,10 @@ def test_text_format_json_schema(client, tiny_llm):
     ({"n": 2}, "n"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"input": None, "instructions": "Be brief."}, "input"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+      "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ({"temperature": -1}, "temperature"),
 ])
 def test_refusals_are_400s_naming_the_field(tiny_url, tiny_llm, body, param):
@@ -142,7 +156,7 @@ def test_refusals_are_400s_naming_the_field(tiny_url, tiny_llm, body, param):
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
-    assert "max_completion_tokens" not in r.text and "messages" not in r.text  # chat's names stay out of it
+    assert "max_completion_tokens" not in r.text and "messages" not in r.text and "response_format" not in r.text or param == "response_format"
     kv_idle(tiny_llm)
 
 
@@ -150,6 +164,8 @@ def test_ids_store_and_reasoning_fields(tiny_url, client, tiny_llm):
     r = httpx.post(tiny_url + "/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 2, "request_id": "abc",
                                                  "store": True, "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"]})
     assert r.status_code == 200 and r.json()["id"] == "resp_abc" and r.json()["store"] is False  # nothing is stored
+    r = httpx.post(tiny_url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2, "user": "u1"}).json()
+    assert r["user"] == "u1" and r["temperature"] == 1.0 and r["top_p"] == 1.0  # as sampled
     assert httpx.post(tiny_url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2},
                       headers={"X-Request-Id": "h1"}).json()["id"] == "resp_h1"
     assert httpx.post(tiny_url + "/v1/responses", json={"model": "other", "input": "Hi"}).status_code == 404
@@ -261,6 +277,11 @@ def test_request_id_header_on_a_500_and_utf8_ids(tiny_llm, monkeypatch):
     with serve(tiny_llm, ServerArgs(enable_request_id_headers=True)) as base:
         r = httpx.post(base + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, headers={"X-Request-Id": "é-1".encode()})
         assert r.json()["id"] == "resp_é-1" and r.headers["x-request-id"] == "é-1"
+        # The header names the answer's id: the body's request_id, else the random one.
+        r = httpx.post(base + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2, "request_id": "body-7"})
+        assert r.json()["id"] == "resp_body-7" and r.headers["x-request-id"] == "body-7"
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert r.json()["id"] == "chatcmpl-" + r.headers["x-request-id"]
 
         def broken(self, req):
             raise KeyError("a bug")

@@ -44,17 +44,21 @@ def request_ids(prefix: str, request: Request, body_id: Optional[str]) -> tuple[
     base, field = (header, "X-Request-Id header") if header is not None else (body_id, "request_id")
     prefix += "_" if prefix == "resp" else "-"
     if base is None:
-        rid = f"{prefix}{uuid.uuid4().hex}"
-        return rid, rid
+        base = uuid.uuid4().hex
+        request.state.request_id = base  # the X-Request-Id of the answer (--enable-request-id-headers)
+        return prefix + base, prefix + base
     if not base or len(base) > MAX_REQUEST_ID_CHARS or not base.isprintable():
         raise RequestError(f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable characters.",
                            param="request_id" if header is None else None)
+    request.state.request_id = base
     return f"{prefix}{base}", f"{prefix}{base}-{secrets.token_hex(4)}"
 
 
 class RequestIdHeaderMiddleware:
     """Pure ASGI middleware (``--enable-request-id-headers``, vLLM's): every HTTP response
-    carries ``X-Request-Id``, the request's own header or else a new random hex."""
+    carries ``X-Request-Id``: the id a completion route chose (:func:`request_ids`: the header,
+    the body's ``request_id`` or its random hex), else the request's own header, else a new
+    random hex."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -62,7 +66,7 @@ class RequestIdHeaderMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
+        fallback = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
 
         started = False
 
@@ -70,6 +74,8 @@ class RequestIdHeaderMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                chosen = scope.get("state", {}).get("request_id")
+                rid = chosen.encode() if chosen is not None else fallback
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                 message = {**message, "headers": headers + [(b"x-request-id", rid)]}
             await send(message)

@@ -29,17 +29,20 @@ _SAME_FIELDS = ("model", "temperature", "top_p", "logit_bias", "top_k", "min_p",
                 "cache_salt", "timeout", "chat_template_kwargs")
 # Chat or completions fields a client may send here by mistake: each would change the answer,
 # so each is a 400 saying what to use (unless it holds its "off" value).
-_CHAT_ONLY = {"max_tokens": ("use max_output_tokens", (None,)), "max_completion_tokens": ("use max_output_tokens", (None,)),
-              "n": ("one response per request", (None, 1)), "response_format": ("use text.format", (None,)),
+_CHAT_ONLY = {"max_tokens": ("is chat's name; use max_output_tokens", (None,)),
+              "max_completion_tokens": ("is chat's name; use max_output_tokens", (None,)),
+              "n": ("must be 1: one response per request", (None, 1)),
+              "response_format": ("is chat's name; use text.format", (None,)),
               "structured_outputs": ("use text.format", (None,)), "guided_json": ("use text.format", (None,)),
-              "guided_regex": ("not supported here", (None,)), "guided_choice": ("not supported here", (None,)),
-              "guided_grammar": ("not supported here", (None,)), "logprobs": ("not supported here", (None, False, 0)),
-              "top_logprobs": ("not supported here", (None, 0)), "prompt_logprobs": ("not supported here", (None,)),
-              "echo": ("not supported here", (None, False)), "kv_transfer_params": ("not supported here", (None,))}
+              "guided_regex": ("is not supported here", (None,)), "guided_choice": ("is not supported here", (None,)),
+              "guided_grammar": ("is not supported here", (None,)), "logprobs": ("logprobs are not supported here", (None, False, 0)),
+              "top_logprobs": ("logprobs are not supported here", (None, 0)),
+              "prompt_logprobs": ("is not supported here", (None,)), "echo": ("is not supported here", (None, False)),
+              "kv_transfer_params": ("is not supported here", (None,))}
 
 
 class ResponsesRequest(OpenAIBaseModel):
-    input: Union[str, list[dict[str, Any]]]
+    input: Optional[Union[str, list[dict[str, Any]]]] = None
     model: Optional[str] = None
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
@@ -60,6 +63,7 @@ class ResponsesRequest(OpenAIBaseModel):
     prompt: Optional[Any] = None  # a stored prompt template's id
     reasoning: Optional[dict[str, Any]] = None
     truncation: Optional[str] = None
+    user: Optional[str] = None  # echoed
     request_id: Optional[str] = None  # vLLM's: the response id after ``resp_``
     # vLLM's sampling extras, as on chat completions
     top_k: Optional[int] = None
@@ -96,7 +100,7 @@ def _text_of(content: Any, field: str) -> str:
         if not isinstance(part.get("text"), str):
             raise _refuse(f"{field}[{k}].text", "must be a string.")
         parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)  # as chat joins its text parts
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -105,6 +109,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     (or start one) as ``tool_calls``, a ``function_call_output`` a ``tool`` turn; ``reasoning`` items
     are dropped (the template would not show them). Raises RequestError naming the item."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if req.input is None:
+        raise _refuse("input", "is required: this server keeps no conversation or prompt to answer.")
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     if not items:
         raise _refuse("input", "must not be empty.")
@@ -149,7 +155,8 @@ def chat_tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str,
             kind = t.get("type") if isinstance(t, dict) else None
             raise _refuse(f"tools[{i}].type", f"only function tools are supported, got {kind!r}.")
         if not isinstance(t.get("name"), str) or not t["name"]:
-            raise _refuse(f"tools[{i}].name", "must be a non-empty string.")
+            hint = ' (Responses tools are flat: {"type": "function", "name", "description", "parameters"})' if "function" in t else ""
+            raise _refuse(f"tools[{i}].name", f"must be a non-empty string{hint}.")
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}})
     return out
 
@@ -185,7 +192,7 @@ def check_responses_fields(req: ResponsesRequest) -> None:
     that cannot be echoed as JSON; log once what is ignored. Raises RequestError naming the field."""
     for name, (hint, off) in _CHAT_ONLY.items():
         if name in (req.model_extra or {}) and req.model_extra[name] not in off:
-            raise _refuse(name, f"is not a Responses API field ({hint}).")
+            raise _refuse(name, hint + ".")
     check_extra_fields(req)
     for name in ("store", "reasoning", "include"):
         if getattr(req, name):
@@ -234,19 +241,20 @@ def status_of(finish_reason: Optional[str]) -> tuple[str, Optional[dict]]:
     return "incomplete", {"reason": "max_output_tokens" if finish_reason == "length" else finish_reason}
 
 
-def response_object(req: ResponsesRequest, response_id: str, model: str, created_at: int, status: str,
+def response_object(req: ResponsesRequest, params: Any, response_id: str, model: str, created_at: int, status: str,
                     output: list[dict], usage: Optional[dict] = None, incomplete: Optional[dict] = None,
                     error: Optional[dict] = None) -> dict[str, Any]:
-    """The ``response`` object, echoing the request's settings as OpenAI does."""
+    """The ``response`` object, echoing the request's settings as OpenAI does (temperature and
+    top_p as sampled: ``params`` is the request's SamplingParams)."""
     return {
         "id": response_id, "object": "response", "created_at": created_at, "model": model, "status": status,
         "output": output, "usage": usage, "incomplete_details": incomplete, "error": error,
         "instructions": req.instructions, "metadata": req.metadata or {}, "max_output_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
+        "temperature": params.temperature, "top_p": params.top_p, "tools": req.tools or [],
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
         "previous_response_id": None, "reasoning": req.reasoning, "store": False, "truncation": "disabled",
-        "background": False, "user": None,
+        "background": False, "user": req.user,
     }
 
 

@@ -118,9 +118,10 @@ class OpenAIServingChat(OpenAIServing):
         server_template = self.chat_template
         if tools:
             kwargs["tools"] = tools
-            if server_template is None and "tools" not in (self.tokenizer.chat_template or ""):
-                server_template = tools_template()  # the model's template would drop the tools
-                kwargs.setdefault("tool_call_format", "json" if self.tool_call_parser in ("json", "llama3_json") else "hermes")
+        # A history with calls needs a template that shows them, tools given or not.
+        if (tools or any(m.get("tool_calls") for m in conv)) and server_template is None and "tools" not in (self.tokenizer.chat_template or ""):
+            server_template = tools_template()  # the model's template would drop the tools and the calls
+            kwargs.setdefault("tool_call_format", "json" if self.tool_call_parser in ("json", "llama3_json") else "hermes")
         try:
             if chat_template is not None:  # a client's program: sandboxed, with bounds on loops and output
                 text = render_untrusted(chat_template, conv, self.tokenizer, add_generation_prompt, continue_final_message, **kwargs)

@@ -141,13 +141,13 @@ class OpenAIServingResponses:
         chat_req = to_chat_request(req)
         try:
             model, conv, prompt, params, plan = self.chats.prepare_chat(chat_req)
-        except RequestError as e:
-            for chat_name, name in _CHAT_NAMES:
+        except RequestError as e:  # name the Responses fields, not the chat ones
+            if e.param is not None and e.param.startswith("messages"):
+                e.message = f"input, as rendered into chat turns: {e.message.replace('messages', 'input')}"
+            for chat_name, name in _CHAT_NAMES[:3]:
+                e.message = e.message.replace(chat_name, name)
                 if e.param is not None and e.param.startswith(chat_name.split(".")[0]):
-                    e.message, e.param = e.message.replace(chat_name, name), name.split(".")[0]
-                    if chat_name == "messages":
-                        e.message = f"input, as rendered into chat turns: {e.message}"
-                    break
+                    e.param = name.split(".")[0]
             raise
         return chat_req, model, conv, prompt, params, plan
 
@@ -157,7 +157,7 @@ class OpenAIServingResponses:
         created = now()
 
         def response(status: str, **kw: Any) -> dict:
-            return response_object(req, response_id, model, created, status, list(items.done), **kw)
+            return response_object(req, params, response_id, model, created, status, list(items.done), **kw)
 
         yield items.event("response.created", response=response("in_progress"))
         yield items.event("response.in_progress", response=response("in_progress"))
