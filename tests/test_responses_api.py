@@ -145,6 +145,15 @@ def test_text_format_json_schema(client, tiny_llm):
     ({"n": 2}, "n"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logprobs": True}, "logprobs"),
+    ({"user": "\ud800"}, "user"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"tool_choice": "any"}, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f\ud800", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+    ({"input": "Hi " * 600}, "input"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"input": None, "instructions": "Be brief."}, "input"),
     ({"tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
@@ -152,7 +161,7 @@ def test_text_format_json_schema(client, tiny_llm):
     ({"temperature": -1}, "temperature"),
 ])
 def test_refusals_are_400s_naming_the_field(tiny_url, tiny_llm, body, param):
-    r = httpx.post(tiny_url + "/v1/responses", content=json.dumps({"model": "tiny", "input": "Hi", **body}),  # NaN allowed
+    r = httpx.post(tiny_url + "/v1/responses", content=json.dumps({"model": "tiny", "input": "Hi", **body}),  # NaN and \ud800 pass
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
@@ -289,4 +298,20 @@ def test_request_id_header_on_a_500_and_utf8_ids(tiny_llm, monkeypatch):
         monkeypatch.setattr(OpenAIServingResponses, "prepare", broken)
         r = httpx.post(base + "/v1/responses", json={"input": "Hi"}, headers={"X-Request-Id": "e500"})
         assert r.status_code == 500 and r.headers["x-request-id"] == "e500" and r.json()["error"]["type"] == "InternalServerError"
+    kv_idle(tiny_llm)
+
+
+def test_chat_tool_history_with_a_lone_surrogate_is_a_400(tiny_url, tiny_llm):
+    """A call in the history is rendered now even without tools: its text is checked like a message's."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f\ud800", "arguments": "{}"}}
+    for path, key in (("/v1/chat/completions", "messages"), ("/tokenize", "messages")):
+        body = {"model": "tiny", key: [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "1"}], "max_tokens": 2}
+        r = httpx.post(tiny_url + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (path, r.text)
+    tools = [{"type": "function", "function": {"name": "f", "description": "d\ud800", "parameters": {"type": "object"}}}]
+    r = httpx.post(tiny_url + "/v1/chat/completions", content=json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                                           "tools": tools, "tool_choice": "none"}),
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     kv_idle(tiny_llm)

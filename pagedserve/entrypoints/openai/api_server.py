@@ -181,8 +181,8 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw_request: Request):
+        response_id, engine_id = request_ids("resp", raw_request, req.request_id)
         with llm.admission():
-            response_id, engine_id = request_ids("resp", raw_request, req.request_id)
             chat_req, model, conv, prompt, params, tools = await off_loop(responses.prepare, req)
         chats.log_request(engine_id, req, [len(prompt.token_ids)], [params])
         args = (req, chat_req, response_id, model, conv, prompt, params, tools, engine_id)

@@ -114,6 +114,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     if not items:
         raise _refuse("input", "must not be empty.")
+    call_ids: set[str] = set()
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -127,6 +128,9 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise _refuse(where, "a function_call needs call_id, name and arguments (strings).")
+            if item["call_id"] in call_ids:
+                raise _refuse(f"{where}.call_id", f"{item['call_id']!r} is the call_id of an earlier function_call.")
+            call_ids.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # its text and its calls are one chat turn
@@ -137,6 +141,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise _refuse(where, "a function_call_output needs call_id and output.")
+            if item["call_id"] not in call_ids:
+                raise _refuse(f"{where}.call_id", f"no function_call with call_id {item['call_id']!r} comes before it.")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output, f"{where}.output")})
         elif kind != "reasoning":
             raise _refuse(f"{where}.type", f"{kind!r} is not supported (message, function_call, function_call_output, reasoning).")
@@ -162,6 +168,8 @@ def chat_tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str,
 
 
 def chat_tool_choice(choice: Union[str, dict, None]) -> Union[str, dict, None]:
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise _refuse("tool_choice", f'must be "none", "auto", "required" or {{"type": "function", "name": ...}}, got {choice!r}.')
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise _refuse("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}.')
@@ -199,11 +207,14 @@ def check_responses_fields(req: ResponsesRequest) -> None:
             log_ignored(name)  # nothing is stored; effort and encrypted reasoning mean nothing here
     if isinstance(req.text, dict) and req.text.get("verbosity") is not None:
         log_ignored("text.verbosity")
-    for name in ("tools", "tool_choice", "text", "reasoning", "metadata"):
-        try:
-            json.dumps(getattr(req, name), allow_nan=False)
-        except ValueError:
-            raise _refuse(name, "must not hold NaN or infinite numbers.") from None
+    for name in ("tools", "tool_choice", "text", "reasoning", "metadata", "user"):
+        try:  # these are echoed in the answer: they must be valid JSON text
+            json.dumps(getattr(req, name), allow_nan=False, ensure_ascii=False).encode("utf-8")
+        except ValueError:  # UnicodeEncodeError too
+            raise _refuse(name, "must not hold NaN, infinite numbers or lone surrogates.") from None
+    meta = req.metadata or {}
+    if len(meta) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in meta.items()):
+        raise _refuse("metadata", "at most 16 pairs, keys of at most 64 characters and values of at most 512 (as OpenAI).")
     for field in ("previous_response_id", "conversation"):
         if getattr(req, field) is not None:
             raise _refuse(field, "this server keeps no responses; send the whole conversation as input.")

@@ -3,6 +3,7 @@ SSE stream (the role first, then content and tool-call deltas, as OpenAI sends t
 tool_choice: see :mod:`pagedserve.entrypoints.openai.tools`."""
 from __future__ import annotations
 
+import json
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
@@ -119,7 +120,10 @@ class OpenAIServingChat(OpenAIServing):
         if tools:
             kwargs["tools"] = tools
         # A history with calls needs a template that shows them, tools given or not.
-        if (tools or any(m.get("tool_calls") for m in conv)) and server_template is None and "tools" not in (self.tokenizer.chat_template or ""):
+        model_template = self.tokenizer.chat_template or ""
+        if isinstance(model_template, dict):  # named templates: "tool_use" is the one for tools
+            model_template = " ".join(model_template.values())
+        if (tools or any(m.get("tool_calls") for m in conv)) and server_template is None and "tools" not in model_template:
             server_template = tools_template()  # the model's template would drop the tools and the calls
             kwargs.setdefault("tool_call_format", "json" if self.tool_call_parser in ("json", "llama3_json") else "hermes")
         try:
@@ -134,6 +138,9 @@ class OpenAIServingChat(OpenAIServing):
             raise RequestError(str(e), param="chat_template") from None
         except Exception as e:  # jinja errors, a template that refuses the roles, ...
             raise RequestError(f"messages could not be rendered with the chat template: {e}", param="messages") from None
+        if tools:  # a lone surrogate in a tool's description, then in a call of the history
+            check_text(json.dumps(tools, ensure_ascii=False), "tools")
+        check_text(text, "messages")
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise RequestError("messages rendered to an empty prompt.", param="messages")

@@ -27,7 +27,7 @@ from pagedserve.sampling_params import SamplingParams
 
 # Chat's names in messages about a Responses request: (chat param, Responses param).
 _CHAT_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
-               ("response_format", "text.format"), ("messages", "input"))
+               ("response_format", "text.format"))
 
 
 def reasoning_tokens(token_ids: list[int], params: SamplingParams) -> int:
@@ -142,9 +142,10 @@ class OpenAIServingResponses:
         try:
             model, conv, prompt, params, plan = self.chats.prepare_chat(chat_req)
         except RequestError as e:  # name the Responses fields, not the chat ones
+            e.message = e.message.replace("messages[", "chat turn [").replace("messages", "input")
             if e.param is not None and e.param.startswith("messages"):
-                e.message = f"input, as rendered into chat turns: {e.message.replace('messages', 'input')}"
-            for chat_name, name in _CHAT_NAMES[:3]:
+                e.message, e.param = f"input, as rendered into chat turns: {e.message}", "input"
+            for chat_name, name in _CHAT_NAMES:
                 e.message = e.message.replace(chat_name, name)
                 if e.param is not None and e.param.startswith(chat_name.split(".")[0]):
                     e.param = name.split(".")[0]
