@@ -46,14 +46,10 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: Optional[bool] = False
 
 
-class _SamplingFields(OpenAIBaseModel):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM)."""
+class SamplingExtras(OpenAIBaseModel):
+    """Sampling and scheduling fields of vLLM's (and OpenAI's older) APIs that every generating
+    endpoint takes: completions, chat completions and Responses."""
 
-    model: Optional[str] = None
-    request_id: Optional[str] = None  # vLLM's: the response's id after its prefix (X-Request-Id wins)
-    n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     seed: Optional[int] = None
@@ -65,6 +61,19 @@ class _SamplingFields(OpenAIBaseModel):
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    cache_salt: Optional[str] = None
+    timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, smaller runs first
+
+
+class _SamplingFields(SamplingExtras):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM)."""
+
+    model: Optional[str] = None
+    request_id: Optional[str] = None  # vLLM's: the response's id after its prefix (X-Request-Id wins)
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -74,10 +83,7 @@ class _SamplingFields(OpenAIBaseModel):
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
     bad_words: Optional[list[str]] = None  # vLLM's: words never generated
-    cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (vLLM's field)
-    timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
-    priority: int = 0  # vLLM's: with --scheduling-policy priority, smaller runs first
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None

@@ -19,14 +19,12 @@ from typing import Any, Optional, Union
 from pydantic import ValidationError
 
 from pagedserve.engine.input_processor import RequestError
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBaseModel
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingExtras
 from pagedserve.entrypoints.openai.serving_common import check_extra_fields, log_ignored
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields that keep their meaning from the Responses request to the chat one.
-_SAME_FIELDS = ("model", "temperature", "top_p", "logit_bias", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "parallel_tool_calls", "priority",
-                "cache_salt", "timeout", "chat_template_kwargs")
+_SAME_FIELDS = ("model", "temperature", "top_p", "parallel_tool_calls", "chat_template_kwargs", *SamplingExtras.model_fields)
 # Chat or completions fields a client may send here by mistake: each would change the answer,
 # so each is a 400 saying what to use (unless it holds its "off" value).
 _CHAT_ONLY = {"max_tokens": ("is chat's name; use max_output_tokens", (None,)),
@@ -41,14 +39,13 @@ _CHAT_ONLY = {"max_tokens": ("is chat's name; use max_output_tokens", (None,)),
               "kv_transfer_params": ("is not supported here", (None,))}
 
 
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(SamplingExtras):  # vLLM's sampling extras, as on chat completions
     input: Optional[Union[str, list[dict[str, Any]]]] = None
     model: Optional[str] = None
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -65,20 +62,6 @@ class ResponsesRequest(OpenAIBaseModel):
     truncation: Optional[str] = None
     user: Optional[str] = None  # echoed
     request_id: Optional[str] = None  # vLLM's: the response id after ``resp_``
-    # vLLM's sampling extras, as on chat completions
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    repetition_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    priority: int = 0
-    cache_salt: Optional[str] = None
-    timeout: Optional[float] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
