@@ -124,7 +124,6 @@ def test_text_format_json_schema(client, tiny_llm):
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"text": {"format": {"type": "grammar"}}}, "text"),
@@ -145,6 +144,7 @@ def test_text_format_json_schema(client, tiny_llm):
     ({"n": 2}, "n"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"user": "\ud800"}, "user"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"tool_choice": "any"}, "tool_choice"),
@@ -154,7 +154,6 @@ def test_text_format_json_schema(client, tiny_llm):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f\ud800", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
     ({"input": "Hi " * 600}, "input"),
-    ({"top_logprobs": 3}, "top_logprobs"),
     ({"input": None, "instructions": "Be brief."}, "input"),
     ({"tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
       "text": {"format": {"type": "json_object"}}}, "tool_choice"),
@@ -314,4 +313,22 @@ def test_chat_tool_history_with_a_lone_surrogate_is_a_400(tiny_url, tiny_llm):
                                                                            "tools": tools, "tool_choice": "none"}),
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    kv_idle(tiny_llm)
+
+
+def test_output_text_logprobs_equal_chat(tiny_url, client, tiny_llm):
+    kw = dict(model="tiny", input="Hi", max_output_tokens=6, temperature=0, include=["message.output_text.logprobs"], top_logprobs=2)
+    want = _chat(tiny_url, [{"role": "user", "content": "Hi"}], max_tokens=6, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    r = client.responses.create(**kw)
+    part = r.output[0].content[0]
+    got = [lp.model_dump(exclude_none=True) for lp in part.logprobs]
+    assert [(g["token"], g["logprob"], g["bytes"]) for g in got] == [(w["token"], w["logprob"], w["bytes"]) for w in want]
+    assert [[t["token"] for t in g["top_logprobs"]] for g in got] == [[t["token"] for t in w["top_logprobs"]] for w in want]
+    assert all(len(g["top_logprobs"]) == 2 for g in got) and r.top_logprobs == 2
+    events = _events(client, **kw)
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [g["token"] for g in got]
+    assert [lp.token for lp in next(e for e in events if e.type == "response.output_text.done").logprobs] == streamed
+    plain = client.responses.create(model="tiny", input="Hi", max_output_tokens=3)
+    assert plain.output[0].content[0].logprobs == []
     kv_idle(tiny_llm)

@@ -33,8 +33,8 @@ _CHAT_ONLY = {"max_tokens": ("is chat's name; use max_output_tokens", (None,)),
               "response_format": ("is chat's name; use text.format", (None,)),
               "structured_outputs": ("use text.format", (None,)), "guided_json": ("use text.format", (None,)),
               "guided_regex": ("is not supported here", (None,)), "guided_choice": ("is not supported here", (None,)),
-              "guided_grammar": ("is not supported here", (None,)), "logprobs": ("logprobs are not supported here", (None, False, 0)),
-              "top_logprobs": ("logprobs are not supported here", (None, 0)),
+              "guided_grammar": ("is not supported here", (None,)),
+              "logprobs": ('is chat\'s; use include: ["message.output_text.logprobs"] and top_logprobs', (None, False, 0)),
               "prompt_logprobs": ("is not supported here", (None,)), "echo": ("is not supported here", (None, False)),
               "kv_transfer_params": ("is not supported here", (None,))}
 
@@ -52,7 +52,8 @@ class ResponsesRequest(SamplingExtras):  # vLLM's sampling extras, as on chat co
     text: Optional[dict[str, Any]] = None
     stream: bool = False
     metadata: Optional[dict[str, str]] = None
-    include: Optional[list[str]] = None
+    include: Optional[list[str]] = None  # "message.output_text.logprobs": logprobs of the text
+    top_logprobs: Optional[int] = None  # with those logprobs: the k most likely tokens at each position
     store: Optional[bool] = None  # nothing is stored; logged once when true
     previous_response_id: Optional[str] = None
     background: Optional[bool] = None
@@ -207,8 +208,6 @@ def check_responses_fields(req: ResponsesRequest) -> None:
         raise _refuse("background", "background responses are not supported.")
     if req.truncation not in (None, "disabled"):
         raise _refuse("truncation", 'only "disabled" is supported.')
-    if req.include and "message.output_text.logprobs" in req.include:
-        raise _refuse("include", "message.output_text.logprobs is not supported.")
 
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -218,10 +217,17 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fields = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
     fields.update(messages=input_messages(req), max_completion_tokens=req.max_output_tokens, tools=chat_tools(req.tools),
                   tool_choice=chat_tool_choice(req.tool_choice), response_format=chat_response_format(req.text))
+    if wants_logprobs(req):
+        fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
         return ChatCompletionRequest(return_token_ids=True, stream=True, stream_options={"include_usage": True}, **fields)
     except ValidationError as e:  # a message of the wrong shape (content an object, ...)
         raise RequestError(f"input could not be read: {e.errors()[0]['msg']}", param="input") from None
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """``include: ["message.output_text.logprobs"]``, or a ``top_logprobs`` other than 0."""
+    return (bool(req.include) and "message.output_text.logprobs" in req.include) or req.top_logprobs not in (None, 0)
 
 
 def new_id(prefix: str) -> str:
@@ -244,7 +250,7 @@ def response_object(req: ResponsesRequest, params: Any, response_id: str, model:
         "id": response_id, "object": "response", "created_at": created_at, "model": model, "status": status,
         "output": output, "usage": usage, "incomplete_details": incomplete, "error": error,
         "instructions": req.instructions, "metadata": req.metadata or {}, "max_output_tokens": req.max_output_tokens,
-        "temperature": params.temperature, "top_p": params.top_p, "tools": req.tools or [],
+        "temperature": params.temperature, "top_p": params.top_p, "top_logprobs": req.top_logprobs, "tools": req.tools or [],
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
         "previous_response_id": None, "reasoning": req.reasoning, "store": False, "truncation": "disabled",
@@ -262,8 +268,8 @@ def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: Optional[list] = None) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}] if status == "completed" else []
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 

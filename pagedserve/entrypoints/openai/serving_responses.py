@@ -38,6 +38,15 @@ def reasoning_tokens(token_ids: list[int], params: SamplingParams) -> int:
     return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
 
 
+def _logprobs(lps: Any) -> list[dict]:
+    """Chat's logprobs of a chunk in the Responses shape (``token``, ``logprob``, ``bytes``,
+    ``top_logprobs``)."""
+    if lps is None or not lps.content:
+        return []
+    return [{"token": c.token, "logprob": c.logprob, "bytes": c.bytes,
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in c.top_logprobs]} for c in lps.content]
+
+
 class OutputItems:
     """Chat stream chunks in, Responses events out (:meth:`feed`, :meth:`finish`); ``done``
     holds the finished output items. A new item starts whenever the kind of delta changes
@@ -47,6 +56,7 @@ class OutputItems:
         self.done: list[dict] = []
         self.cur: Optional[dict] = None  # the item being streamed
         self.text: list[str] = []
+        self.logprobs: list[dict] = []  # the current message's, with include message.output_text.logprobs
         self.seq = 0
         self.token_ids: list[int] = []
         self.finish_reason: Optional[str] = None
@@ -65,8 +75,8 @@ class OutputItems:
             item = reasoning_item(item["id"], text)
             events = [self.event("response.reasoning_text.done", **ids, content_index=0, text=text)]
         elif item["type"] == "message":
-            item = message_item(item["id"], text)
-            events = [self.event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]),
+            item = message_item(item["id"], text, logprobs=self.logprobs)
+            events = [self.event("response.output_text.done", **ids, content_index=0, text=text, logprobs=self.logprobs),
                       self.event("response.content_part.done", **ids, content_index=0, part=item["content"][0])]
         else:
             item = function_call_item(item["id"], item["call_id"], item["name"], text)
@@ -74,7 +84,7 @@ class OutputItems:
         item["status"] = status
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         self.done.append(item)
-        self.cur, self.text = None, []
+        self.cur, self.text, self.logprobs = None, [], []
         return events
 
     def _open(self, item: dict) -> list[dict]:
@@ -86,7 +96,7 @@ class OutputItems:
             events.append(self.event("response.content_part.added", item_id=item["id"], output_index=len(self.done), content_index=0, part=part))
         return events
 
-    def _delta(self, kind: str, delta: str) -> list[dict]:
+    def _delta(self, kind: str, delta: str, logprobs: Optional[list] = None) -> list[dict]:
         events = []
         if self.cur is None or self.cur["type"] != kind:
             item = {"reasoning": lambda: {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []},
@@ -97,7 +107,8 @@ class OutputItems:
         if kind == "reasoning":
             events.append(self.event("response.reasoning_text.delta", **ids, content_index=0, delta=delta))
         else:
-            events.append(self.event("response.output_text.delta", **ids, content_index=0, delta=delta, logprobs=[]))
+            self.logprobs += logprobs or []
+            events.append(self.event("response.output_text.delta", **ids, content_index=0, delta=delta, logprobs=logprobs or []))
         return events
 
     def feed(self, chunk: Any) -> list[dict]:
@@ -111,7 +122,7 @@ class OutputItems:
             if d.reasoning_content:
                 events += self._delta("reasoning", d.reasoning_content)
             if d.content:
-                events += self._delta("message", d.content)
+                events += self._delta("message", d.content, _logprobs(ch.logprobs))
             for tc in d.tool_calls or []:
                 if tc.id is not None:  # a new call
                     events += self._open(function_call_item(new_id("fc"), tc.id, tc.function.name, "", status="in_progress"))
