@@ -97,18 +97,22 @@ class OutputItems:
         return events
 
     def _delta(self, kind: str, delta: str, logprobs: Optional[list] = None) -> list[dict]:
+        """One text delta of the current item; reasoning and text open their item when the
+        kind changes (a call's item was opened by its id)."""
         events = []
-        if self.cur is None or self.cur["type"] != kind:
-            item = {"reasoning": lambda: {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []},
-                    "message": lambda: message_item(new_id("msg"), "", status="in_progress")}[kind]()
+        if kind != "function_call" and (self.cur is None or self.cur["type"] != kind):
+            item = ({"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []} if kind == "reasoning"
+                    else message_item(new_id("msg"), "", status="in_progress"))
             events = self._open(item)
         self.text.append(delta)
         ids = {"item_id": self.cur["id"], "output_index": len(self.done)}
         if kind == "reasoning":
             events.append(self.event("response.reasoning_text.delta", **ids, content_index=0, delta=delta))
-        else:
+        elif kind == "message":
             self.logprobs += logprobs or []
             events.append(self.event("response.output_text.delta", **ids, content_index=0, delta=delta, logprobs=logprobs or []))
+        else:
+            events.append(self.event("response.function_call_arguments.delta", **ids, delta=delta))
         return events
 
     def feed(self, chunk: Any) -> list[dict]:
@@ -127,9 +131,7 @@ class OutputItems:
                 if tc.id is not None:  # a new call
                     events += self._open(function_call_item(new_id("fc"), tc.id, tc.function.name, "", status="in_progress"))
                 if tc.function is not None and tc.function.arguments:
-                    self.text.append(tc.function.arguments)
-                    events.append(self.event("response.function_call_arguments.delta", item_id=self.cur["id"],
-                                             output_index=len(self.done), delta=tc.function.arguments))
+                    events += self._delta("function_call", tc.function.arguments)
             self.finish_reason = ch.finish_reason or self.finish_reason
         return events
 
@@ -163,10 +165,11 @@ class OpenAIServingResponses:
             raise
         return chat_req, model, conv, prompt, params, plan
 
-    async def _events(self, stream: bool, items: OutputItems, req: ResponsesRequest, chat_req: ChatCompletionRequest, response_id: str, model: str,
+    async def _events(self, stream: bool, req: ResponsesRequest, chat_req: ChatCompletionRequest, response_id: str, model: str,
                       conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams, plan: ToolPlan,
                       engine_id: Optional[str]) -> AsyncIterator[dict]:
         created = now()
+        items = OutputItems()
 
         def response(status: str, **kw: Any) -> dict:
             return response_object(req, params, response_id, model, created, status, list(items.done), **kw)
@@ -196,7 +199,7 @@ class OpenAIServingResponses:
 
     async def response_stream(self, *args: Any) -> AsyncIterator[str]:
         """The SSE events; ``args`` as :meth:`response_full`'s."""
-        async with aclosing(self._events(True, OutputItems(), *args)) as events:
+        async with aclosing(self._events(True, *args)) as events:
             async for e in events:
                 yield sse_event(e)
 
@@ -204,7 +207,7 @@ class OpenAIServingResponses:
         """The ``response`` object of the last event. Raises what the chat stream raises when
         the request fails (RequestError, EngineDeadError)."""
         last = None
-        async with aclosing(self._events(False, OutputItems(), *args)) as events:
+        async with aclosing(self._events(False, *args)) as events:
             async for e in events:
                 last = e
         return last["response"]
