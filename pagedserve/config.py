@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedserve.kv_transfer_config import KVTransferConfig  # noqa: F401  (part of the engine's config)
+from pagedserve.spec_decode_config import SpeculativeConfig
 
 DEFAULT_TOKEN_BUDGET = 2048
 # Step-time target (ms): see benchmarks/README.md, "Issue 15: bounded step time", for the choice.
@@ -90,6 +91,9 @@ class EngineConfig:
         trace_file: write one JSON record per step to this file (JSON lines, flushed each
             step; the file is truncated when the engine starts), or None. Written by the
             process that runs the engine core.
+        speculative_config: a :class:`SpeculativeConfig` as a dict (or JSON text), or None (no
+            speculative decoding). n-gram drafts verified in one pass; greedy output is
+            unchanged. Stored as a plain dict with every key filled in.
         tensor_parallel_size: ranks the model is sharded over (Megatron-style: attention heads,
             KV heads and the KV cache, MLP width, vocabulary); it must divide the query and KV
             head counts and the MLP width. 1 = the engine runs the model in its own process.
@@ -148,6 +152,9 @@ class EngineConfig:
     kv_transfer_config: Optional[dict] = field(default=None, metadata=_flag(
         "prefill/decode disaggregation, as JSON: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., "
         "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}"))
+    speculative_config: Optional[dict] = field(default=None, metadata=_flag(
+        "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
+        "\"prompt_lookup_min\": 2, \"disable_by_batch_size\": null}"))
     # -- tensor parallelism --
     tensor_parallel_size: int = field(default=1, metadata=_flag("ranks the model is sharded over", "--tensor-parallel-size", "-tp"))
     distributed_executor_backend: str = field(default="mp", metadata=_flag("how tensor-parallel ranks run", choices=["mp", "ray"]))
@@ -214,6 +221,10 @@ class EngineConfig:
         self.max_step_decode_multiple = float(m)
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = dataclasses.asdict(KVTransferConfig.from_value(self.kv_transfer_config))
+        if self.speculative_config is not None:
+            self.speculative_config = dataclasses.asdict(SpeculativeConfig.from_value(self.speculative_config))
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config together with tensor_parallel_size > 1 is not supported")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -248,6 +259,11 @@ class EngineConfig:
     def kv_transfer(self) -> Optional[KVTransferConfig]:
         """The parsed ``kv_transfer_config`` (None without disaggregation)."""
         return KVTransferConfig(**self.kv_transfer_config) if self.kv_transfer_config is not None else None
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """The parsed ``speculative_config`` (None without speculative decoding)."""
+        return SpeculativeConfig(**self.speculative_config) if self.speculative_config is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

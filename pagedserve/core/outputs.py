@@ -34,12 +34,15 @@ class ModelRunnerOutput:
         prompt_logprobs: request id -> :data:`PromptLogprobs` of the prompt positions this
             step's chunk computed, for requests that asked for prompt logprobs (each position
             once, in order, through chunking and preemption).
+        num_accepted_tokens: for requests scheduled with draft tokens, how many of the drafts
+            were kept (a leading run, 0 to all); ``sampled`` is then the token after them.
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     kv_connector_output: Optional["KVConnectorOutput"] = None
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,7 +111,8 @@ class EngineCoreOutput:
     """What changed for one request in one step.
 
     Attributes:
-        new_token_ids: tokens sampled this step (one, or none when only finishing).
+        new_token_ids: tokens sampled this step (one, several with speculative decoding, or
+            none when only finishing).
         new_logprobs: logprobs of the new token, when asked.
         finish_reason: "stop" (EOS, a stop token id or a completed grammar), "length",
             "error" (the request's grammar could not be followed; ``error`` says why), or None.
@@ -153,6 +157,10 @@ class SchedulerStats:
             instance sent / received over its KV connector.
         kv_transfer_failures: cumulative failed transfers by reason.
         kv_transfer_seconds: wall times (s) of the loads completed in the last step only.
+        spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens:
+            cumulative verified decodes that carried drafts, their drafts, and the drafts kept.
+        spec_decode_num_accepted_tokens_per_pos: cumulative drafts kept at each draft position
+            (key: the position from 0, as a string).
     """
 
     num_running: int = 0
@@ -168,6 +176,10 @@ class SchedulerStats:
     kv_transfer_received_tokens: int = 0
     kv_transfer_failures: dict[str, int] = field(default_factory=dict)
     kv_transfer_seconds: list[float] = field(default_factory=list)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

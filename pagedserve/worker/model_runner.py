@@ -25,6 +25,7 @@ from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.rejection_sampler import rejection_sample
 from pagedserve.model.sampler import Sampler, apply_grammar_bitmask, gather_logprobs
 from pagedserve.ops import kv_int8
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch
@@ -116,6 +117,11 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput()
         batch = self.input_batch
+        spec = so.scheduled_spec_decode_tokens
+        for rid, drafts in spec.items():  # drafts go after the known tokens; kept ones stay there
+            row = batch.row_of[rid]
+            n = int(batch.num_tokens[row])
+            batch.token_ids[row, n: n + len(drafts)] = drafts
         decode_ids: list[str] = []
         prefill_ids: list[str] = []
         for rid, n in so.num_scheduled_tokens.items():
@@ -146,8 +152,14 @@ class ModelRunner:
 
         out = ModelRunnerOutput()
         self._prompt_logprobs(order, rows, nsched, context, ends, hidden, out)
-        # A request samples when its chunk reaches the end of the tokens the worker holds.
-        samples = context + nsched == batch.num_tokens[rows]
+        # A request samples when its chunk (less its drafts) reaches the end of the tokens the worker holds.
+        ndraft = np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order)) if spec else 0
+        samples = context + nsched - ndraft == batch.num_tokens[rows]
+        if spec:
+            verify = samples & (ndraft > 0)
+            self._verify_drafts([order[i] for i in np.flatnonzero(verify).tolist()], rows[verify], ends[verify], ndraft[verify],
+                                spec, hidden, out)
+            samples &= ~verify
         if not samples.any():
             return out
         sample_rows = rows[samples]
@@ -165,7 +177,7 @@ class ModelRunner:
             self.model.tp.broadcast(res.sampled_token_ids.to(torch.int64).contiguous())
         tokens = res.sampled_token_ids.cpu().numpy()
         batch.append_sampled(sample_rows, tokens)
-        out.sampled = dict(zip(sample_ids, tokens.tolist()))
+        out.sampled.update(zip(sample_ids, tokens.tolist()))
         if res.logprobs is not None:
             lp = res.logprobs.tolist()
             ids = res.logprob_token_ids.tolist()
@@ -175,6 +187,25 @@ class ModelRunner:
                 if k >= 0:
                     out.logprobs[rid] = (ids[i][: k + 1], lp[i][: k + 1], ranks[i])
         return out
+
+    def _verify_drafts(self, req_ids: list[str], rows: np.ndarray, ends: np.ndarray, ndraft: np.ndarray,
+                       spec: dict[str, list[int]], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Speculative decoding: score each request's last token and drafts (its chunk's last
+        ``1 + k`` rows of ``hidden``), keep the drafts its sampling accepts and append them and
+        the token after them to its row (see :mod:`pagedserve.model.rejection_sampler`)."""
+        batch = self.input_batch
+        hrows = np.concatenate([np.arange(e - 1 - k, e) for e, k in zip(ends.tolist(), ndraft.tolist())])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(hrows).to(self.device)])
+        draft_ids = [t for rid in req_ids for t in (*spec[rid], -1)]
+        kept, tokens = rejection_sample(logits, batch.sampling_metadata(np.repeat(rows, ndraft + 1)),
+                                        torch.tensor(draft_ids, dtype=torch.int64, device=self.device), ndraft.tolist(),
+                                        self.model.backend.argmax)
+        for rid, row, a, tok in zip(req_ids, rows.tolist(), kept, tokens):
+            n = int(batch.num_tokens[row]) + a  # the kept drafts are already in place
+            batch.token_ids[row, n] = tok
+            batch.num_tokens[row] = n + 1
+            out.sampled[rid] = tok
+            out.num_accepted_tokens[rid] = a
 
     # Rows of logits scored at once for prompt logprobs: [rows, vocab] float32 (49k vocab: 100 MB).
     PROMPT_LOGPROBS_ROWS = 512

@@ -86,6 +86,9 @@ class SchedulerOutput:
             constrained request samples.
         kv_connector_metadata: what the KV connector's scheduler side planned this step
             (``pagedserve.distributed.kv_transfer.base.KVConnectorMetadata``), or None.
+        scheduled_spec_decode_tokens: request id -> draft tokens (speculative decoding): the
+            request's ``num_scheduled_tokens`` are its last token then these, at the positions
+            after its known tokens; the worker verifies them.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -97,6 +100,7 @@ class SchedulerOutput:
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Optional[bytes] = None
     kv_connector_metadata: Optional[Any] = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -28,11 +28,12 @@ from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
 from pagedserve.core.sched.remote_kv import RemoteKVMixin
 from pagedserve.core.sched.request_queue import make_request_queue, priority_key
 from pagedserve.core.sched.stop import check_stop
+from pagedserve.core.sched.spec_decode import SpecDecodeMixin
 from pagedserve.core.sched.step_time import StepTimeMixin
 from pagedserve.core.structured_output import StructuredOutputManager
 
 
-class Scheduler(RemoteKVMixin, StepTimeMixin):
+class Scheduler(RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
     """Decides who runs each step; owns the request queues and the KV cache manager.
 
     Args:
@@ -66,6 +67,7 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         self.num_with_deadline = 0
         self.timed_out: list[Request] = []  # finished at their deadline, reported by the next update
         self._init_step_time()
+        self._init_spec_decode()
         self._init_remote_kv(kv_connector)
 
     # -- queue management ------------------------------------------------------------------
@@ -137,6 +139,17 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         self.stats.num_preemptions += 1
         self.waiting.prepend(req)
 
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate ``num_new`` slots for a running request, preempting from the back of the
+        running list until they fit; False when ``req`` itself had to go."""
+        while self.kv_cache_manager.allocate_slots(req, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_req_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and tokens, allocate their blocks, advance their
         ``num_computed_tokens`` as if the step succeeds (the model runs every scheduled token),
@@ -154,11 +167,16 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         decodes_left = limit.num_decodes if limit is not None else 0  # not scheduled yet: kept from prefills
 
         # 1) running requests, in list order; preempt from the back when blocks run out.
+        # Drafts (speculative decoding) only in steps that prefill nothing under the step-time
+        # bound, and only from the budget left after one token per decode.
+        speculate = limit is None and self._may_speculate()
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1) if speculate else 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = self._chunk(remaining, budget)
+            drafts: list[int] = []
             if limit is not None:
                 if remaining == 1:
                     decodes_left -= 1
@@ -167,20 +185,21 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
                     if num_new <= 0:  # no time left for this chunk; the decodes behind it still run
                         i += 1
                         continue
-            while kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_req_ids.append(victim.request_id)
-                if victim is req:
-                    break
-            else:
-                if limit is not None and remaining > 1:
-                    limit.add(num_new, req.num_computed_tokens)
-                scheduled.append((req, req.num_computed_tokens, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # req itself was preempted: nothing after it is left
+            elif speculate and remaining == 1:
+                num_decodes -= 1
+                drafts = self._draft_tokens(req, budget - 1 - num_decodes)
+                if drafts and kv.allocate_slots(req, 1 + len(drafts)) is None:
+                    drafts = []  # no room to speculate: never preempt for drafts
+            if not drafts and not self._allocate_or_preempt(req, num_new, out):
+                break  # req itself was preempted: nothing after it is left
+            if drafts:
+                num_new += len(drafts)
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
+            if limit is not None and remaining > 1:
+                limit.add(num_new, req.num_computed_tokens)
+            scheduled.append((req, req.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
 
         # 2) waiting requests, in the policy's order, unless this step had to preempt.
         if not out.preempted_req_ids:
@@ -282,20 +301,26 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
             req = self.scheduled_requests.get(rid)
             if req is not None and not req.is_finished():
                 req.add_prompt_logprobs(chunk)
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
         for rid, tok in runner_output.sampled.items():
             req = self.scheduled_requests.get(rid)
             if req is None or req.is_finished():  # aborted between schedule and update
                 continue
-            req.append_output_token_ids([tok])
-            req.num_tokens_on_worker += 1  # the worker sampled it, so it holds it
+            drafts = drafts_of.get(rid)
+            tokens = self._accept_drafts(req, drafts, runner_output.num_accepted_tokens.get(rid, 0), tok) if drafts else [tok]
             if req.first_token_time is None:
                 req.first_token_time = now
                 self.stats.num_prompt_tokens += req.num_prompt_tokens
             req.last_token_time = now
-            self.stats.num_generation_tokens += 1
+            for n, tok in enumerate(tokens, start=1):  # the worker sampled them, so it holds them
+                req.append_output_token_ids([tok])
+                req.num_tokens_on_worker += 1
+                stopped = check_stop(req, tok, self.config.max_model_len, self.structured_output_manager)
+                if stopped:
+                    break
+            self.stats.num_generation_tokens += n
             self.kv_cache_manager.update_block_hashes(req)
-            stopped = check_stop(req, tok, self.config.max_model_len, self.structured_output_manager)
-            out = EngineCoreOutput(rid, [tok], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
+            out = EngineCoreOutput(rid, tokens[:n], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
                                    max(0, req.num_cached_tokens), req.first_scheduled_time, req.error)
             if req.pending_prompt_logprobs is not None:
                 out.new_prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, None
@@ -317,4 +342,5 @@ class Scheduler(RemoteKVMixin, StepTimeMixin):
         s.num_free_blocks = self.kv_cache_manager.num_free_blocks
         snap = SchedulerStats(**vars(s))
         snap.kv_transfer_failures = dict(s.kv_transfer_failures)
+        snap.spec_decode_num_accepted_tokens_per_pos = dict(s.spec_decode_num_accepted_tokens_per_pos)
         return snap

@@ -1,0 +1,99 @@
+"""The scheduler's part in speculative decoding (a mixin of :class:`Scheduler`), and the n-gram
+proposer. Torch-free.
+
+A decode whose request may speculate is scheduled as ``1 + k`` tokens: its last sampled token
+and ``k`` drafts (``SchedulerOutput.scheduled_spec_decode_tokens``), with blocks for all of
+them; ``num_computed_tokens`` advances by ``1 + k`` as for any chunk. The worker scores every
+position, keeps the drafts up to the first one the request's sampling rejects and samples one
+token after them (``ModelRunnerOutput.num_accepted_tokens`` and ``sampled``). The update then
+appends the accepted drafts and that token and takes the rejected drafts back off
+``num_computed_tokens``: their K/V sits in slots past the request's computed tokens, which the
+next step's tokens overwrite, and no block holding them is ever hashed (only full blocks of
+accepted tokens are). After vLLM v1's scheduler (``spec_token_ids``, ``num_rejected``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from pagedserve.core.request import Request
+from pagedserve.spec_decode_config import SpeculativeConfig
+
+
+def propose_ngram(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``k`` draft tokens for a sequence: the tokens that followed the latest earlier
+    occurrence of its longest suffix of ``min_n`` to ``max_n`` tokens (prompt lookup).
+
+    Args:
+        token_ids: ``[L]`` int64, the request's prompt and output so far.
+    Returns:
+        the drafts (possibly fewer than ``k`` near the end of the sequence; empty when no
+        suffix of ``min_n`` tokens occurred before).
+    """
+    L = len(token_ids)
+    if L < min_n + 1 or k < 1:
+        return []
+    # Candidate ends j < L - 1 of an earlier occurrence: token j equals the last token.
+    ends = np.flatnonzero(token_ids[: L - 1] == token_ids[L - 1])
+    if len(ends) == 0:
+        return []
+    matched = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for m in range(1, max_n):
+        ok = alive & (ends - m >= 0)
+        ok[ok] = token_ids[ends[ok] - m] == token_ids[L - 1 - m]
+        alive = ok
+        if not alive.any():
+            break
+        matched += alive
+    best = int(matched.max())
+    if best < min_n:
+        return []
+    j = int(ends[np.flatnonzero(matched == best)[-1]])  # the latest of the longest matches
+    return token_ids[j + 1: j + 1 + k].tolist()
+
+
+class SpecDecodeMixin:
+    """Needs ``self.config``, ``self.running`` and ``self.stats`` of the Scheduler.
+
+    ``spec`` is the parsed config (None: no speculative decoding)."""
+
+    def _init_spec_decode(self) -> None:
+        self.spec: Optional[SpeculativeConfig] = self.config.speculative
+
+    def _may_speculate(self) -> bool:
+        """Whether this step proposes drafts at all (on, and the batch below
+        ``disable_by_batch_size``)."""
+        s = self.spec
+        return s is not None and (s.disable_by_batch_size is None or len(self.running) < s.disable_by_batch_size)
+
+    def _draft_tokens(self, req: Request, max_drafts: int) -> list[int]:
+        """Drafts for a decode of ``req`` (at most ``max_drafts``; none for a request whose
+        sampling depends on the tokens before each position or reports logprobs per token:
+        penalties, bad words, min_tokens not yet out, logprobs, a grammar; none past
+        ``max_tokens`` or ``max_model_len``)."""
+        p = req.sampling_params
+        if (req.grammar is not None or p.logprobs is not None or p.bad_words or req.num_output_tokens < p.min_tokens
+                or (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) != (1.0, 0.0, 0.0)):
+            return []
+        k = min(self.spec.num_speculative_tokens, max_drafts, req.max_tokens - req.num_output_tokens - 1,
+                self.config.max_model_len - req.num_tokens - 1)
+        if k < 1:
+            return []
+        tokens = np.fromiter(req.all_token_ids, dtype=np.int64, count=req.num_tokens)
+        return propose_ngram(tokens, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+
+    def _accept_drafts(self, req: Request, drafts: list[int], num_accepted: int, token: int) -> list[int]:
+        """The tokens a verified decode adds (the accepted drafts, then ``token``), with the
+        rejected drafts taken off ``num_computed_tokens`` and counted."""
+        num_accepted = max(0, min(num_accepted, len(drafts)))
+        req.num_computed_tokens -= len(drafts) - num_accepted
+        s = self.stats
+        s.spec_decode_num_drafts += 1
+        s.spec_decode_num_draft_tokens += len(drafts)
+        s.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = s.spec_decode_num_accepted_tokens_per_pos
+        for pos in range(num_accepted):
+            per_pos[str(pos)] = per_pos.get(str(pos), 0) + 1
+        return drafts[:num_accepted] + [token]
