@@ -29,7 +29,7 @@ def make_kv_manager(num_blocks: int = 16, caching: bool = True, identity: str = 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, max_model_len: Optional[int] = None,
                    chunked: bool = True, threshold: int = 0, caching: bool = True, max_step_ms: float = 0.0,
-                   max_step_decode_multiple: float = 0.0, policy: str = "fcfs") -> Scheduler:
+                   max_step_decode_multiple: float = 0.0, policy: str = "fcfs", spec: Optional[dict] = None) -> Scheduler:
     """A scheduler over a fresh pool of ``num_blocks`` blocks of ``B`` tokens. The step-time
     bound is off unless ``max_step_ms`` is given (the token-budget tests pin the plain rule;
     with it on, ``step(..., step_ms=...)`` plays the clock); its decode multiple is off unless
@@ -37,7 +37,7 @@ def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8
     cfg = EngineConfig(
         block_size=B, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold, enable_prefix_caching=caching, max_step_ms=max_step_ms,
-        max_step_decode_multiple=max_step_decode_multiple, scheduling_policy=policy,
+        max_step_decode_multiple=max_step_decode_multiple, scheduling_policy=policy, speculative_config=spec,
     ).resolved(max_model_len or num_blocks * B)
     sched = Scheduler(cfg, make_kv_manager(num_blocks, caching, "unit"))
     sched.fake_worker = FakeWorker()
@@ -166,9 +166,10 @@ def assert_scheduler_idle(sched: Scheduler) -> None:
     assert_pool_idle(sched.kv_cache_manager)
 
 
-def check_invariants(sched: Scheduler) -> None:
+def check_invariants(sched: Scheduler, spare_tokens: int = 0) -> None:
     """design.md's invariants, checkable at any point between steps, plus: the fake worker's
-    view (built from the messages alone) equals the scheduler's."""
+    view (built from the messages alone) equals the scheduler's. ``spare_tokens``: a block
+    table may also cover that many tokens past the computed ones (rejected drafts)."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     live = sched.requests
@@ -216,7 +217,7 @@ def check_invariants(sched: Scheduler) -> None:
     # Block tables cover exactly the computed tokens (they only grow; no over-allocation).
     for req in sched.running:
         blocks = kv.req_to_blocks.get(req.request_id, [])
-        assert len(blocks) == -(-req.num_computed_tokens // B), req
+        assert -(-req.num_computed_tokens // B) <= len(blocks) <= -(-(req.num_computed_tokens + spare_tokens) // B), req
         assert 0 < req.num_computed_tokens <= req.num_tokens
     for req in sched.waiting:
         assert req.request_id not in kv.req_to_blocks

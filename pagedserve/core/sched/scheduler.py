@@ -187,7 +187,8 @@ class Scheduler(RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
                         continue
             elif speculate and remaining == 1:
                 num_decodes -= 1
-                drafts = self._draft_tokens(req, budget - 1 - num_decodes)
+                room = (len(kv.req_to_blocks.get(req.request_id, ())) + kv.num_free_blocks) * kv.block_size - req.num_tokens
+                drafts = self._draft_tokens(req, min(budget - 1 - num_decodes, room))
                 if drafts and kv.allocate_slots(req, 1 + len(drafts)) is None:
                     drafts = []  # no room to speculate: never preempt for drafts
             if not drafts and not self._allocate_or_preempt(req, num_new, out):

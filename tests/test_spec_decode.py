@@ -1,0 +1,285 @@
+"""Speculative decoding (n-gram drafts): the config, the proposer, the scheduler's bookkeeping
+with a fake model (no torch), the rejection sampler's exactness, and the real engine's greedy
+output against decoding one token at a time."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+from core_utils import EOS, B, assert_scheduler_idle, check_invariants, make_request, make_scheduler
+from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import ModelRunnerOutput
+from pagedserve.core.request import RequestStatus
+from pagedserve.core.sched.spec_decode import propose_ngram
+from pagedserve.model.rejection_sampler import rejection_sample
+from pagedserve.model.sampling_metadata import SamplingMetadata
+from pagedserve.spec_decode_config import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+# -- config ------------------------------------------------------------------------------------
+def test_config_defaults_and_errors():
+    c = SpeculativeConfig.from_value('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's default
+    c = SpeculativeConfig.from_value({"num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    for bad, match in [({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
+                       ({"method": "ngram"}, "num_speculative_tokens"),
+                       ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
+                       ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+                       ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
+                       ({"num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+                       ("[1]", "JSON object"), ("{", "not valid JSON")]:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.from_value(bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def test_cli_flag_parses_json():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    cfg = EngineConfig.from_cli_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
+    assert cfg.speculative.num_speculative_tokens == 3 and cfg.speculative_config["prompt_lookup_max"] == 5
+
+
+# -- proposer ------------------------------------------------------------------------------------
+def test_propose_ngram():
+    t = np.array
+    # The longest suffix wins over a shorter, later match; among equals the latest.
+    assert propose_ngram(t([1, 2, 3, 9, 9, 3, 7, 2, 3]), 2, 1, 3) == [9, 9]
+    assert propose_ngram(t([5, 3, 8, 5, 3, 6, 3]), 3, 1, 3) == [6, 3]
+    assert propose_ngram(t([1, 2, 3, 4, 1, 2, 3]), 5, 2, 3) == [4, 1, 2, 3]
+    assert propose_ngram(t([1, 2, 3, 4, 1, 2, 3]), 2, 4, 5) == []  # no 4-token match
+    assert propose_ngram(t([1, 2, 3]), 2, 1, 3) == []  # the last token never occurred before
+    assert propose_ngram(t([4, 4, 4, 4]), 3, 1, 3) == [4]  # overlapping repeats; only what follows
+    assert propose_ngram(t([7]), 3, 1, 1) == []
+
+
+# -- scheduler with a fake model -----------------------------------------------------------------
+def fake_model(seq: list[int]) -> int:
+    """A deterministic next token: mostly a copy from 5 back (so n-grams match), with breaks."""
+    n = len(seq)
+    if n == seq[0]:  # each request's own EOS point
+        return EOS
+    if n % 7 == 0:
+        return 500 + n % 3
+    return seq[n - 5]
+
+
+class SpecWorker:
+    """Holds tokens from the messages alone and verifies drafts against ``fake_model`` greedily."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.num_drafts = 0
+
+    def run(self, so) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.tokens.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self.tokens[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
+        c = so.scheduled_cached_reqs
+        computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        for rid, toks, num_computed in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens):
+            self.tokens[rid].extend(toks)
+            computed[rid] = num_computed
+        out = ModelRunnerOutput()
+        for rid, n in so.num_scheduled_tokens.items():
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            toks = self.tokens[rid]
+            if drafts:
+                assert n == 1 + len(drafts) and computed[rid] == len(toks) - 1
+            if computed[rid] + n - len(drafts) != len(toks):
+                continue
+            a = 0
+            while a < len(drafts) and drafts[a] == fake_model(toks + drafts[:a]):
+                a += 1
+            toks.extend(drafts[:a])
+            tok = fake_model(toks)
+            toks.append(tok)
+            out.sampled[rid] = tok
+            if drafts:
+                out.num_accepted_tokens[rid] = a
+                self.num_drafts += 1
+        return out
+
+
+def run_fake(spec, num_blocks=64, budget=64, prompts=None, max_tokens=40, **kw):
+    s = make_scheduler(num_blocks=num_blocks, budget=budget, spec=spec, **kw)
+    worker = SpecWorker()
+    prompts = prompts or [[30 + i] + [10 + (i + j) % 4 for j in range(5 + 3 * i)] for i in range(6)]
+    for i, p in enumerate(prompts):
+        s.add_request(make_request(f"r{i}", p, max_tokens=max_tokens))
+    outputs = collections.defaultdict(list)
+    for _ in range(2000):
+        if not s.has_unfinished_requests():
+            break
+        so = s.schedule()
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            assert so.num_scheduled_tokens[rid] == 1 + len(drafts)
+        res = s.update_from_output(so, worker.run(so))
+        for o in res.outputs:
+            outputs[o.request_id] += o.new_token_ids
+        check_invariants(s, spare_tokens=spec["num_speculative_tokens"] if spec else 0)
+    assert_scheduler_idle(s)
+    return dict(outputs), s, worker
+
+
+@pytest.mark.parametrize("num_blocks", [64, 14])  # 14: preemptions
+def test_drafts_do_not_change_output(num_blocks):
+    base, s0, _ = run_fake(None, num_blocks=num_blocks)
+    spec, s1, worker = run_fake(NGRAM, num_blocks=num_blocks)
+    assert spec == base
+    st = s1.stats
+    assert worker.num_drafts == st.spec_decode_num_drafts > 10
+    assert 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
+    assert sum(st.spec_decode_num_accepted_tokens_per_pos.values()) == st.spec_decode_num_accepted_tokens
+    assert st.num_generation_tokens == s0.stats.num_generation_tokens == sum(map(len, base.values()))
+    if num_blocks == 14:
+        assert s1.stats.num_preemptions > 0
+
+
+def test_eos_inside_accepted_drafts_ends_there():
+    # The prompt repeats with period 5, so every draft matches until the EOS at length 24.
+    prompt = [24, 11, 12, 13, 14, 24, 11, 12, 13, 14]
+    base, _, _ = run_fake(None, prompts=[prompt])
+    spec, s, _ = run_fake(dict(NGRAM, num_speculative_tokens=8), prompts=[prompt])
+    assert spec == base and spec["r0"][-1] == EOS and len(spec["r0"]) == 24 - len(prompt) + 1
+    assert s.stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_drafts_capped_by_max_tokens_and_budget():
+    prompt = [99, 11, 12, 13, 14, 99, 11, 12, 13, 14]
+    s = make_scheduler(spec=dict(NGRAM, num_speculative_tokens=8))
+    s.add_request(make_request("a", prompt, max_tokens=3))
+    so = s.schedule()
+    assert not so.scheduled_spec_decode_tokens  # a prefill carries no drafts
+    s.update_from_output(so, ModelRunnerOutput(sampled={"a": 99}))
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens == {"a": [11]}  # max_tokens 3: one sampled, one draft, one after it
+    assert s.requests["a"].num_computed_tokens == len(prompt) + 2
+    res = s.update_from_output(so, ModelRunnerOutput(sampled={"a": 5}, num_accepted_tokens={"a": 0}))
+    assert res.outputs[0].new_token_ids == [5] and s.requests["a"].num_computed_tokens == len(prompt) + 1
+    # The step's token budget leaves one token to every other decode first.
+    s = make_scheduler(budget=4, spec=dict(NGRAM, num_speculative_tokens=8))
+    for rid in "ab":
+        s.add_request(make_request(rid, prompt, max_tokens=20))
+    while any(r.num_output_tokens == 0 for r in s.requests.values()):  # prefill both, 4 tokens a step
+        so = s.schedule()
+        s.update_from_output(so, ModelRunnerOutput(sampled={r.request_id: 99 for r in s.running if r.num_computed_tokens == r.num_tokens}))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 3, "b": 1} and so.total_num_scheduled_tokens == 4
+
+
+def test_ineligible_requests_and_batch_size_get_no_drafts():
+    prompt = [99, 11, 12, 13, 14, 99, 11, 12, 13, 14, 99]
+    for params in ({"logprobs": 1}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"min_tokens": 5},
+                   {"bad_words": ["x"]}):
+        s = make_scheduler(spec=NGRAM)
+        s.add_request(make_request("a", prompt, max_tokens=20, **params))
+        so = s.schedule()
+        s.update_from_output(so, ModelRunnerOutput(sampled={"a": 11}))
+        assert not s.schedule().scheduled_spec_decode_tokens, params
+    s = make_scheduler(spec=dict(NGRAM, disable_by_batch_size=2))
+    for rid in "ab":
+        s.add_request(make_request(rid, prompt, max_tokens=20))
+    so = s.schedule()
+    s.update_from_output(so, ModelRunnerOutput(sampled={"a": 11, "b": 11}))
+    assert not s.schedule().scheduled_spec_decode_tokens
+
+
+def test_no_preemption_for_drafts():
+    prompt = [99, 11, 12, 13, 14, 99, 11, 12]  # 8 tokens = 2 blocks of 4
+    s = make_scheduler(num_blocks=3, max_model_len=64, spec=dict(NGRAM, num_speculative_tokens=6))
+    s.add_request(make_request("a", prompt, max_tokens=20))
+    so = s.schedule()
+    s.update_from_output(so, ModelRunnerOutput(sampled={"a": 13}))
+    so = s.schedule()  # 3 free blocks hold 12 tokens: the step has 9 + 3 drafts at most
+    assert len(so.scheduled_spec_decode_tokens["a"]) == 3 and not so.preempted_req_ids
+
+
+# -- rejection sampler ---------------------------------------------------------------------------
+def _meta(n, temperature=1.0, greedy=False, generators=None):
+    return SamplingMetadata(temperature=torch.full((n,), temperature), all_greedy=greedy, all_random=not greedy,
+                            greedy_mask=None, top_k=None, top_p=None, min_p=None, generators=generators or {},
+                            max_num_logprobs=None, no_penalties=True, vocab_size=8, num_reqs=n,
+                            **dict.fromkeys(["prompt_token_ids", "output_token_ids", "repetition_penalties", "frequency_penalties",
+                                             "presence_penalties", "logit_bias_rows", "logit_bias_cols", "logit_bias_values",
+                                             "min_tokens_rows", "min_tokens_cols"]))
+
+
+def test_rejection_sampler_greedy_keeps_the_argmax_run():
+    logits = torch.tensor([[0, 5, 0, 0], [0, 0, 5, 0], [5, 0, 0, 0], [0, 0, 0, 5.0]])
+    kept, toks = rejection_sample(logits, _meta(4, greedy=True), torch.tensor([1, 2, 3, -1]), [3])
+    assert (kept, toks) == ([2], [0])  # drafts 1, 2 kept; 3 rejected, the argmax 0 instead
+    kept, toks = rejection_sample(logits, _meta(4, greedy=True), torch.tensor([1, 2, 0, -1]), [3])
+    assert (kept, toks) == ([3], [3])  # all kept, then the bonus token
+
+
+def test_rejection_sampler_is_exact():
+    """The first token out of a verified decode is distributed as the model's p, whatever the
+    draft (a chi-square test over 20,000 draws at 0.1 %)."""
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = p.log().unsqueeze(0).repeat(2, 1)
+    n = 20000
+    for draft in (0, 3):
+        counts = collections.Counter()
+        L = logits.repeat(n, 1)
+        drafts = torch.tensor([draft, -1]).repeat(n)
+        kept, toks = rejection_sample(L, _meta(2 * n), drafts, [1] * n)
+        for a, t in zip(kept, toks):
+            counts[draft if a else t] += 1
+        assert sum(kept) / n == pytest.approx(p[draft].item(), abs=0.02)
+        observed = np.array([counts[i] for i in range(5)])
+        chi2 = (((observed - n * p.numpy()) ** 2) / (n * p.numpy())).sum()
+        assert chi2 < 18.47, (draft, observed)  # 4 degrees of freedom, p = 0.001
+
+
+def test_rejection_sampler_seeded_rows_repeat():
+    logits = torch.randn(6, 8)
+    drafts = torch.tensor([1, 2, -1, 3, 4, -1])
+    runs = []
+    for _ in range(2):
+        g = {i: torch.Generator().manual_seed(7) for i in range(3)}
+        g = {i: g[0] for i in range(3)}  # one request's rows share its generator
+        runs.append(rejection_sample(logits, _meta(6, generators=g), drafts, [2, 2]))
+    assert runs[0][0][0] == runs[1][0][0] and runs[0][1][0] == runs[1][1][0]
+
+
+# -- the real engine ------------------------------------------------------------------------------
+COPY_PROMPTS = [
+    "Repeat this sentence exactly three times: The quick brown fox jumps over the lazy dog.",
+    "Write the numbers from 1 to 30 separated by commas.",
+    "def add(a, b):\n    return a + b\n\nRewrite the function above with type hints and a docstring.",
+    "What is the capital of France?",
+]
+
+
+def test_engine_greedy_output_unchanged(smollm2_llm):
+    from conftest import assert_engine_idle
+    from pagedserve import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in smollm2_llm.generate(COPY_PROMPTS, greedy, use_tqdm=False)]
+    llm = LLM(dtype="float32", max_model_len=256, num_threads=1, num_kv_blocks=24, speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    try:
+        mixed = [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=64, ignore_eos=True), SamplingParams(temperature=0, max_tokens=64, logprobs=2, ignore_eos=True),
+                 SamplingParams(temperature=0, max_tokens=64, repetition_penalty=1.3)]
+        outs = llm.generate(COPY_PROMPTS * 2, [greedy] * 4 + mixed, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert got[:4] == base and got[4] == base[0] and got[6] == base[2]
+        assert len(outs[6].outputs[0].logprobs) == len(got[6])
+        stats = llm.llm_engine.get_stats()
+        assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0  # 24 blocks: preempts
+        assert_engine_idle(llm)
+    finally:
+        del llm
