@@ -109,6 +109,12 @@ class EngineMetrics:
         self.kv_transfer_received_tokens = lab(Counter(PREFIX + "kv_transfer_received_tokens", "Tokens whose KV this instance loaded from a prefill instance.", L, registry=r))
         self.kv_transfer_time = lab(Histogram(PREFIX + "kv_transfer_time_seconds", "Histogram of the wall time of KV loads from a prefill instance in seconds.", L, registry=r, buckets=TTFT_BUCKETS))
         self._kv_transfer_failures = Counter(PREFIX + "kv_transfer_failures", "KV transfers that failed, by reason.", ["model_name", "engine", "reason"], registry=r)
+        # Speculative decoding (zero without --speculative-config), vLLM's names.
+        self.spec_decode_num_drafts = lab(Counter(PREFIX + "spec_decode_num_drafts", "Number of spec decoding drafts.", L, registry=r))
+        self.spec_decode_num_draft_tokens = lab(Counter(PREFIX + "spec_decode_num_draft_tokens", "Number of draft tokens.", L, registry=r))
+        self.spec_decode_num_accepted_tokens = lab(Counter(PREFIX + "spec_decode_num_accepted_tokens", "Number of accepted tokens.", L, registry=r))
+        self._spec_decode_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                                            ["model_name", "engine", "position"], registry=r)
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
@@ -128,18 +134,23 @@ class EngineMetrics:
                 ("num_prompt_tokens", self.prompt_tokens),
                 ("kv_transfer_sent_tokens", self.kv_transfer_sent_tokens),
                 ("kv_transfer_received_tokens", self.kv_transfer_received_tokens),
+                ("spec_decode_num_drafts", self.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", self.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", self.spec_decode_num_accepted_tokens),
             ):
                 value = getattr(stats, key)
                 delta = value - self._totals.get(key, 0)
                 if delta > 0:
                     counter.inc(delta)
                 self._totals[key] = value
-            for reason, value in stats.kv_transfer_failures.items():
-                key = "kv_failures:" + reason
-                delta = value - self._totals.get(key, 0)
-                if delta > 0:
-                    self._kv_transfer_failures.labels(model_name=self.model_name, engine=self.engine, reason=reason).inc(delta)
-                self._totals[key] = value
+            for family, label, counts in ((self._kv_transfer_failures, "reason", stats.kv_transfer_failures),
+                                          (self._spec_decode_per_pos, "position", stats.spec_decode_num_accepted_tokens_per_pos)):
+                for value_of_label, value in counts.items():
+                    key = f"{label}:{value_of_label}"
+                    delta = value - self._totals.get(key, 0)
+                    if delta > 0:
+                        family.labels(model_name=self.model_name, engine=self.engine, **{label: value_of_label}).inc(delta)
+                    self._totals[key] = value
         for seconds in stats.kv_transfer_seconds:
             self.kv_transfer_time.observe(seconds)
 

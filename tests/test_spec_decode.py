@@ -4,6 +4,8 @@ output against decoding one token at a time."""
 from __future__ import annotations
 
 import collections
+import json
+import time
 
 import numpy as np
 import pytest
@@ -283,3 +285,48 @@ def test_engine_greedy_output_unchanged(smollm2_llm):
         assert_engine_idle(llm)
     finally:
         del llm
+
+
+def test_server_with_drafts_streams_the_same_text(smollm2_llm):
+    """The server path (engine core in its own process, HTTP, streamed deltas, a stop string)
+    with n-gram drafts: the text equals the offline engine's without drafts, and /metrics counts
+    the drafts."""
+    import httpx
+
+    from app_utils import serve
+    from pagedserve import EngineConfig, SamplingParams
+    from pagedserve.engine.async_llm import AsyncLLM
+
+    messages = [{"role": "user", "content": "List the days of the week, one per line, then list them again in the same order."}]
+    ref = smollm2_llm.chat(messages, SamplingParams(temperature=0, max_tokens=80), use_tqdm=False)[0].outputs[0].text
+    stop = " Monday, Wednesday"  # a slip the greedy text makes once, mid-way
+    assert ref.count(stop) == 1
+    cut = ref[: ref.index(stop)]
+    config = EngineConfig(dtype="float32", num_kv_blocks=160, max_model_len=2048, num_threads=1,
+                          speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    llm = AsyncLLM(config, engine_process=True)
+    try:
+        with serve(llm) as base, httpx.Client(base_url=base, timeout=120) as http:
+            body = {"model": "SmolLM2-135M-Instruct", "messages": messages, "temperature": 0, "max_tokens": 80}
+            whole = http.post("/v1/chat/completions", json=body).json()
+            assert whole["choices"][0]["message"]["content"] == ref
+            parts = []
+            with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "stop": [stop]}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        parts += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+            assert "".join(parts) == cut
+            metrics = http.get("/metrics").text
+            accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("pagedserve:spec_decode_num_accepted_tokens_total{")]
+            assert accepted and accepted[0] > 0
+            assert 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name=' in metrics
+        for _ in range(200):  # every block back (the stop string's abort included)
+            st = llm.get_stats()
+            if st.num_running == st.num_waiting == 0 and st.num_free_blocks == st.num_total_blocks:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(llm.get_stats())
+    finally:
+        llm.shutdown()
