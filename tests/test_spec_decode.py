@@ -280,6 +280,8 @@ def test_engine_greedy_output_unchanged(smollm2_llm):
         got = [o.outputs[0].token_ids for o in outs]
         assert got[:4] == base and got[4] == base[0] and got[6] == base[2]
         assert len(outs[6].outputs[0].logprobs) == len(got[6])
+        decodes = [e for rec in llm.get_step_trace() for e in rec["scheduled"] if e.get("num_draft_tokens")]
+        assert decodes and all(e["phase"] == "decode" and e["num_tokens"] == 1 + e["num_draft_tokens"] for e in decodes)
         stats = llm.llm_engine.get_stats()
         assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0  # 24 blocks: preempts
         assert_engine_idle(llm)

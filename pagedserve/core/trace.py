@@ -29,7 +29,9 @@ and lists, so it goes through msgpack and JSON unchanged:
     ``queued_s`` (seconds from the request's arrival to this admission). "prefill" means the
     chunk computes prompt tokens, or recomputes tokens of a request resumed after preemption
     (every chunk of the recompute, the first one even if the prefix cache left a single token);
-    "decode" is the one token of a running request whose every earlier token is in the cache.
+    "decode" is the one token of a running request whose every earlier token is in the cache;
+    a decode with draft tokens (speculative decoding) also has ``num_draft_tokens``, the
+    drafts among its ``num_tokens``.
 ``preempted`` (list of str)
     requests preempted in this step (their blocks freed, back to WAITING).
 ``finished`` (list of ``{"request_id", "finish_reason"}``)
@@ -113,6 +115,9 @@ class StepTracer:
             })
             if admitted:
                 out[-1]["queued_s"] = max(0.0, now - req.arrival_time)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                out[-1]["num_draft_tokens"] = len(drafts)
         return out
 
     def record(self, start: float, scheduled: list[dict[str, Any]], scheduler: Any, scheduler_output: Any,
