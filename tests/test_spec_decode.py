@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from core_utils import EOS, B, assert_scheduler_idle, check_invariants, make_request, make_scheduler
+from core_utils import EOS, assert_scheduler_idle, check_invariants, make_request, make_scheduler
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput
-from pagedserve.core.request import RequestStatus
 from pagedserve.core.sched.spec_decode import propose_ngram
 from pagedserve.model.rejection_sampler import rejection_sample
 from pagedserve.model.sampling_metadata import SamplingMetadata

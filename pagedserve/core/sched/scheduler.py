@@ -6,17 +6,17 @@ prefill or decode phase, every request just tries to bring ``num_computed_tokens
 ``num_tokens``. RUNNING requests go first (a decode costs one token, a mid-prefill request
 takes what the budget leaves), then WAITING requests in the order of the scheduling policy
 (arrival, or ``priority`` then arrival: see :mod:`.request_queue`), each after its prefix-cache
-hit. Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, not separate
+hit (:mod:`.admission`). Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, not separate
 code. When a running request cannot get a block, the running list's last request (the most
 recently admitted; under the priority policy the one with the largest priority value) is
 preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new is
 admitted in that step. A decode instance's request whose prompt KV comes from a prefill instance
 waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`). Prefill
-chunks are also cut to a step-time target (see :mod:`.step_time`).
+chunks are also cut to a step-time target (see :mod:`.step_time`). Decodes may carry draft
+tokens (speculative decoding, see :mod:`.spec_decode`).
 """
 from __future__ import annotations
 
-import bisect
 import time
 from typing import Iterable, Optional
 
@@ -24,16 +24,17 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sched.admission import AdmissionMixin
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
 from pagedserve.core.sched.remote_kv import RemoteKVMixin
-from pagedserve.core.sched.request_queue import make_request_queue, priority_key
+from pagedserve.core.sched.request_queue import make_request_queue
 from pagedserve.core.sched.stop import check_stop
 from pagedserve.core.sched.spec_decode import SpecDecodeMixin
 from pagedserve.core.sched.step_time import StepTimeMixin
 from pagedserve.core.structured_output import StructuredOutputManager
 
 
-class Scheduler(RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
+class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
     """Decides who runs each step; owns the request queues and the KV cache manager.
 
     Args:
@@ -187,10 +188,7 @@ class Scheduler(RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
                         continue
             elif speculate and remaining == 1:
                 num_decodes -= 1
-                room = (len(kv.req_to_blocks.get(req.request_id, ())) + kv.num_free_blocks) * kv.block_size - req.num_tokens
-                drafts = self._draft_tokens(req, min(budget - 1 - num_decodes, room))
-                if drafts and kv.allocate_slots(req, 1 + len(drafts)) is None:
-                    drafts = []  # no room to speculate: never preempt for drafts
+                drafts = self._allocate_drafts(req, budget - 1 - num_decodes)
             if not drafts and not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: nothing after it is left
             if drafts:
@@ -204,49 +202,7 @@ class Scheduler(RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
 
         # 2) waiting requests, in the policy's order, unless this step had to preempt.
         if not out.preempted_req_ids:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting.peek()
-                if req.request_id in kv.req_to_blocks:  # its remote KV arrived: it holds the loaded blocks
-                    hit_blocks, num_hit = [], req.num_computed_tokens
-                else:
-                    hit_blocks, num_hit = kv.get_computed_blocks(req)
-                    if self.connector is not None and req.kv_transfer_params is not None:
-                        remote = self._try_remote_admission(req, hit_blocks, num_hit)
-                        if remote is not None:
-                            if remote:
-                                continue
-                            break
-                num_remaining = req.num_tokens - num_hit
-                if not self.config.enable_chunked_prefill and num_remaining > budget:
-                    break
-                num_new = self._chunk(num_remaining, budget)
-                if limit is not None:
-                    num_new = limit.prefill_chunk(min(num_new, budget - decodes_left), num_hit)
-                    if num_new <= 0:
-                        break
-                if kv.allocate_slots(req, num_new, hit_blocks, num_hit - req.num_computed_tokens) is None:
-                    if not self.running and self.connector is not None and self._release_loaded_waiting():
-                        continue
-                    break
-                self.waiting.pop()
-                if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
-                    req.num_cached_tokens = num_hit
-                    if req.sampling_params.prompt_logprobs is None:  # else no lookup was made (as vLLM counts)
-                        self.stats.prefix_cache_queries += req.num_tokens
-                        self.stats.prefix_cache_hits += num_hit
-                req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = num_hit
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
-                if self.config.scheduling_policy == "priority":  # the back is preempted first
-                    bisect.insort(self.running, req, key=priority_key)
-                else:
-                    self.running.append(req)
-                scheduled.append((req, num_hit, num_new))
-                new_ids.add(req.request_id)
-                budget -= num_new
-                if limit is not None:
-                    limit.add(num_new, num_hit)
+            budget = self._admit_waiting(budget, limit, decodes_left, scheduled, new_ids)
 
         cached = out.scheduled_cached_reqs
         self.scheduled_requests = {req.request_id: req for req, _, _ in scheduled}

@@ -55,7 +55,8 @@ def propose_ngram(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list
 
 
 class SpecDecodeMixin:
-    """Needs ``self.config``, ``self.running`` and ``self.stats`` of the Scheduler.
+    """Needs ``self.config``, ``self.running``, ``self.stats`` and ``self.kv_cache_manager`` of the
+    Scheduler.
 
     ``spec`` is the parsed config (None: no speculative decoding)."""
 
@@ -83,6 +84,17 @@ class SpecDecodeMixin:
             return []
         tokens = np.fromiter(req.all_token_ids, dtype=np.int64, count=req.num_tokens)
         return propose_ngram(tokens, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+
+    def _allocate_drafts(self, req: Request, max_drafts: int) -> list[int]:
+        """Drafts for a decode of ``req`` with the slots of its token and of them allocated, or
+        none (nothing allocated): at most ``max_drafts``, and only what the free blocks hold
+        (drafts never cause a preemption)."""
+        kv = self.kv_cache_manager
+        room = (len(kv.req_to_blocks.get(req.request_id, ())) + kv.num_free_blocks) * kv.block_size - req.num_tokens
+        drafts = self._draft_tokens(req, min(max_drafts, room))
+        if drafts and kv.allocate_slots(req, 1 + len(drafts)) is None:
+            return []
+        return drafts
 
     def _accept_drafts(self, req: Request, drafts: list[int], num_accepted: int, token: int) -> list[int]:
         """The tokens a verified decode adds (the accepted drafts, then ``token``), with the
