@@ -49,6 +49,8 @@ def _stats(llm: Any) -> dict[str, Any]:
         "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
         "num_preemptions": s.num_preemptions, "num_prompt_tokens": s.num_prompt_tokens,
         "num_generation_tokens": s.num_generation_tokens,
+        "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+        "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
         "token_budget": llm.config.max_num_batched_tokens, "block_size": llm.config.block_size,
         "model": llm.model_name,
     }

@@ -69,6 +69,8 @@ function drawTiles(stats) {
   $("t-kv").textContent = pct(stats.kv_cache_usage);
   $("t-hit").textContent = stats.prefix_cache_queries ? pct(stats.prefix_cache_hits / stats.prefix_cache_queries) : "-";
   $("t-preempt").textContent = stats.num_preemptions;
+  $("t-drafts").textContent = stats.spec_decode_num_draft_tokens
+    ? pct(stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens) : "-";
   const r = state.rate;
   if (r.length > 1) {
     const dt = r[r.length - 1][0] - r[0][0];
