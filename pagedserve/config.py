@@ -37,7 +37,7 @@ class EngineConfig:
 
     Attributes:
         model: HF model directory or .gguf file; None = the default SmolLM2-135M-Instruct.
-        dtype: "auto" (bfloat16 on CUDA and on CPUs with AVX-512 BF16, else float32),
+        dtype: "auto" (bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AVX2 + FMA, else float32),
             "float32", "bfloat16" or "float16". Weights and KV cache use it.
         kv_cache_dtype: "auto" (the KV cache in ``dtype``) or "int8": K and V stored as int8
             with one float32 scale per token and KV head (symmetric, max |x| / 127), dequantized

@@ -207,6 +207,17 @@ def test_no_preemption_for_drafts():
     assert len(so.scheduled_spec_decode_tokens["a"]) == 3 and not so.preempted_req_ids
 
 
+def test_drafts_never_take_a_block_a_later_decode_needs():
+    # a: 7 tokens (its 2nd block has 1 free slot); b: 9 (its next token needs a 3rd block); 1 free block.
+    s = make_scheduler(num_blocks=5, max_model_len=20, spec=NGRAM)
+    s.add_request(make_request("a", [11, 12, 13, 11, 12, 13], max_tokens=10))
+    s.add_request(make_request("b", [21, 22, 23, 24, 25, 26, 27, 28], max_tokens=10))
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled={"a": 11, "b": 29}))
+    so = s.schedule()
+    assert not so.preempted_req_ids and so.num_scheduled_tokens == {"a": 2, "b": 1}
+    assert so.scheduled_spec_decode_tokens == {"a": [12]}  # only the slot left in a's own block
+
+
 # -- rejection sampler ---------------------------------------------------------------------------
 def _meta(n, temperature=1.0, greedy=False, generators=None):
     return SamplingMetadata(temperature=torch.full((n,), temperature), all_greedy=greedy, all_random=not greedy,
@@ -265,13 +276,28 @@ COPY_PROMPTS = [
 ]
 
 
-def test_engine_greedy_output_unchanged(smollm2_llm):
+DAYS = [{"role": "user", "content": "List the days of the week, one per line, then list them again in the same order."}]
+
+
+@pytest.fixture(scope="module")
+def plain_bf16():
+    """SmolLM2 in bfloat16 without drafts. The bf16 CPU kernels compute every row of a step the
+    same way whatever else is in it, so a verified draft's row is bit-identical to a one-token
+    decode's (float32, float16 and the PyTorch backend promise that only to rounding: README)."""
+    from pagedserve import LLM
+
+    llm = LLM(dtype="bfloat16", max_model_len=2048, num_threads=1, num_kv_blocks=200)
+    yield llm
+    del llm
+
+
+def test_engine_greedy_output_unchanged(plain_bf16):
     from conftest import assert_engine_idle
     from pagedserve import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    base = [o.outputs[0].token_ids for o in smollm2_llm.generate(COPY_PROMPTS, greedy, use_tqdm=False)]
-    llm = LLM(dtype="float32", max_model_len=256, num_threads=1, num_kv_blocks=24, speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    base = [o.outputs[0].token_ids for o in plain_bf16.generate(COPY_PROMPTS, greedy, use_tqdm=False)]
+    llm = LLM(dtype="bfloat16", max_model_len=256, num_threads=1, num_kv_blocks=24, speculative_config=dict(NGRAM, num_speculative_tokens=4))
     try:
         mixed = [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=64, ignore_eos=True), SamplingParams(temperature=0, max_tokens=64, logprobs=2, ignore_eos=True),
                  SamplingParams(temperature=0, max_tokens=64, repetition_penalty=1.3)]
@@ -283,12 +309,16 @@ def test_engine_greedy_output_unchanged(smollm2_llm):
         assert decodes and all(e["phase"] == "decode" and e["num_tokens"] == 1 + e["num_draft_tokens"] for e in decodes)
         stats = llm.llm_engine.get_stats()
         assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0  # 24 blocks: preempts
+        # A stop string inside a step's accepted drafts: the ids end where they end one at a time.
+        stop = SamplingParams(temperature=0, max_tokens=80, stop=[" Sunday, Monday, Tuesday"])
+        ref, got = (e.chat(DAYS, stop, use_tqdm=False)[0].outputs[0] for e in (plain_bf16, llm))
+        assert ref.finish_reason == got.finish_reason == "stop" and got.text == ref.text and got.token_ids == ref.token_ids
         assert_engine_idle(llm)
     finally:
         del llm
 
 
-def test_server_with_drafts_streams_the_same_text(smollm2_llm):
+def test_server_with_drafts_streams_the_same_text(plain_bf16):
     """The server path (engine core in its own process, HTTP, streamed deltas, a stop string)
     with n-gram drafts: the text equals the offline engine's without drafts, and /metrics counts
     the drafts."""
@@ -298,12 +328,12 @@ def test_server_with_drafts_streams_the_same_text(smollm2_llm):
     from pagedserve import EngineConfig, SamplingParams
     from pagedserve.engine.async_llm import AsyncLLM
 
-    messages = [{"role": "user", "content": "List the days of the week, one per line, then list them again in the same order."}]
-    ref = smollm2_llm.chat(messages, SamplingParams(temperature=0, max_tokens=80), use_tqdm=False)[0].outputs[0].text
+    messages = DAYS
+    ref = plain_bf16.chat(messages, SamplingParams(temperature=0, max_tokens=80), use_tqdm=False)[0].outputs[0].text
     stop = " Monday, Wednesday"  # a slip the greedy text makes once, mid-way
     assert ref.count(stop) == 1
     cut = ref[: ref.index(stop)]
-    config = EngineConfig(dtype="float32", num_kv_blocks=160, max_model_len=2048, num_threads=1,
+    config = EngineConfig(dtype="bfloat16", num_kv_blocks=160, max_model_len=2048, num_threads=1,
                           speculative_config=dict(NGRAM, num_speculative_tokens=4))
     llm = AsyncLLM(config, engine_process=True)
     try:
@@ -311,6 +341,12 @@ def test_server_with_drafts_streams_the_same_text(smollm2_llm):
             body = {"model": "SmolLM2-135M-Instruct", "messages": messages, "temperature": 0, "max_tokens": 80}
             whole = http.post("/v1/chat/completions", json=body).json()
             assert whole["choices"][0]["message"]["content"] == ref
+            # usage counts the tokens up to a stop string, as without drafts
+            cut_ref = plain_bf16.chat(messages, SamplingParams(temperature=0, max_tokens=80, stop=[" Sunday, Monday, Tuesday"]),
+                                      use_tqdm=False)[0].outputs[0]
+            stopped = http.post("/v1/chat/completions", json={**body, "stop": [" Sunday, Monday, Tuesday"]}).json()
+            assert stopped["choices"][0]["message"]["content"] == cut_ref.text
+            assert stopped["usage"]["completion_tokens"] == len(cut_ref.token_ids)
             parts = []
             with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "stop": [stop]}) as r:
                 for line in r.iter_lines():

@@ -102,6 +102,7 @@ class IncrementalDetokenizer:
         else:
             self.stop_buffer_length = 0
         self.stop_string: Optional[str] = None  # the stop string that matched, once one did
+        self.num_token_ids_dropped = 0  # ids of the matching update after the stop string
         self._output_text = ""
         self._last_output_text_offset = 0
 
@@ -132,8 +133,9 @@ class IncrementalDetokenizer:
         is not decoded (as vLLM, unless ``include_stop_str_in_output``).
 
         On a match, ``output_text`` is cut before the stop string (after it with
-        ``include_stop_str_in_output``), dropping any text after it. Updates after a match add
-        the ids but no text.
+        ``include_stop_str_in_output``), dropping any text after it, and the ids after the one
+        that completed it are not kept (``num_token_ids_dropped`` says how many of
+        ``new_token_ids`` were left out). Updates after a match add the ids but no text.
         """
         if not new_token_ids:
             return None
@@ -148,32 +150,25 @@ class IncrementalDetokenizer:
                 self.token_ids.append(skipped_stop_token)
             return None
 
-        # 1) Decode the new ids.
-        stop_check_offset = len(self._output_text)
-        for tid in new_token_ids:
+        # Decode the new ids one at a time and check the stop strings in each one's text, so
+        # that when several arrive at once (speculative decoding) the ids end at the one that
+        # completed a stop string, as they do one token at a time.
+        for n, tid in enumerate(new_token_ids, start=1):
+            stop_check_offset = len(self._output_text)
             self.token_ids.append(tid)
             self._output_text += self.decoder.decode_next(tid)
-            if self.min_tokens and len(self.token_ids) <= self.min_tokens:
-                # Stop strings do not count within the first min_tokens tokens.
-                stop_check_offset = len(self._output_text)
+            if not self.stop or len(self.token_ids) <= self.min_tokens:
+                continue  # stop strings do not count within the first min_tokens tokens
+            match = check_stop_strings(self._output_text, len(self._output_text) - stop_check_offset, self.stop,
+                                       self.include_stop_str_in_output)
+            if match is not None:
+                self.num_token_ids_dropped = len(new_token_ids) - n + (skipped_stop_token is not None)
+                self.stop_string, truncate_to = match
+                self._output_text = self._output_text[:truncate_to]
+                return self.stop_string
         if skipped_stop_token is not None:
             self.token_ids.append(skipped_stop_token)
-
-        # 2) Check stop strings in the new text.
-        if not self.stop or len(self.token_ids) <= self.min_tokens:
-            return None
-        match = check_stop_strings(
-            self._output_text,
-            len(self._output_text) - stop_check_offset,
-            self.stop,
-            self.include_stop_str_in_output,
-        )
-        if match is None:
-            return None
-        stop_string, truncate_to = match
-        self._output_text = self._output_text[:truncate_to]
-        self.stop_string = stop_string
-        return stop_string
+        return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text to emit now.

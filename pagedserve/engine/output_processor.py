@@ -173,6 +173,8 @@ class OutputProcessor:
         hit_stop_string = stop_str is not None and out.finish_reason is None
         if stop_str is not None:  # also when the core stopped it for length on the same token
             seq.finish_reason, seq.stop_reason = "stop", stop_str
+            if seq.detokenizer.num_token_ids_dropped:  # several ids at once (drafts): those after the stop string go
+                del seq.output_token_ids[-seq.detokenizer.num_token_ids_dropped:]
         elif out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.error if out.finish_reason == "error" else out.stop_reason
         if seq.finished:

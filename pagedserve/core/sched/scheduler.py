@@ -168,16 +168,11 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
         decodes_left = limit.num_decodes if limit is not None else 0  # not scheduled yet: kept from prefills
 
         # 1) running requests, in list order; preempt from the back when blocks run out.
-        # Drafts (speculative decoding) only in steps that prefill nothing under the step-time
-        # bound, and only from the budget left after one token per decode.
-        speculate = limit is None and self._may_speculate()
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1) if speculate else 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = self._chunk(remaining, budget)
-            drafts: list[int] = []
             if limit is not None:
                 if remaining == 1:
                     decodes_left -= 1
@@ -186,14 +181,8 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
                     if num_new <= 0:  # no time left for this chunk; the decodes behind it still run
                         i += 1
                         continue
-            elif speculate and remaining == 1:
-                num_decodes -= 1
-                drafts = self._allocate_drafts(req, budget - 1 - num_decodes)
-            if not drafts and not self._allocate_or_preempt(req, num_new, out):
+            if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: nothing after it is left
-            if drafts:
-                num_new += len(drafts)
-                out.scheduled_spec_decode_tokens[req.request_id] = drafts
             if limit is not None and remaining > 1:
                 limit.add(num_new, req.num_computed_tokens)
             scheduled.append((req, req.num_computed_tokens, num_new))
@@ -203,6 +192,11 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
         # 2) waiting requests, in the policy's order, unless this step had to preempt.
         if not out.preempted_req_ids:
             budget = self._admit_waiting(budget, limit, decodes_left, scheduled, new_ids)
+
+        # 3) draft tokens for decodes (speculative decoding), from what the budget and the free
+        # blocks have left, in steps that prefill nothing under the step-time bound.
+        if limit is None and self._may_speculate():
+            budget = self._add_drafts(scheduled, new_ids, budget, out)
 
         cached = out.scheduled_cached_reqs
         self.scheduled_requests = {req.request_id: req for req, _, _ in scheduled}

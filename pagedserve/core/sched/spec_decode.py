@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from pagedserve.core.request import Request
+from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.spec_decode_config import SpeculativeConfig
 
 
@@ -85,16 +86,25 @@ class SpecDecodeMixin:
         tokens = np.fromiter(req.all_token_ids, dtype=np.int64, count=req.num_tokens)
         return propose_ngram(tokens, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
 
-    def _allocate_drafts(self, req: Request, max_drafts: int) -> list[int]:
-        """Drafts for a decode of ``req`` with the slots of its token and of them allocated, or
-        none (nothing allocated): at most ``max_drafts``, and only what the free blocks hold
-        (drafts never cause a preemption)."""
+    def _add_drafts(self, scheduled: list[tuple[Request, int, int]], new_ids: set[str], budget: int,
+                    out: SchedulerOutput) -> int:
+        """Extend this step's decodes of requests that were already running (``scheduled``
+        entries ``(request, num_computed_tokens, 1)``) with drafts, in order, while ``budget``
+        tokens and the free blocks last (so drafts never preempt anyone); returns the budget
+        left. Each extended entry becomes ``(request, num_computed_tokens, 1 + k)``."""
         kv = self.kv_cache_manager
-        room = (len(kv.req_to_blocks.get(req.request_id, ())) + kv.num_free_blocks) * kv.block_size - req.num_tokens
-        drafts = self._draft_tokens(req, min(max_drafts, room))
-        if drafts and kv.allocate_slots(req, 1 + len(drafts)) is None:
-            return []
-        return drafts
+        for i, (req, num_computed, num_new) in enumerate(scheduled):
+            if budget <= 0:
+                break
+            if num_new != 1 or num_computed != req.num_tokens - 1 or not req.output_token_ids or req.request_id in new_ids:
+                continue
+            room = (len(kv.req_to_blocks[req.request_id]) + kv.num_free_blocks) * kv.block_size - req.num_tokens
+            drafts = self._draft_tokens(req, min(budget, room))
+            if drafts and kv.allocate_slots(req, 1 + len(drafts)) is not None:
+                scheduled[i] = (req, num_computed, 1 + len(drafts))
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
+                budget -= len(drafts)
+        return budget
 
     def _accept_drafts(self, req: Request, drafts: list[int], num_accepted: int, token: int) -> list[int]:
         """The tokens a verified decode adds (the accepted drafts, then ``token``), with the
