@@ -2,12 +2,12 @@
 (its ``kv_transfer_config`` field, ``--kv-transfer-config`` JSON), in vLLM's shape. Torch-free."""
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from pagedserve.json_config import dataclass_from_value
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -88,18 +88,6 @@ class KVTransferConfig:
 
     @classmethod
     def from_value(cls, value: Any) -> "KVTransferConfig":
-        """From a dict or its JSON text. Raises ValueError for anything else or unknown keys."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if isinstance(value, KVTransferConfig):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        """From a dict, its JSON text or a KVTransferConfig. Raises ValueError for anything else or
+        unknown keys."""
+        return dataclass_from_value(cls, value, "kv_transfer_config")

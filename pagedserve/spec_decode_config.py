@@ -2,10 +2,10 @@
 (its ``speculative_config`` field, ``--speculative-config`` JSON), in vLLM's shape. Torch-free."""
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from pagedserve.json_config import dataclass_from_value
 
 # The most draft tokens a step may verify per request: each one costs a token of compute.
 MAX_SPECULATIVE_TOKENS = 16
@@ -73,19 +73,6 @@ class SpeculativeConfig:
 
     @classmethod
     def from_value(cls, value: Any) -> "SpeculativeConfig":
-        """From a dict, JSON text or a SpeculativeConfig. Raises ValueError on anything else or
-        an unknown key."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        """From a dict, its JSON text or a SpeculativeConfig. Raises ValueError for anything else or
+        unknown keys."""
+        return dataclass_from_value(cls, value, "speculative_config")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.model.sampler import Sampler, apply_min_p, apply_top_k_top_p, random_sample, torch_argmax
+from pagedserve.model.sampler import Sampler, random_sample, sampling_probs, torch_argmax
 from pagedserve.model.sampling_metadata import SamplingMetadata
 
 
@@ -48,12 +48,7 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata, draft_tok
     if metadata.all_greedy:
         accept, after = greedy == draft_token_ids, greedy
     else:
-        x = logits / metadata.temperature.unsqueeze(1)
-        if metadata.top_k is not None or metadata.top_p is not None:
-            x = apply_top_k_top_p(x, metadata.top_k, metadata.top_p)
-        probs = torch.softmax(x, dim=-1)
-        if metadata.min_p is not None:
-            probs = apply_min_p(probs, metadata.min_p)
+        probs = sampling_probs(logits, metadata)
         probs = probs / probs.sum(dim=-1, keepdim=True)
         u = torch.rand(len(probs), device=probs.device)
         for i, g in metadata.generators.items():

@@ -140,17 +140,23 @@ class Sampler(torch.nn.Module):
             if metadata.all_greedy:
                 return greedy
 
-        logits = logits / metadata.temperature.unsqueeze(1)
-        if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if metadata.min_p is not None:
-            probs = apply_min_p(probs, metadata.min_p)
-        random = random_sample(probs, metadata.generators)
+        random = random_sample(sampling_probs(logits, metadata), metadata.generators)
 
         if greedy is None:
             return random
         return torch.where(metadata.greedy_mask, greedy, random)
+
+
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """``[B, V]`` probabilities of processed float32 logits after each row's temperature, top-k,
+    top-p and min-p (not renormalised after min-p)."""
+    logits = logits / metadata.temperature.unsqueeze(1)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if metadata.min_p is not None:
+        probs = apply_min_p(probs, metadata.min_p)
+    return probs
 
 
 def apply_penalties(
