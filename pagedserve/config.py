@@ -153,8 +153,9 @@ class EngineConfig:
         "prefill/decode disaggregation, as JSON: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., "
         "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}"))
     speculative_config: Optional[dict] = field(default=None, metadata=_flag(
-        "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
-        "\"prompt_lookup_min\": 2, \"disable_by_batch_size\": null}"))
+        "speculative decoding by n-gram lookup, as JSON, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; num_speculative_tokens (1-16) is required; prompt_lookup_max/min "
+        "(1-64) default to 5 and 5 (one sets both); disable_by_batch_size: no drafts from that many running requests"))
     # -- tensor parallelism --
     tensor_parallel_size: int = field(default=1, metadata=_flag("ranks the model is sharded over", "--tensor-parallel-size", "-tp"))
     distributed_executor_backend: str = field(default="mp", metadata=_flag("how tensor-parallel ranks run", choices=["mp", "ray"]))

@@ -175,6 +175,9 @@ def _print_bandwidth_ceiling(res: dict[str, Any], args: argparse.Namespace) -> N
     esize = 2 if res.get("dtype") in ("bfloat16", "float16") else 4
     weight_bytes = (mf.layer_params + mf.lm_head_params) * esize
     ceiling = bw / weight_bytes
+    if getattr(args, "speculative_config", None):
+        print(f"{'':13}with draft tokens several tokens share one weight read: the bandwidth ceiling does not apply")
+        return
     res["memory_read_gb_per_s"] = bw / 1e9
     res["decode_weight_bytes_per_token"] = weight_bytes
     res["decode_bandwidth_ceiling_tokens_per_s"] = ceiling

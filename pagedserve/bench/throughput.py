@@ -219,6 +219,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     flops = model_flops(hf_config)
     print(f"Model: {model_dir} ({dtype_name(dtype)} on {device}, torch threads {torch.get_num_threads()})")
     print(f"Workload: {args.dataset_name}: {describe(requests)}")
+    if getattr(args, "speculative_config", None):
+        print(f"Speculative decoding: {args.speculative_config} (MFU counts the output tokens' FLOPs, not rejected drafts')")
     load_before = _loadavg()
     peak = peak_flops_for(hf_config, dtype, device, args.peak_measure_seconds, args.peak_tflops)
     results: dict[str, BackendResult] = {}

@@ -51,6 +51,14 @@ def _describe_step_target(config) -> str:
     return f"{config.max_step_ms:g} ms" + (f" or {m:g}x the step's decodes alone, the larger" if m else "")
 
 
+def _describe_spec(spec) -> str:
+    if spec is None:
+        return "off"
+    off_at = f", off from {spec.disable_by_batch_size} running" if spec.disable_by_batch_size else ""
+    return (f"{spec.method} ({spec.num_speculative_tokens} drafts from suffixes of "
+            f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens{off_at})")
+
+
 class EngineCore:
     """Scheduler + worker for one model.
 
@@ -94,11 +102,12 @@ class EngineCore:
         B = self.config.block_size
         logger.info(
             "pagedserve: KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token, %s), max_model_len %d, "
-            "token budget %d, step-time target %s, engine ready in %.1fs",
+            "token budget %d, step-time target %s, speculative decoding %s, engine ready in %.1fs",
             spec.num_blocks, B, spec.num_blocks * B, spec.num_blocks * spec.block_bytes / 2**20, spec.block_bytes // B,
             "int8" if self.config.kv_cache_dtype == "int8" else str(self.worker.dtype).replace("torch.", ""),
             self.config.max_model_len, self.config.max_num_batched_tokens,
-            _describe_step_target(self.config) if self.scheduler.step_cost is not None else "off", time.monotonic() - t0,
+            _describe_step_target(self.config) if self.scheduler.step_cost is not None else "off",
+            _describe_spec(self.config.speculative), time.monotonic() - t0,
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
