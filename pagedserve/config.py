@@ -93,7 +93,8 @@ class EngineConfig:
             process that runs the engine core.
         speculative_config: a :class:`SpeculativeConfig` as a dict (or JSON text), or None (no
             speculative decoding). n-gram drafts verified in one pass; greedy output is
-            unchanged. Stored as a plain dict with every key filled in.
+            unchanged (bit for bit on the bf16 CPU kernels, elsewhere up to rounding). Stored
+            as a plain dict with every key filled in.
         tensor_parallel_size: ranks the model is sharded over (Megatron-style: attention heads,
             KV heads and the KV cache, MLP width, vocabulary); it must divide the query and KV
             head counts and the MLP width. 1 = the engine runs the model in its own process.

@@ -4,8 +4,9 @@ For a request with drafts ``d_0 .. d_{k-1}`` the model scored ``k + 1`` position
 row ``j`` gives the distribution of the token after ``d_{j-1}`` (row 0: after the last sampled
 token). Draft ``d_j`` is kept while every earlier draft was kept and
 
-* greedy requests: ``d_j`` is the argmax of row ``j`` (so the output is exactly what decoding
-  one token at a time gives: the rows are computed as a decode computes them);
+* greedy requests: ``d_j`` is the argmax of row ``j`` (so the output is what decoding one
+  token at a time gives, bit for bit where a row is computed as a decode computes it: the bf16
+  CPU kernels);
 * random requests: ``u < p_j(d_j)`` with ``u ~ U[0, 1)``, where ``p_j`` is row ``j`` after the
   request's temperature, top-k, top-p and min-p. At the first rejected draft the token is drawn
   from ``p_j`` with ``d_j`` removed (renormalised); when every draft is kept, one more token is
