@@ -367,3 +367,38 @@ def test_server_with_drafts_streams_the_same_text(plain_bf16):
             raise AssertionError(llm.get_stats())
     finally:
         llm.shutdown()
+
+
+def test_decode_instance_with_drafts_after_a_remote_prefill():
+    """Prefill/decode disaggregation: the decode instance speculates on a prompt whose KV came
+    over the network; its tokens equal one engine's without drafts."""
+    from server_utils import _free_port
+    from test_kv_connector import idle, run
+    from pagedserve.core.outputs import EngineCoreRequest
+    from pagedserve.engine.core import EngineCore
+    from pagedserve.sampling_params import SamplingParams
+
+    def core(role=None, spec=None):
+        kv = {"kv_transfer_config": {"kv_role": role, "kv_port": _free_port(), "kv_load_failure_policy": "fail"}} if role else {}
+        return EngineCore(EngineConfig(dtype="bfloat16", num_threads=1, num_kv_blocks=64, max_model_len=1024, speculative_config=spec, **kv))
+
+    prompt = [1000 + (i % 7) * 13 for i in range(40)]  # a repeating pattern the model continues
+
+    def add(c, n, params):
+        c.add_request(EngineCoreRequest("r", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), [2],
+                                        time.monotonic(), None, None, params))
+
+    P, D, C = core("kv_producer"), core("kv_consumer", dict(NGRAM, num_speculative_tokens=4)), core()
+    try:
+        add(P, 1, {"do_remote_decode": True})
+        final = [o for o in run([P, D], lambda: not P.scheduler.requests)[id(P)] if o.finish_reason][-1]
+        add(D, 40, final.kv_transfer_params)
+        got = [t for o in run([P, D], lambda: idle(P) and idle(D), timeout=60)[id(D)] if o.request_id == "r" for t in o.new_token_ids]
+        add(C, 40, None)
+        want = [t for o in run([C], lambda: idle(C), timeout=60)[id(C)] for t in o.new_token_ids]
+        stats = D.get_stats()
+        assert got == want and len(got) == 40
+        assert stats.kv_transfer_received_tokens == 32 and stats.spec_decode_num_accepted_tokens > 0
+    finally:
+        for c in (P, D, C):
+            c.shutdown()
