@@ -261,8 +261,8 @@ def test_rejection_sampler_seeded_rows_repeat():
     drafts = torch.tensor([1, 2, -1, 3, 4, -1])
     runs = []
     for _ in range(2):
-        g = {i: torch.Generator().manual_seed(7) for i in range(3)}
-        g = {i: g[0] for i in range(3)}  # one request's rows share its generator
+        gen = torch.Generator().manual_seed(7)
+        g = {i: gen for i in range(3)}  # the seeded request's three rows share its generator
         runs.append(rejection_sample(logits, _meta(6, generators=g), drafts, [2, 2]))
     assert runs[0][0][0] == runs[1][0][0] and runs[0][1][0] == runs[1][1][0]
 

@@ -8,7 +8,9 @@ gathers the flat batch (``input_ids``, ``positions``, ``slot_mapping``) and the 
 (decodes, then prefill chunks) from the rows with NumPy, runs the model, computes logits only
 for the last scheduled token of each request whose chunk reaches the end of its known tokens
 (and for every prompt position of a request that asked for prompt logprobs), samples, and
-appends the sampled tokens to the rows.
+appends the sampled tokens to the rows. A decode with draft tokens (speculative decoding) gets
+logits for its last token and each draft; the drafts its sampling keeps and the token after
+them are appended (``_verify_drafts``).
 
 Under tensor parallelism every rank runs this same code on the same message: the model's
 collectives pair the ranks' forwards, rank 0 gets the full logits, samples and broadcasts the

@@ -3,17 +3,17 @@
 Each step decides ``{request: num_tokens}`` under a token budget (``max_num_batched_tokens``)
 and a sequence limit (``max_num_seqs``), following vLLM v1's unified scheduler: there is no
 prefill or decode phase, every request just tries to bring ``num_computed_tokens`` up to
-``num_tokens``. RUNNING requests go first (a decode costs one token, a mid-prefill request
-takes what the budget leaves), then WAITING requests in the order of the scheduling policy
-(arrival, or ``priority`` then arrival: see :mod:`.request_queue`), each after its prefix-cache
-hit (:mod:`.admission`). Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, not separate
-code. When a running request cannot get a block, the running list's last request (the most
-recently admitted; under the priority policy the one with the largest priority value) is
-preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new is
-admitted in that step. A decode instance's request whose prompt KV comes from a prefill instance
-waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`). Prefill
-chunks are also cut to a step-time target (see :mod:`.step_time`). Decodes may carry draft
-tokens (speculative decoding, see :mod:`.spec_decode`).
+``num_tokens``. RUNNING requests go first (a decode costs one token, a mid-prefill request takes
+what the budget leaves), then WAITING requests in the order of the scheduling policy (arrival,
+or ``priority`` then arrival: see :mod:`.request_queue`), each after its prefix-cache hit
+(:mod:`.admission`). Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule,
+not separate code. When a running request cannot get a block, the running list's last request
+(the most recently admitted; under the priority policy the one with the largest priority value)
+is preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new
+is admitted in that step. A decode instance's request whose prompt KV comes from a prefill
+instance waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`).
+Prefill chunks are also cut to a step-time target (see :mod:`.step_time`). Decodes may carry
+draft tokens (speculative decoding, see :mod:`.spec_decode`).
 """
 from __future__ import annotations
 
