@@ -180,7 +180,10 @@ def test_drafts_capped_by_max_tokens_and_budget():
     assert so.num_scheduled_tokens == {"a": 3, "b": 1} and so.total_num_scheduled_tokens == 4
 
 
-def test_ineligible_requests_and_batch_size_get_no_drafts():
+def test_which_requests_get_drafts_and_batch_size():
+    """Position-dependent sampling (the worker handles it per row) gets drafts; a grammar, which
+    would have to advance through each draft, does not; nor does a batch at
+    disable_by_batch_size."""
     prompt = [99, 11, 12, 13, 14, 99, 11, 12, 13, 14, 99]
     for params in ({"logprobs": 1}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"min_tokens": 5},
                    {"bad_words": ["x"]}):
@@ -188,7 +191,14 @@ def test_ineligible_requests_and_batch_size_get_no_drafts():
         s.add_request(make_request("a", prompt, max_tokens=20, **params))
         so = s.schedule()
         s.update_from_output(so, ModelRunnerOutput(sampled={"a": 11}))
-        assert not s.schedule().scheduled_spec_decode_tokens, params
+        assert s.schedule().scheduled_spec_decode_tokens == {"a": [12, 13, 14]}, params
+    s = make_scheduler(spec=NGRAM)
+    s.add_request(make_request("a", prompt, max_tokens=20))
+    req = s.requests["a"]
+    req.append_output_token_ids([11])
+    assert s._draft_tokens(req, 3) == [12, 13, 14]
+    req.grammar = object()  # any grammar
+    assert s._draft_tokens(req, 3) == []
     s = make_scheduler(spec=dict(NGRAM, disable_by_batch_size=2))
     for rid in "ab":
         s.add_request(make_request(rid, prompt, max_tokens=20))
@@ -226,6 +236,52 @@ def _meta(n, temperature=1.0, greedy=False, generators=None):
                             **dict.fromkeys(["prompt_token_ids", "output_token_ids", "repetition_penalties", "frequency_penalties",
                                              "presence_penalties", "logit_bias_rows", "logit_bias_cols", "logit_bias_values",
                                              "min_tokens_rows", "min_tokens_cols"]))
+
+
+def _verify_one(params, drafts, output=(5,), eos=(), bad_words=None):
+    """ModelRunner._verify_drafts on one request (prompt [1], ``output`` so far) whose every row
+    has the same raw logits over 8 tokens (3: 2.0, 2: 1.5, the rest 0): (kept, token, logprobs)."""
+    from types import SimpleNamespace
+
+    from pagedserve.model.sampler import torch_argmax
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.worker.input_batch import CachedRequestState, InputBatch
+    from pagedserve.worker.model_runner import ModelRunner
+
+    cpu = torch.device("cpu")
+    runner = object.__new__(ModelRunner)
+    runner.device = cpu
+    runner.input_batch = batch = InputBatch(2, 32, 1, 8, cpu)
+    runner.model = SimpleNamespace(compute_logits=lambda h: h, backend=SimpleNamespace(argmax=torch_argmax))
+    sp = SamplingParams(temperature=0.0, **params)
+    if bad_words is not None:
+        sp._bad_words_token_ids = bad_words
+    row = batch.add_request(CachedRequestState("r", sp, list(eos), None), [1], list(output), [0], 0)
+    n = int(batch.num_tokens[row])
+    batch.token_ids[row, n: n + len(drafts)] = drafts  # as execute_model places them
+    hidden = torch.zeros(len(drafts) + 1, 8)
+    hidden[:, 3], hidden[:, 2] = 2.0, 1.5
+    out = ModelRunnerOutput()
+    runner._verify_drafts(["r"], np.array([row]), np.array([len(drafts) + 1]), np.array([len(drafts)]), {"r": drafts}, hidden, out)
+    assert batch.token_ids[row, n: n + out.num_accepted_tokens["r"] + 1].tolist() == drafts[: out.num_accepted_tokens["r"]] + [out.sampled["r"]]
+    return out.num_accepted_tokens["r"], out.sampled["r"], out.logprobs.get("r")
+
+
+def test_verify_rows_see_the_drafts_before_them():
+    """Each verify row's penalties, bad words and min_tokens count the drafts before it as
+    output; logprobs come for every appended token."""
+    assert _verify_one({"presence_penalty": 1.0}, [3, 3])[:2] == (1, 2)  # row 1 sees draft 3 as output
+    assert _verify_one({"frequency_penalty": 0.3}, [3, 3, 3])[:2] == (2, 2)  # 3 at 2.0, 1.7, then 1.4 < 1.5
+    assert _verify_one({"frequency_penalty": 0.3}, [3, 2, 3])[:2] == (1, 3)  # row 1: 3 still leads (1.7)
+    assert _verify_one({}, [3, 3], bad_words=[[3, 3]])[:2] == (1, 2)  # 3 after 3 is banned from row 1 on
+    assert _verify_one({"min_tokens": 2}, [2, 3], eos=[3])[:2] == (2, 3)  # EOS allowed once 2 tokens are out
+    assert _verify_one({"min_tokens": 3}, [2, 3], eos=[3])[:2] == (1, 2)
+    kept, tok, lps = _verify_one({"logprobs": 1}, [3, 2])
+    raw = torch.log_softmax(torch.tensor([0, 0, 1.5, 2.0, 0, 0, 0, 0]), -1)
+    assert (kept, tok) == (1, 3) and len(lps) == 2
+    for ids, lp, rank in lps:
+        assert ids == [3, 3] and rank == 1 and lp == pytest.approx([raw[3].item()] * 2)
+    assert _verify_one({}, [3, 2])[2] is None
 
 
 def test_rejection_sampler_greedy_keeps_the_argmax_run():
@@ -310,9 +366,51 @@ def test_engine_greedy_output_unchanged(plain_bf16):
         stats = llm.llm_engine.get_stats()
         assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0  # 24 blocks: preempts
         # A stop string inside a step's accepted drafts: the ids end where they end one at a time.
-        stop = SamplingParams(temperature=0, max_tokens=80, stop=[" Sunday, Monday, Tuesday"])
+        stop = SamplingParams(temperature=0, max_tokens=80, stop=[" Sunday, Monday, Tuesday"], logprobs=1)
         ref, got = (e.chat(DAYS, stop, use_tqdm=False)[0].outputs[0] for e in (plain_bf16, llm))
         assert ref.finish_reason == got.finish_reason == "stop" and got.text == ref.text and got.token_ids == ref.token_ids
+        assert [list(e) for e in got.logprobs] == [list(e) for e in ref.logprobs]  # and their logprobs
+        assert got.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
+        assert_engine_idle(llm)
+    finally:
+        del llm
+
+
+def test_engine_position_dependent_sampling_with_drafts(plain_bf16):
+    """Penalties, bad_words, min_tokens and logprobs with drafts: each row sees the drafts before
+    it as output, so token ids, logprobs, top logprobs and ranks equal one-token-at-a-time
+    decoding's, and every one of these requests had drafts."""
+    from conftest import assert_engine_idle
+    from pagedserve import LLM, SamplingParams
+
+    prompts = [COPY_PROMPTS[0], COPY_PROMPTS[1], COPY_PROMPTS[0], COPY_PROMPTS[3], COPY_PROMPTS[1], COPY_PROMPTS[0]]
+    params = [SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.15),
+              SamplingParams(temperature=0, max_tokens=48, frequency_penalty=0.4, presence_penalty=0.2),
+              SamplingParams(temperature=0, max_tokens=48, bad_words=[" lazy dog"]),
+              SamplingParams(temperature=0, max_tokens=48, min_tokens=40),
+              SamplingParams(temperature=0, max_tokens=48, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=48, logprobs=0, repetition_penalty=1.1, bad_words=[" fox"]),
+              SamplingParams(temperature=0, max_tokens=48)]
+    prompts.append(COPY_PROMPTS[0])
+    ref = plain_bf16.generate(prompts, params, use_tqdm=False)
+    llm = LLM(dtype="bfloat16", max_model_len=256, num_threads=1, num_kv_blocks=64, speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        for r, g in zip(ref, got):
+            r, g = r.outputs[0], g.outputs[0]
+            assert g.token_ids == r.token_ids and g.text == r.text
+            assert (g.logprobs is None) == (r.logprobs is None)
+            if r.logprobs is not None:
+                assert len(g.logprobs) == len(g.token_ids)
+                for a, b in zip(r.logprobs, g.logprobs):
+                    assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+                    assert all(abs(a[t].logprob - b[t].logprob) <= 1e-6 for t in a)
+                assert abs(g.cumulative_logprob - r.cumulative_logprob) <= 1e-4
+        assert len(got[3].outputs[0].token_ids) >= 40  # min_tokens held through the drafts
+        assert got[2].outputs[0].token_ids != got[6].outputs[0].token_ids  # the ban changed something
+        drafted = {e["request_id"] for rec in llm.get_step_trace() for e in rec["scheduled"] if e.get("num_draft_tokens")}
+        assert drafted == {o.request_id for o in got}
+        assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
         assert_engine_idle(llm)
     finally:
         del llm

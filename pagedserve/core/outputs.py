@@ -30,7 +30,8 @@ class ModelRunnerOutput:
     Attributes:
         sampled: request id -> sampled token id (only requests whose chunk reached the end of
             their known tokens).
-        logprobs: request id -> :data:`TokenLogprobs`, for requests that asked for logprobs.
+        logprobs: request id -> one :data:`TokenLogprobs` per token it appended this step (the
+            accepted drafts, then the sampled token), for requests that asked for logprobs.
         prompt_logprobs: request id -> :data:`PromptLogprobs` of the prompt positions this
             step's chunk computed, for requests that asked for prompt logprobs (each position
             once, in order, through chunking and preemption).
@@ -39,7 +40,7 @@ class ModelRunnerOutput:
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     kv_connector_output: Optional["KVConnectorOutput"] = None
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
@@ -113,7 +114,7 @@ class EngineCoreOutput:
     Attributes:
         new_token_ids: tokens sampled this step (one, several with speculative decoding, or
             none when only finishing).
-        new_logprobs: logprobs of the new token, when asked.
+        new_logprobs: logprobs of each new token (in the order of ``new_token_ids``), when asked.
         finish_reason: "stop" (EOS, a stop token id or a completed grammar), "length",
             "error" (the request's grammar could not be followed; ``error`` says why), or None.
         stop_reason: the stop token id that ended it (None for EOS or length).
@@ -129,7 +130,7 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: Optional[TokenLogprobs] = None
+    new_logprobs: Optional[list[TokenLogprobs]] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, None] = None
     num_cached_tokens: int = 0

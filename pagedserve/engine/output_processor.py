@@ -162,21 +162,23 @@ class OutputProcessor:
             if seq.first_token_time is None:
                 seq.first_token_time = ts
             seq.last_token_time = ts
-        if seq.logprobs is not None and out.new_logprobs is not None:
-            ids, lps, rank = out.new_logprobs
-            seq.logprobs.append(self._logprob_entry(ids, lps, rank))
-            seq.cumulative_logprob += lps[0]
         # The token that ended a request by EOS or a stop id is not part of the text (a grammar
         # that completes ends on an ordinary token, which is).
         stop_terminated = out.finish_reason == "stop" and bool(out.new_token_ids) and out.new_token_ids[-1] in seq.terminators
         stop_str = seq.detokenizer.update(out.new_token_ids, stop_terminated)
         hit_stop_string = stop_str is not None and out.finish_reason is None
+        dropped = 0
         if stop_str is not None:  # also when the core stopped it for length on the same token
             seq.finish_reason, seq.stop_reason = "stop", stop_str
-            if seq.detokenizer.num_token_ids_dropped:  # several ids at once (drafts): those after the stop string go
-                del seq.output_token_ids[-seq.detokenizer.num_token_ids_dropped:]
+            dropped = seq.detokenizer.num_token_ids_dropped
+            if dropped:  # several ids at once (drafts): those after the stop string go, and their logprobs
+                del seq.output_token_ids[-dropped:]
         elif out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.error if out.finish_reason == "error" else out.stop_reason
+        if seq.logprobs is not None and out.new_logprobs is not None:
+            for ids, lps, rank in out.new_logprobs[:len(out.new_logprobs) - dropped]:
+                seq.logprobs.append(self._logprob_entry(ids, lps, rank))
+                seq.cumulative_logprob += lps[0]
         if seq.finished:
             seq.finished_time = ts
         return hit_stop_string

@@ -15,9 +15,9 @@ token). Draft ``d_j`` is kept while every earlier draft was kept and
   Language Model Decoding with Speculative Sampling"): each kept or drawn token is distributed
   exactly as ``p_j``.
 
-Logits processing that depends on the tokens before a position (penalties, bad words,
-min_tokens, grammars, per-token logprobs) is not applied here: the scheduler gives such
-requests no drafts.
+Row ``j``'s sampling state counts drafts ``d_0 .. d_{j-1}`` as already output (the caller's
+``SamplingMetadata``), so penalties, bad words and min_tokens are those of decoding one token
+at a time. Grammars are not: the scheduler gives requests with one no drafts.
 """
 from __future__ import annotations
 

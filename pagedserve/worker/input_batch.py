@@ -200,10 +200,15 @@ class InputBatch:
         self.num_tokens[rows] += 1
 
     # -- sampling -----------------------------------------------------------------------------
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def sampling_metadata(self, rows: np.ndarray, num_drafts_before: Optional[np.ndarray] = None) -> SamplingMetadata:
         """The sampling state of ``rows`` (one per logits row, in order), on ``device``.
-        Tokens generated so far are the rows' tokens after their prompts."""
+        Tokens generated so far are the rows' tokens after their prompts; with
+        ``num_drafts_before`` (``[len(rows)]`` int64, speculative decoding) logits row ``i``
+        also counts the first ``num_drafts_before[i]`` draft tokens placed after its row's
+        tokens, so penalties, bad words and min_tokens see what decoding one token at a time
+        would have seen there."""
         dev = self.device
+        num_tokens = self.num_tokens[rows] if num_drafts_before is None else self.num_tokens[rows] + num_drafts_before
         V = self.vocab_size
         B = len(rows)
         greedy = self.greedy[rows]
@@ -233,13 +238,13 @@ class InputBatch:
             rep, freq, pres = (tensor(np.ascontiguousarray(pens[:, j])) for j in range(3))
             zero = np.zeros(B, dtype=np.int64)
             prompt_ids = tensor(self._padded_tokens(rows, pen_rows, zero, self.num_prompt_tokens[rows]))
-            output_ids = tensor(self._padded_tokens(rows, pen_rows, self.num_prompt_tokens[rows], self.num_tokens[rows]))
+            output_ids = tensor(self._padded_tokens(rows, pen_rows, self.num_prompt_tokens[rows], num_tokens))
 
         lb = self._pairs(rows, lambda r: self.logit_bias.get(r, {}).items()) if self.logit_bias else None
-        banned = self.token_bans.mask(rows, self.token_ids, self.num_tokens, self.num_prompt_tokens) if self.token_bans else None
+        banned = self.token_bans.mask(rows, self.token_ids, num_tokens, self.num_prompt_tokens) if self.token_bans else None
         mt = None
         if self.stop_ids:
-            under = self.min_tokens[rows] > self.num_tokens[rows] - self.num_prompt_tokens[rows]
+            under = self.min_tokens[rows] > num_tokens - self.num_prompt_tokens[rows]
             if under.any():
                 mt = self._pairs(rows, lambda r: ((t, 0.0) for t in self.stop_ids.get(r, ())), under)
 

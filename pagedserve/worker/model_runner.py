@@ -187,27 +187,51 @@ class ModelRunner:
             for i, (rid, row) in enumerate(zip(sample_ids, sample_rows.tolist())):
                 k = int(batch.num_logprobs[row])
                 if k >= 0:
-                    out.logprobs[rid] = (ids[i][: k + 1], lp[i][: k + 1], ranks[i])
+                    out.logprobs[rid] = [(ids[i][: k + 1], lp[i][: k + 1], ranks[i])]
         return out
 
     def _verify_drafts(self, req_ids: list[str], rows: np.ndarray, ends: np.ndarray, ndraft: np.ndarray,
                        spec: dict[str, list[int]], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Speculative decoding: score each request's last token and drafts (its chunk's last
         ``1 + k`` rows of ``hidden``), keep the drafts its sampling accepts and append them and
-        the token after them to its row (see :mod:`pagedserve.model.rejection_sampler`)."""
+        the token after them to its row (see :mod:`pagedserve.model.rejection_sampler`). Row
+        ``j`` of a request is processed as if drafts ``0 .. j-1`` were already output
+        (penalties, bad words, min_tokens); logprobs are given for every appended token."""
         batch = self.input_batch
         hrows = np.concatenate([np.arange(e - 1 - k, e) for e, k in zip(ends.tolist(), ndraft.tolist())])
         logits = self.model.compute_logits(hidden[torch.from_numpy(hrows).to(self.device)])
         draft_ids = [t for rid in req_ids for t in (*spec[rid], -1)]
-        kept, tokens = rejection_sample(logits, batch.sampling_metadata(np.repeat(rows, ndraft + 1)),
-                                        torch.tensor(draft_ids, dtype=torch.int64, device=self.device), ndraft.tolist(),
-                                        self.model.backend.argmax)
+        before = np.concatenate([np.arange(k + 1) for k in ndraft.tolist()])
+        meta = batch.sampling_metadata(np.repeat(rows, ndraft + 1), before)
+        kept, tokens = rejection_sample(logits, meta, torch.tensor(draft_ids, dtype=torch.int64, device=self.device),
+                                        ndraft.tolist(), self.model.backend.argmax)
+        firsts = np.concatenate([[0], np.cumsum(ndraft + 1)[:-1]]).tolist()
         for rid, row, a, tok in zip(req_ids, rows.tolist(), kept, tokens):
             n = int(batch.num_tokens[row]) + a  # the kept drafts are already in place
             batch.token_ids[row, n] = tok
             batch.num_tokens[row] = n + 1
             out.sampled[rid] = tok
             out.num_accepted_tokens[rid] = a
+        if meta.max_num_logprobs is not None:
+            self._verified_logprobs(req_ids, rows, firsts, kept, logits, out)
+
+    def _verified_logprobs(self, req_ids: list[str], rows: np.ndarray, firsts: list[int], kept: list[int],
+                           logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Raw logprobs of each token a verified decode appended (its ``kept[i]`` drafts and the
+        token after them: logits rows ``firsts[i] .. firsts[i] + kept[i]``), for the requests
+        that asked; the token ids are read back from the input batch."""
+        batch = self.input_batch
+        asking = [i for i, row in enumerate(rows.tolist()) if batch.num_logprobs[row] >= 0]
+        lrows = [firsts[i] + j for i in asking for j in range(kept[i] + 1)]
+        toks = [int(batch.token_ids[rows[i], batch.num_tokens[rows[i]] - 1 - kept[i] + j]) for i in asking for j in range(kept[i] + 1)]
+        k_max = int(batch.num_logprobs[rows[asking]].max())
+        raw = torch.log_softmax(logits[torch.tensor(lrows, device=logits.device)].float(), dim=-1)
+        lp, ids, ranks = (t.tolist() for t in gather_logprobs(raw, torch.tensor(toks, device=logits.device), k_max))
+        at = 0
+        for i in asking:
+            k = int(batch.num_logprobs[rows[i]])
+            out.logprobs[req_ids[i]] = [(ids[j][: k + 1], lp[j][: k + 1], ranks[j]) for j in range(at, at + kept[i] + 1)]
+            at += kept[i] + 1
 
     # Rows of logits scored at once for prompt logprobs: [rows, vocab] float32 (49k vocab: 100 MB).
     PROMPT_LOGPROBS_ROWS = 512

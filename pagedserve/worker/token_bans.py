@@ -61,8 +61,9 @@ class TokenBans:
     def mask(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
              num_prompt_tokens: np.ndarray) -> Optional[torch.Tensor]:
         """``[B, V]`` bool, True where a token is banned this step for ``rows[i]`` (all False
-        for rows without bans); None when nothing is banned. ``token_ids`` / ``num_tokens`` /
-        ``num_prompt_tokens``: the input batch's arrays (all rows)."""
+        for rows without bans); None when nothing is banned. ``token_ids`` /
+        ``num_prompt_tokens``: the input batch's arrays (all rows); ``num_tokens``: ``[B]``, the
+        tokens of ``rows[i]`` that come before logits row ``i``."""
         row_list = rows.tolist()
         static = [(i, self.static[r]) for i, r in enumerate(row_list) if r in self.static]
         dynamic: list[tuple[int, np.ndarray]] = []
@@ -70,7 +71,7 @@ class TokenBans:
             if r in self.prefixes:
                 prefixes, last = self.prefixes[r]
                 L = prefixes.shape[1]
-                n = int(num_tokens[r])
+                n = int(num_tokens[i])
                 k = min(L, n - int(num_prompt_tokens[r]))
                 tail = np.full(L, -2, dtype=np.int64)  # -2 matches no token: fewer outputs than the prefix
                 if k:

@@ -271,7 +271,8 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
                     break
             self.stats.num_generation_tokens += n
             self.kv_cache_manager.update_block_hashes(req)
-            out = EngineCoreOutput(rid, tokens[:n], logprobs.get(rid), req.status.finish_reason, req.stop_reason if stopped else None,
+            lps = logprobs.get(rid)
+            out = EngineCoreOutput(rid, tokens[:n], lps[:n] if lps else None, req.status.finish_reason, req.stop_reason if stopped else None,
                                    max(0, req.num_cached_tokens), req.first_scheduled_time, req.error)
             if req.pending_prompt_logprobs is not None:
                 out.new_prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, None

@@ -71,13 +71,11 @@ class SpecDecodeMixin:
         return s is not None and (s.disable_by_batch_size is None or len(self.running) < s.disable_by_batch_size)
 
     def _draft_tokens(self, req: Request, max_drafts: int) -> list[int]:
-        """Drafts for a decode of ``req`` (at most ``max_drafts``; none for a request whose
-        sampling depends on the tokens before each position or reports logprobs per token:
-        penalties, bad words, min_tokens not yet out, logprobs, a grammar; none past
-        ``max_tokens`` or ``max_model_len``)."""
-        p = req.sampling_params
-        if (req.grammar is not None or p.logprobs is not None or p.bad_words or req.num_output_tokens < p.min_tokens
-                or (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) != (1.0, 0.0, 0.0)):
+        """Drafts for a decode of ``req`` (at most ``max_drafts``; none for a request with a
+        grammar, whose state would have to advance through each draft; none past
+        ``max_tokens`` or ``max_model_len``). Penalties, bad words, min_tokens and logprobs
+        are handled per position by the worker."""
+        if req.grammar is not None:
             return []
         k = min(self.spec.num_speculative_tokens, max_drafts, req.max_tokens - req.num_output_tokens - 1,
                 self.config.max_model_len - req.num_tokens - 1)
