@@ -11,7 +11,7 @@ Each at batch 1 (one request at a time) and at ``--batch`` requests at once. Pri
 tokens per second, the ratio, the share of drafts kept and the tokens per verified decode.
 
     .venv/bin/python benchmarks/spec_decode.py [--k 4] [--rounds 2] [--requests 8] [--batch 8] [--threads 2]
-        [--workloads edit,w1] [--disable-by-batch-size N]
+        [--workloads edit,w1] [--disable-by-batch-size N] [--logprobs K] [--repetition-penalty R] [--frequency-penalty F]
 """
 from __future__ import annotations
 
@@ -65,22 +65,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", default="edit,w1")
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--logprobs", type=int, default=None, help="logprobs of every request (top-k per token)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min,
             "disable_by_batch_size": args.disable_by_batch_size}
     engines = {"no drafts": LLM(num_threads=args.threads), "ngram": LLM(num_threads=args.threads, speculative_config=spec)}
-    print(f"speculative_config {spec}, {args.threads} threads, {args.rounds} rounds alternating")
+    extra = {"logprobs": args.logprobs, "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty}
+    print(f"speculative_config {spec}, {args.threads} threads, {args.rounds} rounds alternating, greedy with {extra}")
     for workload in args.workloads.split(","):
         if workload == "edit":
             requests = edit_requests(args.requests)
-            params = [SamplingParams(temperature=0, max_tokens=384)] * len(requests)
+            params = [SamplingParams(temperature=0, max_tokens=384, **extra)] * len(requests)
         else:
             from pagedserve.bench.datasets import sample_random
 
             tok = engines["no drafts"].get_tokenizer()
             reqs = sample_random(tok, args.requests, (64, 512), (128, 128), seed=0)
             requests = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-            params = [SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)] * len(requests)
+            params = [SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, **extra)] * len(requests)
         run(engines["ngram"], workload, requests[:1], params[:1], 1)  # warm-up
         run(engines["no drafts"], workload, requests[:1], params[:1], 1)
         for batch in (1, args.batch):

@@ -540,3 +540,41 @@ def test_cuda_matches_cpu_for_deterministic_paths(device):
     gpu = sample(logits, reqs, device)
     assert torch.equal(cpu.sampled_token_ids, gpu.sampled_token_ids.cpu())
     torch.testing.assert_close(cpu.logprobs, gpu.logprobs.cpu())
+
+
+def _dense_penalties(logits, prompt_ids, output_ids, rep, freq, pres):
+    """The penalties over the whole ``[B, V]`` (the reference the sparse version must equal)."""
+    B, V = logits.shape
+    counts = torch.zeros((B, V + 1)).scatter_add_(1, output_ids, torch.ones(output_ids.shape))[:, :V]
+    seen = torch.zeros((B, V + 1), dtype=torch.bool).scatter_(1, prompt_ids, True)[:, :V] | (counts > 0)
+    r = rep.unsqueeze(1)
+    out = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return out - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).float()
+
+
+def test_penalties_equal_the_dense_formula_bit_for_bit():
+    """Rows with repeats, padding, -inf entries, no prompt, nothing seen at all, and neutral
+    penalties: the sparse computation gives the dense one's bits, and leaves its input alone."""
+    from pagedserve.model.sampler import apply_penalties
+
+    g = torch.Generator().manual_seed(0)
+    B, V = 6, 300
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[:, ::11] = float("-inf")
+    logits[:, 0] = 1.5  # where a row that has seen nothing points its padding
+    prompt = torch.randint(0, V, (B, 40), generator=g)
+    output = torch.randint(0, 50, (B, 30), generator=g)  # many repeats
+    prompt[1, 25:] = V
+    output[1, 10:] = V
+    prompt[2] = V  # no prompt tokens (output only)
+    prompt[3], output[3] = V, V  # nothing seen
+    output[4] = V  # prompt only
+    rep = torch.rand(B, generator=g) + 0.5
+    freq = torch.rand(B, generator=g) - 0.3
+    pres = torch.rand(B, generator=g)
+    rep[5], freq[5], pres[5] = 1.0, 0.0, 0.0
+    before = logits.clone()
+    got = apply_penalties(logits, prompt, output, rep, freq, pres)
+    assert torch.equal(logits, before)
+    assert torch.equal(got.view(torch.int32), _dense_penalties(logits, prompt, output, rep, freq, pres).view(torch.int32))
+    assert torch.equal(got[3], logits[3]) and not torch.equal(got[0], logits[0])

@@ -178,22 +178,26 @@ def apply_penalties(
     Returns:
         ``[B, V]``: for tokens in prompt or output, ``logit / rep`` if ``logit > 0`` else
         ``logit * rep``; then ``- freq * count_in_output - presence * (count_in_output > 0)``.
+
+    Only the entries of tokens a row has seen are computed (gathered, penalised, scattered
+    back into a copy), so the cost grows with the tokens, not ``B x V``; each value is the
+    dense formula's to the bit. A row's padding points at its smallest seen id, whose value
+    it then writes again.
     """
     B, V = logits.shape
     counts = torch.zeros((B, V + 1), dtype=logits.dtype, device=logits.device)
     counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=logits.dtype))
-    counts = counts[:, :V]
-    output_mask = counts > 0
-    prompt_mask = torch.zeros((B, V + 1), dtype=torch.bool, device=logits.device)
-    prompt_mask.scatter_(1, prompt_token_ids, True)
-    seen = prompt_mask[:, :V] | output_mask
-
+    ids = torch.cat([prompt_token_ids, output_token_ids], dim=1)
+    first = ids.min(dim=1, keepdim=True).values  # V: the row has seen nothing
+    has_seen = first < V
+    ids = torch.where(ids < V, ids, torch.where(has_seen, first, 0))
+    x = logits.gather(1, ids)
+    c = counts.gather(1, ids)
     rep = repetition_penalties.unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - frequency_penalties.unsqueeze(1) * counts
-    logits = logits - presence_penalties.unsqueeze(1) * output_mask.to(logits.dtype)
-    return logits
+    val = torch.where(x > 0, x / rep, x * rep)
+    val = val - frequency_penalties.unsqueeze(1) * c
+    val = val - presence_penalties.unsqueeze(1) * (c > 0).to(logits.dtype)
+    return logits.clone().scatter_(1, ids, torch.where(has_seen, val, x))
 
 
 def apply_top_k_top_p(
