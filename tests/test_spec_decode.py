@@ -181,9 +181,8 @@ def test_drafts_capped_by_max_tokens_and_budget():
 
 
 def test_which_requests_get_drafts_and_batch_size():
-    """Position-dependent sampling (the worker handles it per row) gets drafts; a grammar, which
-    would have to advance through each draft, does not; nor does a batch at
-    disable_by_batch_size."""
+    """Position-dependent sampling (the worker handles it per row) gets drafts; a grammar only
+    those it accepts, and none while the request thinks; a batch at disable_by_batch_size none."""
     prompt = [99, 11, 12, 13, 14, 99, 11, 12, 13, 14, 99]
     for params in ({"logprobs": 1}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"min_tokens": 5},
                    {"bad_words": ["x"]}):
@@ -197,7 +196,15 @@ def test_which_requests_get_drafts_and_batch_size():
     req = s.requests["a"]
     req.append_output_token_ids([11])
     assert s._draft_tokens(req, 3) == [12, 13, 14]
-    req.grammar = object()  # any grammar
+
+
+    class Grammar:  # accepts the first 2 of any drafts
+        def validate_tokens(self, tokens):
+            return min(2, len(tokens))
+
+    req.grammar = Grammar()
+    assert s._draft_tokens(req, 3) == [12, 13]
+    req.in_reasoning = True
     assert s._draft_tokens(req, 3) == []
     s = make_scheduler(spec=dict(NGRAM, disable_by_batch_size=2))
     for rid in "ab":
@@ -238,7 +245,7 @@ def _meta(n, temperature=1.0, greedy=False, generators=None):
                                              "min_tokens_rows", "min_tokens_cols"]))
 
 
-def _verify_one(params, drafts, output=(5,), eos=(), bad_words=None):
+def _verify_one(params, drafts, output=(5,), eos=(), bad_words=None, allowed=None):
     """ModelRunner._verify_drafts on one request (prompt [1], ``output`` so far) whose every row
     has the same raw logits over 8 tokens (3: 2.0, 2: 1.5, the rest 0): (kept, token, logprobs)."""
     from types import SimpleNamespace
@@ -262,7 +269,11 @@ def _verify_one(params, drafts, output=(5,), eos=(), bad_words=None):
     hidden = torch.zeros(len(drafts) + 1, 8)
     hidden[:, 3], hidden[:, 2] = 2.0, 1.5
     out = ModelRunnerOutput()
-    runner._verify_drafts(["r"], np.array([row]), np.array([len(drafts) + 1]), np.array([len(drafts)]), {"r": drafts}, hidden, out)
+    so = SimpleNamespace(scheduled_spec_decode_tokens={"r": drafts}, structured_output_request_ids=[], grammar_bitmask=None)
+    if allowed is not None:  # a grammar's mask per row: the tokens each row allows
+        so.structured_output_request_ids = ["other"] + ["r"] * len(allowed)
+        so.grammar_bitmask = np.array([0] + [sum(1 << t for t in a) for a in allowed], dtype="<i4").tobytes()
+    runner._verify_drafts(["r"], np.array([row]), np.array([len(drafts) + 1]), np.array([len(drafts)]), so, hidden, out)
     assert batch.token_ids[row, n: n + out.num_accepted_tokens["r"] + 1].tolist() == drafts[: out.num_accepted_tokens["r"]] + [out.sampled["r"]]
     return out.num_accepted_tokens["r"], out.sampled["r"], out.logprobs.get("r")
 
@@ -282,6 +293,9 @@ def test_verify_rows_see_the_drafts_before_them():
     for ids, lp, rank in lps:
         assert ids == [3, 3] and rank == 1 and lp == pytest.approx([raw[3].item()] * 2)
     assert _verify_one({}, [3, 2])[2] is None
+    # a grammar's mask per position: row 1 forbids 3, so draft 1 goes and 2 comes instead
+    assert _verify_one({}, [3, 3], allowed=[{2, 3}, {1, 2}, {3}])[:2] == (1, 2)
+    assert _verify_one({}, [3, 3], allowed=[{2, 3}, {3}, {1}])[:2] == (2, 1)
 
 
 def test_rejection_sampler_greedy_keeps_the_argmax_run():
@@ -408,6 +422,36 @@ def test_engine_position_dependent_sampling_with_drafts(plain_bf16):
                 assert abs(g.cumulative_logprob - r.cumulative_logprob) <= 1e-4
         assert len(got[3].outputs[0].token_ids) >= 40  # min_tokens held through the drafts
         assert got[2].outputs[0].token_ids != got[6].outputs[0].token_ids  # the ban changed something
+        drafted = {e["request_id"] for rec in llm.get_step_trace() for e in rec["scheduled"] if e.get("num_draft_tokens")}
+        assert drafted == {o.request_id for o in got}
+        assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
+        assert_engine_idle(llm)
+    finally:
+        del llm
+
+
+def test_engine_structured_output_with_drafts(plain_bf16):
+    """A JSON schema and a regex with drafts: drafts are cut to what the grammar accepts and each
+    verify row is masked by the grammar's state after the drafts before it, so the output equals
+    one-token-at-a-time decoding's and stays valid; drafts were kept."""
+    from conftest import assert_engine_idle
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    record = '{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": "the first computer program"}'
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "field": {"type": "string"},
+                                               "known_for": {"type": "string"}},
+              "required": ["name", "born", "field", "known_for"]}
+    prompts = [f"Copy this JSON record exactly:\n{record}\n", "Write the numbers from 1 to 30 separated by commas: "]
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(regex=r"(\d+, ){5,40}\d+"))]
+    ref = plain_bf16.generate(prompts, params, use_tqdm=False)
+    llm = LLM(dtype="bfloat16", max_model_len=256, num_threads=1, num_kv_blocks=64, speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        for r, g in zip(ref, got):
+            assert g.outputs[0].token_ids == r.outputs[0].token_ids and g.outputs[0].finish_reason == r.outputs[0].finish_reason
+        assert json.loads(got[0].outputs[0].text)["born"] == 1815
         drafted = {e["request_id"] for rec in llm.get_step_trace() for e in rec["scheduled"] if e.get("num_draft_tokens")}
         assert drafted == {o.request_id for o in got}
         assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0

@@ -168,20 +168,36 @@ class StructuredOutputManager:
                     self._compiled.popitem(last=False)
         return proto.deep_copy()
 
-    def grammar_bitmask(self, matchers: list[Any]) -> tuple[bytes, list[int]]:
-        """``[len(matchers), ceil(vocab_size / 32)]`` int32 (little-endian bytes): bit t of row i
-        is set when token t may come next under matcher i; and the rows whose mask took longer
-        than ``MASK_BUDGET_S`` (their requests must be failed)."""
+    def grammar_bitmask(self, matchers: list[Any], drafts: Optional[list[list[int]]] = None) -> tuple[bytes, list[int]]:
+        """``[R, ceil(vocab_size / 32)]`` int32 (little-endian bytes): bit t of a row is set when
+        token t may come next. Matcher i has ``1 + len(drafts[i])`` consecutive rows (speculative
+        decoding: row j after its draft tokens ``0 .. j-1``, which it takes and then rolls back;
+        they must be valid, see :meth:`valid_draft_prefix`), one row without drafts. Also returns
+        the matchers (indices) whose masks took longer than ``MASK_BUDGET_S`` (their requests
+        must be failed)."""
         import llguidance.numpy as lln
 
-        mask = lln.allocate_token_bitmask(len(matchers), self.vocab_size)
-        slow = []
-        for i, m in enumerate(matchers):
+        drafts = drafts or [[] for _ in matchers]
+        mask = lln.allocate_token_bitmask(sum(1 + len(d) for d in drafts), self.vocab_size)
+        slow, row = [], 0
+        for i, (m, ds) in enumerate(zip(matchers, drafts)):
             t0 = time.perf_counter()
-            lln.fill_next_token_bitmask(m, mask, i)
-            if time.perf_counter() - t0 > MASK_BUDGET_S:
+            for j in range(len(ds) + 1):
+                lln.fill_next_token_bitmask(m, mask, row)
+                row += 1
+                if j < len(ds):
+                    m.consume_token(ds[j])
+            if ds:
+                m.rollback(len(ds))
+            if time.perf_counter() - t0 > MASK_BUDGET_S * (1 + len(ds)):
                 slow.append(i)
         return np.ascontiguousarray(mask, dtype="<i4").tobytes(), slow
+
+    @staticmethod
+    def valid_draft_prefix(matcher: Any, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from its current state (none is
+        taken)."""
+        return int(matcher.validate_tokens(tokens)) if tokens else 0
 
     @staticmethod
     def accept_token(matcher: Any, token_id: int) -> Optional[str]:

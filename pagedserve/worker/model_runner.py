@@ -19,6 +19,7 @@ token ids, and the other ranks append those (their output is empty).
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 import torch
@@ -160,7 +161,7 @@ class ModelRunner:
         if spec:
             verify = samples & (ndraft > 0)
             self._verify_drafts([order[i] for i in np.flatnonzero(verify).tolist()], rows[verify], ends[verify], ndraft[verify],
-                                spec, hidden, out)
+                                so, hidden, out)
             samples &= ~verify
         if not samples.any():
             return out
@@ -171,9 +172,9 @@ class ModelRunner:
             tokens = self.model.tp.broadcast(torch.empty(len(sample_rows), dtype=torch.int64, device=dev)).cpu().numpy()
             batch.append_sampled(sample_rows, tokens)
             return out
-        if so.grammar_bitmask is not None:  # structured output: forbid what the grammars forbid
-            position = {rid: i for i, rid in enumerate(sample_ids)}
-            apply_grammar_bitmask(logits, [position[rid] for rid in so.structured_output_request_ids], so.grammar_bitmask)
+        grammar = self._grammar_rows(so, {rid: i for i, rid in enumerate(sample_ids)})
+        if grammar is not None:  # structured output: forbid what the grammars forbid
+            apply_grammar_bitmask(logits, *grammar)
         res = self.sampler(logits, batch.sampling_metadata(sample_rows))
         if self.model.tp is not None:
             self.model.tp.broadcast(res.sampled_token_ids.to(torch.int64).contiguous())
@@ -190,22 +191,46 @@ class ModelRunner:
                     out.logprobs[rid] = [(ids[i][: k + 1], lp[i][: k + 1], ranks[i])]
         return out
 
+    @staticmethod
+    def _grammar_rows(so: SchedulerOutput, first_row: dict[str, int]) -> Optional[tuple[list[int], bytes]]:
+        """The rows of ``so.grammar_bitmask`` of the requests in ``first_row``, as (the logits
+        rows they mask, their bitmask bytes): a request's j-th bitmask row masks logits row
+        ``first_row[rid] + j`` (j > 0: after its drafts). None when there are none."""
+        ids = so.structured_output_request_ids
+        if so.grammar_bitmask is None or not ids:
+            return None
+        pick, rows, seen = [], [], {}
+        for i, rid in enumerate(ids):
+            if rid in first_row:
+                j = seen[rid] = seen.get(rid, -1) + 1
+                pick.append(i)
+                rows.append(first_row[rid] + j)
+        if not pick:
+            return None
+        mask = np.frombuffer(so.grammar_bitmask, dtype="<i4").reshape(len(ids), -1)
+        return rows, (mask if len(pick) == len(ids) else mask[pick]).tobytes()
+
     def _verify_drafts(self, req_ids: list[str], rows: np.ndarray, ends: np.ndarray, ndraft: np.ndarray,
-                       spec: dict[str, list[int]], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+                       so: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Speculative decoding: score each request's last token and drafts (its chunk's last
         ``1 + k`` rows of ``hidden``), keep the drafts its sampling accepts and append them and
         the token after them to its row (see :mod:`pagedserve.model.rejection_sampler`). Row
         ``j`` of a request is processed as if drafts ``0 .. j-1`` were already output
-        (penalties, bad words, min_tokens); logprobs are given for every appended token."""
+        (penalties, bad words, min_tokens; a grammar's mask per row comes with ``so``); logprobs
+        are given for every appended token."""
         batch = self.input_batch
+        spec = so.scheduled_spec_decode_tokens
         hrows = np.concatenate([np.arange(e - 1 - k, e) for e, k in zip(ends.tolist(), ndraft.tolist())])
         logits = self.model.compute_logits(hidden[torch.from_numpy(hrows).to(self.device)])
         draft_ids = [t for rid in req_ids for t in (*spec[rid], -1)]
         before = np.concatenate([np.arange(k + 1) for k in ndraft.tolist()])
+        firsts = np.concatenate([[0], np.cumsum(ndraft + 1)[:-1]]).tolist()
+        grammar = self._grammar_rows(so, dict(zip(req_ids, firsts)))
+        if grammar is not None:
+            apply_grammar_bitmask(logits, *grammar)
         meta = batch.sampling_metadata(np.repeat(rows, ndraft + 1), before)
         kept, tokens = rejection_sample(logits, meta, torch.tensor(draft_ids, dtype=torch.int64, device=self.device),
                                         ndraft.tolist(), self.model.backend.argmax)
-        firsts = np.concatenate([[0], np.cumsum(ndraft + 1)[:-1]]).tolist()
         for rid, row, a, tok in zip(req_ids, rows.tolist(), kept, tokens):
             n = int(batch.num_tokens[row]) + a  # the kept drafts are already in place
             batch.token_ids[row, n] = tok

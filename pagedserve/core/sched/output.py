@@ -80,7 +80,8 @@ class SchedulerOutput:
         preempted_req_ids: requests preempted in this step: the worker drops their block table
             and batch row but keeps their seeded generator (they come back as new requests).
         structured_output_request_ids: constrained requests that sample this step, in the
-            order of the rows of ``grammar_bitmask``.
+            order of the rows of ``grammar_bitmask`` (a request with k drafts: k + 1 times in a
+            row, one per position it samples).
         grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32
             as little-endian bytes: bit t of row i set = token t allowed; None when no
             constrained request samples.

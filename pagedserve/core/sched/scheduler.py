@@ -223,11 +223,13 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
-        constrained = [req for req, _, _ in scheduled
-                       if req.grammar is not None and not req.in_reasoning and req.num_computed_tokens == req.num_tokens]
-        if constrained:  # they sample this step: the worker masks their logits
-            out.structured_output_request_ids = [req.request_id for req in constrained]
-            out.grammar_bitmask, slow = self.structured_output_manager.grammar_bitmask([req.grammar for req in constrained])
+        drafts_of = out.scheduled_spec_decode_tokens
+        constrained = [req for req, _, _ in scheduled if req.grammar is not None and not req.in_reasoning
+                       and req.num_computed_tokens - len(drafts_of.get(req.request_id, ())) == req.num_tokens]
+        if constrained:  # they sample this step: the worker masks their logits (a row per draft too)
+            drafts = [drafts_of.get(req.request_id, []) for req in constrained]
+            out.structured_output_request_ids = [req.request_id for req, d in zip(constrained, drafts) for _ in range(1 + len(d))]
+            out.grammar_bitmask, slow = self.structured_output_manager.grammar_bitmask([req.grammar for req in constrained], drafts)
             for i in slow:  # fails after this step instead of holding up every step
                 constrained[i].error = "the grammar is too slow to follow: a token's mask took over 0.1 s"
         return out

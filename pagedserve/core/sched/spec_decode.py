@@ -19,6 +19,7 @@ import numpy as np
 
 from pagedserve.core.request import Request
 from pagedserve.core.sched.output import SchedulerOutput
+from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.spec_decode_config import SpeculativeConfig
 
 
@@ -71,18 +72,21 @@ class SpecDecodeMixin:
         return s is not None and (s.disable_by_batch_size is None or len(self.running) < s.disable_by_batch_size)
 
     def _draft_tokens(self, req: Request, max_drafts: int) -> list[int]:
-        """Drafts for a decode of ``req`` (at most ``max_drafts``; none for a request with a
-        grammar, whose state would have to advance through each draft; none past
-        ``max_tokens`` or ``max_model_len``). Penalties, bad words, min_tokens and logprobs
-        are handled per position by the worker."""
-        if req.grammar is not None:
+        """Drafts for a decode of ``req`` (at most ``max_drafts``; none past ``max_tokens`` or
+        ``max_model_len``; with a grammar, only the leading drafts it accepts, and none while
+        the request is still thinking). Penalties, bad words, min_tokens and logprobs are
+        handled per position by the worker, grammars by a mask per position."""
+        if req.grammar is not None and req.in_reasoning:
             return []
         k = min(self.spec.num_speculative_tokens, max_drafts, req.max_tokens - req.num_output_tokens - 1,
                 self.config.max_model_len - req.num_tokens - 1)
         if k < 1:
             return []
         tokens = np.fromiter(req.all_token_ids, dtype=np.int64, count=req.num_tokens)
-        return propose_ngram(tokens, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        drafts = propose_ngram(tokens, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        if req.grammar is not None and drafts:
+            drafts = drafts[: StructuredOutputManager.valid_draft_prefix(req.grammar, drafts)]
+        return drafts
 
     def _add_drafts(self, scheduled: list[tuple[Request, int, int]], new_ids: set[str], budget: int,
                     out: SchedulerOutput) -> int:
