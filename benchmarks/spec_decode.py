@@ -5,7 +5,9 @@ and the outputs compared token for token.
 Workloads:
 * ``edit``: code editing, where the answer copies its input (chat prompts asking SmolLM2 to
   show a function from Python's standard library again with a comment added);
-* ``w1``: W1's shape (text windows of 64-512 tokens, 128 output tokens), where it mostly does not.
+* ``w1``: W1's shape (text windows of 64-512 tokens, 128 output tokens), where it mostly does not;
+* ``json``: extraction under a JSON schema (structured output): a contact card given as
+  ``key: value`` lines, returned as a JSON object (``--workloads json``).
 
 Each at batch 1 (one request at a time) and at ``--batch`` requests at once. Prints output
 tokens per second, the ratio, the share of drafts kept and the tokens per verified decode.
@@ -42,6 +44,31 @@ def edit_requests(n: int) -> list[list[dict]]:
     return out
 
 
+JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "email": {"type": "string"},
+                                               "phone": {"type": "string"}, "company": {"type": "string"}, "notes": {"type": "string"}},
+               "required": ["name", "city", "email", "phone", "company", "notes"]}
+
+
+def json_requests(n: int) -> list[list[dict]]:
+    """Extraction: a contact card in prose and key: value lines, to be returned as JSON (the
+    values are copied from the prompt)."""
+    import random
+
+    rng = random.Random(0)
+    first = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Frances", "John", "Margaret", "Niklaus"]
+    last = ["Lovelace", "Hopper", "Turing", "Dijkstra", "Liskov", "Knuth", "Allen", "Backus", "Hamilton", "Wirth"]
+    cities = ["Lisbon", "Montreal", "Osaka", "Nairobi", "Valparaiso", "Tallinn", "Hobart", "Reykjavik"]
+    out = []
+    for i in range(n):
+        name = f"{first[i % 10]} {last[(i * 3) % 10]}"
+        card = {"name": name, "city": rng.choice(cities), "email": f"{name.split()[0].lower()}.{name.split()[1].lower()}@example.org",
+                "phone": f"+1 555 {rng.randint(100, 999)} {rng.randint(1000, 9999)}", "company": f"{rng.choice(last)} Systems Ltd",
+                "notes": "prefers email; available Tuesday and Thursday mornings; met at the spring conference"}
+        lines = "\n".join(f"{k}: {v}" for k, v in card.items())
+        out.append([{"role": "user", "content": f"Return this contact as a JSON object with the same keys and values:\n\n{lines}"}])
+    return out
+
+
 def run(llm: LLM, workload: str, requests, params, batch: int) -> tuple[float, list[list[int]]]:
     """(output tokens per second, the outputs) over ``requests``, ``batch`` at a time."""
     outs: list[list[int]] = []
@@ -49,7 +76,7 @@ def run(llm: LLM, workload: str, requests, params, batch: int) -> tuple[float, l
     for i in range(0, len(requests), batch):
         part = requests[i: i + batch]
         ps = params[i: i + batch]
-        res = llm.chat(part, ps, use_tqdm=False) if workload == "edit" else llm.generate(part, ps, use_tqdm=False)
+        res = llm.chat(part, ps, use_tqdm=False) if workload in ("edit", "json") else llm.generate(part, ps, use_tqdm=False)
         outs += [list(r.outputs[0].token_ids) for r in res]
     return sum(map(len, outs)) / (time.perf_counter() - t), outs
 
@@ -78,6 +105,12 @@ def main() -> None:
         if workload == "edit":
             requests = edit_requests(args.requests)
             params = [SamplingParams(temperature=0, max_tokens=384, **extra)] * len(requests)
+        elif workload == "json":
+            from pagedserve.sampling_params import StructuredOutputsParams
+
+            requests = json_requests(args.requests)
+            params = [SamplingParams(temperature=0, max_tokens=256, structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA),
+                                     **extra)] * len(requests)
         else:
             from pagedserve.bench.datasets import sample_random
 
