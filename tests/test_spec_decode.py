@@ -390,12 +390,30 @@ def test_engine_greedy_output_unchanged(plain_bf16):
         del llm
 
 
+def _with_and_without_drafts(plain_bf16, prompts, params):
+    """(outputs without drafts, outputs with k = 4 drafts) of the same requests; checks that every
+    request had drafts, that some were kept and that the drafting engine ends idle."""
+    from conftest import assert_engine_idle
+    from pagedserve import LLM
+
+    ref = plain_bf16.generate(prompts, params, use_tqdm=False)
+    llm = LLM(dtype="bfloat16", max_model_len=256, num_threads=1, num_kv_blocks=64, speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        drafted = {e["request_id"] for rec in llm.get_step_trace() for e in rec["scheduled"] if e.get("num_draft_tokens")}
+        assert drafted == {o.request_id for o in got}
+        assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
+        assert_engine_idle(llm)
+    finally:
+        del llm
+    return ref, got
+
+
 def test_engine_position_dependent_sampling_with_drafts(plain_bf16):
     """Penalties, bad_words, min_tokens and logprobs with drafts: each row sees the drafts before
     it as output, so token ids, logprobs, top logprobs and ranks equal one-token-at-a-time
     decoding's, and every one of these requests had drafts."""
-    from conftest import assert_engine_idle
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import SamplingParams
 
     prompts = [COPY_PROMPTS[0], COPY_PROMPTS[1], COPY_PROMPTS[0], COPY_PROMPTS[3], COPY_PROMPTS[1], COPY_PROMPTS[0]]
     params = [SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.15),
@@ -406,36 +424,26 @@ def test_engine_position_dependent_sampling_with_drafts(plain_bf16):
               SamplingParams(temperature=0, max_tokens=48, logprobs=0, repetition_penalty=1.1, bad_words=[" fox"]),
               SamplingParams(temperature=0, max_tokens=48)]
     prompts.append(COPY_PROMPTS[0])
-    ref = plain_bf16.generate(prompts, params, use_tqdm=False)
-    llm = LLM(dtype="bfloat16", max_model_len=256, num_threads=1, num_kv_blocks=64, speculative_config=dict(NGRAM, num_speculative_tokens=4))
-    try:
-        got = llm.generate(prompts, params, use_tqdm=False)
-        for r, g in zip(ref, got):
-            r, g = r.outputs[0], g.outputs[0]
-            assert g.token_ids == r.token_ids and g.text == r.text
-            assert (g.logprobs is None) == (r.logprobs is None)
-            if r.logprobs is not None:
-                assert len(g.logprobs) == len(g.token_ids)
-                for a, b in zip(r.logprobs, g.logprobs):
-                    assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
-                    assert all(abs(a[t].logprob - b[t].logprob) <= 1e-6 for t in a)
-                assert abs(g.cumulative_logprob - r.cumulative_logprob) <= 1e-4
-        assert len(got[3].outputs[0].token_ids) >= 40  # min_tokens held through the drafts
-        assert got[2].outputs[0].token_ids != got[6].outputs[0].token_ids  # the ban changed something
-        drafted = {e["request_id"] for rec in llm.get_step_trace() for e in rec["scheduled"] if e.get("num_draft_tokens")}
-        assert drafted == {o.request_id for o in got}
-        assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
-        assert_engine_idle(llm)
-    finally:
-        del llm
+    ref, got = _with_and_without_drafts(plain_bf16, prompts, params)
+    for r, g in zip(ref, got):
+        r, g = r.outputs[0], g.outputs[0]
+        assert g.token_ids == r.token_ids and g.text == r.text
+        assert (g.logprobs is None) == (r.logprobs is None)
+        if r.logprobs is not None:
+            assert len(g.logprobs) == len(g.token_ids)
+            for a, b in zip(r.logprobs, g.logprobs):
+                assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+                assert all(abs(a[t].logprob - b[t].logprob) <= 1e-6 for t in a)
+            assert abs(g.cumulative_logprob - r.cumulative_logprob) <= 1e-4
+    assert len(got[3].outputs[0].token_ids) >= 40  # min_tokens held through the drafts
+    assert got[2].outputs[0].token_ids != got[6].outputs[0].token_ids  # the ban changed something
 
 
 def test_engine_structured_output_with_drafts(plain_bf16):
     """A JSON schema and a regex with drafts: drafts are cut to what the grammar accepts and each
     verify row is masked by the grammar's state after the drafts before it, so the output equals
     one-token-at-a-time decoding's and stays valid; drafts were kept."""
-    from conftest import assert_engine_idle
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import SamplingParams
     from pagedserve.sampling_params import StructuredOutputsParams
 
     record = '{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": "the first computer program"}'
@@ -445,19 +453,10 @@ def test_engine_structured_output_with_drafts(plain_bf16):
     prompts = [f"Copy this JSON record exactly:\n{record}\n", "Write the numbers from 1 to 30 separated by commas: "]
     params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema)),
               SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(regex=r"(\d+, ){5,40}\d+"))]
-    ref = plain_bf16.generate(prompts, params, use_tqdm=False)
-    llm = LLM(dtype="bfloat16", max_model_len=256, num_threads=1, num_kv_blocks=64, speculative_config=dict(NGRAM, num_speculative_tokens=4))
-    try:
-        got = llm.generate(prompts, params, use_tqdm=False)
-        for r, g in zip(ref, got):
-            assert g.outputs[0].token_ids == r.outputs[0].token_ids and g.outputs[0].finish_reason == r.outputs[0].finish_reason
-        assert json.loads(got[0].outputs[0].text)["born"] == 1815
-        drafted = {e["request_id"] for rec in llm.get_step_trace() for e in rec["scheduled"] if e.get("num_draft_tokens")}
-        assert drafted == {o.request_id for o in got}
-        assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
-        assert_engine_idle(llm)
-    finally:
-        del llm
+    ref, got = _with_and_without_drafts(plain_bf16, prompts, params)
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids and g.outputs[0].finish_reason == r.outputs[0].finish_reason
+    assert json.loads(got[0].outputs[0].text)["born"] == 1815
 
 
 def test_server_with_drafts_streams_the_same_text(plain_bf16):
