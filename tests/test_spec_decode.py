@@ -450,13 +450,44 @@ def test_engine_structured_output_with_drafts(plain_bf16):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "field": {"type": "string"},
                                                "known_for": {"type": "string"}},
               "required": ["name", "born", "field", "known_for"]}
-    prompts = [f"Copy this JSON record exactly:\n{record}\n", "Write the numbers from 1 to 30 separated by commas: "]
+    # The third: the drafts after "the answer is" run on to the prompt's end-of-turn token, past
+    # where the choice completes (a matcher that took them could not be rolled back).
+    say = plain_bf16.get_tokenizer().apply_chat_template([{"role": "user", "content": "Say exactly this: the answer is yes indeed"}],
+                                                          tokenize=False, add_generation_prompt=True)
+    prompts = [f"Copy this JSON record exactly:\n{record}\n", "Write the numbers from 1 to 30 separated by commas: ", say]
     params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema)),
-              SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(regex=r"(\d+, ){5,40}\d+"))]
+              SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(regex=r"(\d+, ){5,40}\d+")),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["the answer is yes indeed", "no"]))]
     ref, got = _with_and_without_drafts(plain_bf16, prompts, params)
     for r, g in zip(ref, got):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids and g.outputs[0].finish_reason == r.outputs[0].finish_reason
     assert json.loads(got[0].outputs[0].text)["born"] == 1815
+    assert got[2].outputs[0].text == "the answer is yes indeed" and got[2].outputs[0].finish_reason == "stop"
+
+
+def test_grammar_drafts_end_where_the_grammar_completes(plain_bf16):
+    """valid_draft_prefix keeps the drafts up to the token that completes the grammar (not the
+    EOS after it) and, like the mask rows for drafts, leaves the request's matcher as it was."""
+    from pagedserve.core.structured_output import StructuredOutputManager
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    tok = plain_bf16.get_tokenizer()
+    mgr = StructuredOutputManager(lambda: tok, 49152, lambda _: [tok.eos_token_id])
+    m = mgr.new_matcher(StructuredOutputsParams(choice=["the answer is yes indeed", "no"]))
+    ids = tok.encode("the answer is yes indeed")
+    for t in ids[:2]:
+        assert mgr.accept_token(m, t) is None
+    eos = tok.eos_token_id
+    assert mgr.valid_draft_prefix(m, ids[2:] + [eos]) == len(ids) - 2
+    assert mgr.valid_draft_prefix(m, ids[3:]) == 0
+    mask, slow = mgr.grammar_bitmask([m], [ids[2:]])
+    rows = np.frombuffer(mask, dtype="<i4").reshape(len(ids) - 1, -1)
+    bit = lambda row, t: (int(rows[row][t // 32]) >> (t % 32)) & 1  # noqa: E731
+    assert [bit(j, ids[2 + j]) for j in range(len(ids) - 2)] == [1] * (len(ids) - 2) and bit(len(ids) - 2, eos) == 1
+    assert not slow
+    for t in ids[2:-1]:  # the matcher still stands after the second token
+        assert mgr.accept_token(m, t) is None
+    assert mgr.accept_token(m, ids[-1]) == "done"
 
 
 def test_server_with_drafts_streams_the_same_text(plain_bf16):

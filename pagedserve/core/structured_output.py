@@ -171,9 +171,9 @@ class StructuredOutputManager:
     def grammar_bitmask(self, matchers: list[Any], drafts: Optional[list[list[int]]] = None) -> tuple[bytes, list[int]]:
         """``[R, ceil(vocab_size / 32)]`` int32 (little-endian bytes): bit t of a row is set when
         token t may come next. Matcher i has ``1 + len(drafts[i])`` consecutive rows (speculative
-        decoding: row j after its draft tokens ``0 .. j-1``, which it takes and then rolls back;
-        they must be valid, see :meth:`valid_draft_prefix`), one row without drafts. Also returns
-        the matchers (indices) whose masks took longer than ``MASK_BUDGET_S`` (their requests
+        decoding: row j after its draft tokens ``0 .. j-1``, taken by a copy of the matcher; they
+        must come from :meth:`valid_draft_prefix`), one row without drafts. Also returns the
+        matchers (indices) whose masks took longer than ``MASK_BUDGET_S`` per row (their requests
         must be failed)."""
         import llguidance.numpy as lln
 
@@ -182,22 +182,32 @@ class StructuredOutputManager:
         slow, row = [], 0
         for i, (m, ds) in enumerate(zip(matchers, drafts)):
             t0 = time.perf_counter()
-            for j in range(len(ds) + 1):
-                lln.fill_next_token_bitmask(m, mask, row)
-                row += 1
-                if j < len(ds):
-                    m.consume_token(ds[j])
-            if ds:
-                m.rollback(len(ds))
+            lln.fill_next_token_bitmask(m, mask, row)
+            probe = m.deep_copy() if ds else None  # ~1 us; the request's own matcher is not touched
+            for j, t in enumerate(ds, start=1):
+                probe.consume_token(t)
+                lln.fill_next_token_bitmask(probe, mask, row + j)
+            row += 1 + len(ds)
             if time.perf_counter() - t0 > MASK_BUDGET_S * (1 + len(ds)):
                 slow.append(i)
         return np.ascontiguousarray(mask, dtype="<i4").tobytes(), slow
 
     @staticmethod
     def valid_draft_prefix(matcher: Any, tokens: list[int]) -> int:
-        """How many leading ``tokens`` the grammar accepts from its current state (none is
-        taken)."""
-        return int(matcher.validate_tokens(tokens)) if tokens else 0
+        """How many leading ``tokens`` may be drafts under the grammar from its current state:
+        those it accepts, ending at the one that completes it (nothing after, not even EOS).
+        ``matcher`` is not changed."""
+        n = int(matcher.validate_tokens(tokens)) if tokens else 0
+        if n == 0:
+            return 0
+        probe = matcher.deep_copy()
+        for i, t in enumerate(tokens[:n]):
+            probe.consume_token(t)
+            if probe.is_error():
+                return i
+            if probe.is_stopped():
+                return i + 1
+        return n
 
     @staticmethod
     def accept_token(matcher: Any, token_id: int) -> Optional[str]:
