@@ -578,3 +578,22 @@ def test_penalties_equal_the_dense_formula_bit_for_bit():
     assert torch.equal(logits, before)
     assert torch.equal(got.view(torch.int32), _dense_penalties(logits, prompt, output, rep, freq, pres).view(torch.int32))
     assert torch.equal(got[3], logits[3]) and not torch.equal(got[0], logits[0])
+
+
+def test_top_logprobs_break_ties_by_the_smaller_id_whatever_k():
+    """Equal logprobs: the smaller token id first and at the cut, so top-j is the first j of top-k
+    (torch.topk alone orders ties differently for different k, and k is the batch's largest)."""
+    from pagedserve.model.sampler import gather_logprobs, top_k_by_id
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.log_softmax(torch.randn(3, 5000, generator=g), -1)
+    x[0, [4000, 100, 2500, 3000]] = -0.5  # a 4-way tie at the top
+    x[1, [7, 4999, 1234]] = x[1].max() + 1  # ties at the top, and below them another at the cut of k = 4
+    x[1, [900, 30, 2000]] = x[1].max() - 0.25
+    full_vals, full_ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    for k in (1, 2, 3, 4, 5, 20):
+        vals, ids = top_k_by_id(x, k)
+        assert torch.equal(ids, full_ids[:, :k]) and torch.equal(vals, full_vals[:, :k]), k
+    assert full_ids[0, :4].tolist() == [100, 2500, 3000, 4000]
+    lp, tids, _ = gather_logprobs(x, torch.tensor([5, 6, 7]), 3)
+    assert tids[:, 1:].tolist() == full_ids[:, :3].tolist()
