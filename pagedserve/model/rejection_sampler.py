@@ -17,7 +17,8 @@ token). Draft ``d_j`` is kept while every earlier draft was kept and
 
 Row ``j``'s sampling state counts drafts ``d_0 .. d_{j-1}`` as already output (the caller's
 ``SamplingMetadata``), so penalties, bad words and min_tokens are those of decoding one token
-at a time. Grammars are not: the scheduler gives requests with one no drafts.
+at a time; a grammar's mask for row ``j`` (its state after those drafts) is applied to the
+logits before this is called.
 """
 from __future__ import annotations
 
