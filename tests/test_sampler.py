@@ -583,7 +583,7 @@ def test_penalties_equal_the_dense_formula_bit_for_bit():
 def test_top_logprobs_break_ties_by_the_smaller_id_whatever_k():
     """Equal logprobs: the smaller token id first and at the cut, so top-j is the first j of top-k
     (torch.topk alone orders ties differently for different k, and k is the batch's largest)."""
-    from pagedserve.model.sampler import gather_logprobs, top_k_by_id
+    from pagedserve.model.logprobs import gather_logprobs, top_k_by_id
 
     g = torch.Generator().manual_seed(0)
     x = torch.log_softmax(torch.randn(3, 5000, generator=g), -1)
