@@ -198,9 +198,21 @@ def test_which_requests_get_drafts_and_batch_size():
     assert s._draft_tokens(req, 3) == [12, 13, 14]
 
 
-    class Grammar:  # accepts the first 2 of any drafts
+    class Grammar:  # accepts the first 2 of any drafts and never completes
         def validate_tokens(self, tokens):
             return min(2, len(tokens))
+
+        def deep_copy(self):
+            return self
+
+        def consume_token(self, token):
+            pass
+
+        def is_error(self):
+            return False
+
+        def is_stopped(self):
+            return False
 
     req.grammar = Grammar()
     assert s._draft_tokens(req, 3) == [12, 13]
