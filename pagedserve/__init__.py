@@ -17,6 +17,7 @@ _LAZY = {
     "EngineConfig": "pagedserve.config",
     "SamplingParams": "pagedserve.sampling_params",
     "RequestOutputKind": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
 }
