@@ -239,25 +239,26 @@ class ModelRunner:
             out.sampled[rid] = tok
             out.num_accepted_tokens[rid] = a
         if meta.max_num_logprobs is not None:
-            self._verified_logprobs(req_ids, rows, firsts, kept, logits, out)
+            appended = [spec[rid][:a] + [tok] for rid, a, tok in zip(req_ids, kept, tokens)]
+            self._verified_logprobs(req_ids, rows, firsts, appended, logits, out)
 
-    def _verified_logprobs(self, req_ids: list[str], rows: np.ndarray, firsts: list[int], kept: list[int],
+    def _verified_logprobs(self, req_ids: list[str], rows: np.ndarray, firsts: list[int], appended: list[list[int]],
                            logits: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """Raw logprobs of each token a verified decode appended (its ``kept[i]`` drafts and the
-        token after them: logits rows ``firsts[i] .. firsts[i] + kept[i]``), for the requests
-        that asked; the token ids are read back from the input batch."""
+        """Raw logprobs of each token a verified decode appended (``appended[i]``: its kept drafts
+        and the token after them, scored by logits rows ``firsts[i] ..``), for the requests that
+        asked."""
         batch = self.input_batch
         asking = [i for i, row in enumerate(rows.tolist()) if batch.num_logprobs[row] >= 0]
-        lrows = [firsts[i] + j for i in asking for j in range(kept[i] + 1)]
-        toks = [int(batch.token_ids[rows[i], batch.num_tokens[rows[i]] - 1 - kept[i] + j]) for i in asking for j in range(kept[i] + 1)]
+        lrows = [firsts[i] + j for i in asking for j in range(len(appended[i]))]
+        toks = [t for i in asking for t in appended[i]]
         k_max = int(batch.num_logprobs[rows[asking]].max())
         raw = torch.log_softmax(logits[torch.tensor(lrows, device=logits.device)].float(), dim=-1)
         lp, ids, ranks = (t.tolist() for t in gather_logprobs(raw, torch.tensor(toks, device=logits.device), k_max))
         at = 0
         for i in asking:
-            k = int(batch.num_logprobs[rows[i]])
-            out.logprobs[req_ids[i]] = [(ids[j][: k + 1], lp[j][: k + 1], ranks[j]) for j in range(at, at + kept[i] + 1)]
-            at += kept[i] + 1
+            k, n = int(batch.num_logprobs[rows[i]]), len(appended[i])
+            out.logprobs[req_ids[i]] = [(ids[j][: k + 1], lp[j][: k + 1], ranks[j]) for j in range(at, at + n)]
+            at += n
 
     # Rows of logits scored at once for prompt logprobs: [rows, vocab] float32 (49k vocab: 100 MB).
     PROMPT_LOGPROBS_ROWS = 512
