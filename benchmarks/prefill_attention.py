@@ -1,23 +1,23 @@
-"""Prefill attention on a CPU with AVX512-BF16 (no AMX): this tree's kernel against an earlier
-revision's, in the same script (``csrc/attention_avx512_tiles.c``: a prefill chunk's tokens in
-tiles that share each K/V block, against one task per token).
+"""Prefill attention on a CPU with AVX512-BF16 or AVX2 + FMA (no AMX): this tree's kernel against
+an earlier revision's, in the same script (``csrc/attention_avx512_tiles.c``,
+``csrc/attention_avx2_tiles.c``: a prefill chunk's tokens in tiles that share each K/V block,
+against one task per token).
 
 Work: one 2,048-token prefill step of prompts of P tokens each (2,048 / P prompts, each
 attending causally to itself), from the paged cache, one layer, repeated; with
-``--shapes smollm2`` 9 query / 3 KV heads, with ``--shapes 1b`` Llama-3.2-1B's 32 / 8 (head_dim
-64, bf16, 16-token blocks). The values span 2^-8..2^8 around a large shared term, so that a
-change in the order of any sum shows in the output: the sides must give the same bits. Rounds
-alternate the sides; medians, the ratio and the attention FLOP rate (4 * head_dim per query
-head and key) are printed.
+``--shapes smollm2`` 9 query / 3 KV heads, with ``--shapes 1b`` Llama-3.2-1B's 32 / 8, with
+``--shapes mha`` 8 / 8 (head_dim 64, bf16, 16-token blocks). The values span 2^-8..2^8 around a
+large shared term, so that a change in the order of any sum shows in the output: the sides must
+give the same bits. Rounds alternate the sides; medians, the ratio and the attention FLOP rate
+(4 * head_dim per query head and key) are printed.
 
-    .venv/bin/python benchmarks/prefill_attention.py --rev HEAD~1 [--prompt-lens 512,256,128,64] [--shapes smollm2|1b] [--rounds 15]
+    .venv/bin/python benchmarks/prefill_attention.py --rev HEAD~1 [--prompt-lens 512,256,128,64] [--shapes smollm2|1b|mha] [--rounds 15]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from avx512_attention import build, build_rev  # noqa: E402
 
-SHAPES = {"smollm2": (9, 3), "1b": (32, 8)}
+SHAPES = {"smollm2": (9, 3), "1b": (32, 8), "mha": (8, 8)}
 HEAD_DIM, BLOCK, STEP_TOKENS = 64, 16, 2048
 
 
@@ -57,9 +57,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    grep = subprocess.run(["grep", "-m1", "-o", "avx512_bf16", "/proc/cpuinfo"], capture_output=True, text=True)
-    if "avx512_bf16" not in grep.stdout:
-        raise SystemExit("needs a CPU with AVX512-BF16 (elsewhere the kernel takes another path)")
+    with open("/proc/cpuinfo") as fh:
+        cpu_flags = set(next((line for line in fh if line.startswith("flags")), "").split())
+    if not ({"avx512_bf16"} <= cpu_flags or {"avx2", "fma"} <= cpu_flags) or "amx_bf16" in cpu_flags:
+        raise SystemExit("needs a CPU with AVX512-BF16 or AVX2 + FMA and no AMX (elsewhere the kernel takes another path)")
     heads, kv_heads = SHAPES[args.shapes]
     with tempfile.TemporaryDirectory() as tmp:
         fns = {f"at {args.rev}": build_rev(args.rev, [], tmp),

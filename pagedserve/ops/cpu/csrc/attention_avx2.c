@@ -33,9 +33,10 @@ static inline __attribute__((always_inline)) void store_sums(const __m256* a, fl
     }
 }
 
-/* Scores of keys o .. o + R - 1 of one block (k8: key o) for the G query rows of qf, each key's
- * 8-value pieces loaded once for all G rows: G x R running FMA sums (at most 12 registers). */
-static inline __attribute__((always_inline)) void qk_keys(const float (*qf)[MAX_HEAD_DIM], const char* k8, int64_t nc,
+/* Scores of keys o .. o + R - 1 of one block (k8: key o) for the G query rows of qf (qs floats
+ * apart, 32-byte aligned), each key's 8-value pieces loaded once for all G rows: G x R running
+ * FMA sums (at most 12 registers). */
+static inline __attribute__((always_inline)) void qk_keys(const float* qf, int64_t qs, const char* k8, int64_t nc,
                                                            int64_t head_dim, float* scores, int64_t n, const int G,
                                                            const int R, const int bf) {
     __m256 a[12][8];
@@ -46,23 +47,24 @@ static inline __attribute__((always_inline)) void qk_keys(const float (*qf)[MAX_
         __m256 kv[8];
         for (int r = 0; r < R; r++) kv[r] = load8(k8 + r * head_dim * esize, 8 * c, bf);
         for (int g = 0; g < G; g++) {
-            const __m256 qv = _mm256_load_ps(qf[g] + 8 * c);
+            const __m256 qv = _mm256_load_ps(qf + g * qs + 8 * c);
             for (int r = 0; r < R; r++) a[g][r] = _mm256_fmadd_ps(kv[r], qv, a[g][r]);
         }
     }
     for (int g = 0; g < G; g++) store_sums(a[g], scores + g * n, R);
 }
 
-/* acc[g][8c .. 8c + 8) += sum over keys o < len of p[g][o] * V[o] (vb: the block's first key),
- * each V piece loaded once for all G rows; CH chains per row (FMA latency). */
-static inline __attribute__((always_inline)) void pv_block(float (*acc)[MAX_HEAD_DIM], const float* p, int64_t n,
+/* acc[g][8c .. 8c + 8) += sum over keys o < len of p[g][o] * V[o] (vb: the block's first key;
+ * acc rows as floats apart, 32-byte aligned), each V piece loaded once for all G rows; CH chains
+ * per row (FMA latency). */
+static inline __attribute__((always_inline)) void pv_block(float* acc, int64_t as, const float* p, int64_t n,
                                                             const char* vb, int64_t len, int64_t nc, int64_t head_dim,
                                                             const int G, const int CH, const int bf) {
     const int64_t esize = bf ? 2 : 4;
     for (int64_t c = 0; c < nc; c++) {
         __m256 s[12][2];
         for (int g = 0; g < G; g++) {
-            s[g][0] = _mm256_load_ps(acc[g] + 8 * c);
+            s[g][0] = _mm256_load_ps(acc + g * as + 8 * c);
             if (CH > 1) s[g][1] = _mm256_setzero_ps();
         }
         int64_t o = 0;
@@ -75,7 +77,7 @@ static inline __attribute__((always_inline)) void pv_block(float (*acc)[MAX_HEAD
             const __m256 v = load8(vb + o * head_dim * esize, 8 * c, bf);
             for (int g = 0; g < G; g++) s[g][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * n + o), v, s[g][0]);
         }
-        for (int g = 0; g < G; g++) _mm256_store_ps(acc[g] + 8 * c, CH > 1 ? _mm256_add_ps(s[g][0], s[g][1]) : s[g][0]);
+        for (int g = 0; g < G; g++) _mm256_store_ps(acc + g * as + 8 * c, CH > 1 ? _mm256_add_ps(s[g][0], s[g][1]) : s[g][0]);
     }
 }
 
@@ -84,21 +86,32 @@ static inline __attribute__((always_inline)) void pv_block(float (*acc)[MAX_HEAD
  * for 16, where load8 takes two for 8), and the probabilities broadcast half as often. acc keeps
  * each 16 dimensions as their 8 even, then their 8 odd values (task_avx2 reorders them when it
  * rounds); every dimension sums the same products in the same chains as pv_block, so the result
- * is bit-identical. */
-static inline __attribute__((always_inline)) void pv_rows_bf16(float (*acc)[MAX_HEAD_DIM], const float* p, int64_t n,
-                                                                const uint16_t* vb, int64_t len, int64_t head_dim,
-                                                                const int G, const int CH) {
+ * is bit-identical. W = 1: vb holds the block's values already widened to float32 in that order
+ * (16 floats per 16 dimensions: 8 even, 8 odd; a prefill tile's, attention_avx2_tiles.c). */
+static inline __attribute__((always_inline)) void pv_rows_bf16(float* acc, int64_t as, const float* p, int64_t n,
+                                                                const void* vb, int64_t len, int64_t head_dim,
+                                                                const int G, const int CH, const int W) {
+#define PV_LOAD_EO(o_)                                                                              \
+    do {                                                                                            \
+        if (W) { /* held in registers: GCC would otherwise reload them for every row */            \
+            ve = _mm256_load_ps((const float*)vb + (o_) * head_dim + c);                            \
+            vo = _mm256_load_ps((const float*)vb + (o_) * head_dim + c + 8);                        \
+            __asm__("" : "+x"(ve), "+x"(vo));                                                       \
+        } else {                                                                                    \
+            bf16x16_load_eo((const uint16_t*)vb + (o_) * head_dim + c, &ve, &vo);                   \
+        }                                                                                           \
+    } while (0)
     for (int64_t c = 0; c < head_dim; c += 16) {
         __m256 se[3][2], so[3][2], ve, vo;
         for (int g = 0; g < G; g++) {
-            se[g][0] = _mm256_load_ps(acc[g] + c);
-            so[g][0] = _mm256_load_ps(acc[g] + c + 8);
+            se[g][0] = _mm256_load_ps(acc + g * as + c);
+            so[g][0] = _mm256_load_ps(acc + g * as + c + 8);
             if (CH > 1) se[g][1] = so[g][1] = _mm256_setzero_ps();
         }
         int64_t o = 0;
         for (; o + CH <= len; o += CH)
             for (int h = 0; h < CH; h++) {
-                bf16x16_load_eo(vb + (o + h) * head_dim + c, &ve, &vo);
+                PV_LOAD_EO(o + h);
                 for (int g = 0; g < G; g++) {
                     const __m256 pb = _mm256_broadcast_ss(p + g * n + o + h);
                     se[g][h] = _mm256_fmadd_ps(pb, ve, se[g][h]);
@@ -106,7 +119,7 @@ static inline __attribute__((always_inline)) void pv_rows_bf16(float (*acc)[MAX_
                 }
             }
         for (; o < len; o++) {  /* as pv_block: the last odd key joins the first chain */
-            bf16x16_load_eo(vb + o * head_dim + c, &ve, &vo);
+            PV_LOAD_EO(o);
             for (int g = 0; g < G; g++) {
                 const __m256 pb = _mm256_broadcast_ss(p + g * n + o);
                 se[g][0] = _mm256_fmadd_ps(pb, ve, se[g][0]);
@@ -114,24 +127,52 @@ static inline __attribute__((always_inline)) void pv_rows_bf16(float (*acc)[MAX_
             }
         }
         for (int g = 0; g < G; g++) {
-            _mm256_store_ps(acc[g] + c, CH > 1 ? _mm256_add_ps(se[g][0], se[g][1]) : se[g][0]);
-            _mm256_store_ps(acc[g] + c + 8, CH > 1 ? _mm256_add_ps(so[g][0], so[g][1]) : so[g][0]);
+            _mm256_store_ps(acc + g * as + c, CH > 1 ? _mm256_add_ps(se[g][0], se[g][1]) : se[g][0]);
+            _mm256_store_ps(acc + g * as + c + 8, CH > 1 ? _mm256_add_ps(so[g][0], so[g][1]) : so[g][0]);
         }
     }
+#undef PV_LOAD_EO
 }
 
 /* pv_rows_bf16 over a group of any size, 3 rows at a time: 3 rows x even/odd x 2 chains = 12
  * running sums, 15 of the 16 registers with the two value vectors and a broadcast. CH stays the
  * group's, so the chains are pv_block's. */
-static inline __attribute__((always_inline)) void pv_block_bf16(float (*acc)[MAX_HEAD_DIM], const float* p, int64_t n,
-                                                                 const uint16_t* vb, int64_t len, int64_t head_dim,
-                                                                 const int G, const int CH) {
+static inline __attribute__((always_inline)) void pv_block_bf16(float* acc, int64_t as, const float* p, int64_t n,
+                                                                 const void* vb, int64_t len, int64_t head_dim,
+                                                                 const int G, const int CH, const int W) {
     for (int g0 = 0; g0 < G; g0 += 3) {
-        if (G - g0 >= 3) pv_rows_bf16(acc + g0, p + g0 * n, n, vb, len, head_dim, 3, CH);
-        else if (G - g0 == 2) pv_rows_bf16(acc + g0, p + g0 * n, n, vb, len, head_dim, 2, CH);
-        else pv_rows_bf16(acc + g0, p + g0 * n, n, vb, len, head_dim, 1, CH);
+        if (G - g0 >= 3) pv_rows_bf16(acc + g0 * as, as, p + g0 * n, n, vb, len, head_dim, 3, CH, W);
+        else if (G - g0 == 2) pv_rows_bf16(acc + g0 * as, as, p + g0 * n, n, vb, len, head_dim, 2, CH, W);
+        else pv_rows_bf16(acc + g0 * as, as, p + g0 * n, n, vb, len, head_dim, 1, CH, W);
     }
 }
+
+/* A query row (float32 or bf16) -> float32 times scale, into qf. */
+static inline void load_scaled_row(const void* q, int bf, int64_t head_dim, float scale, float* qf) {
+    load_row(q, bf, head_dim, qf);
+    for (int64_t d = 0; d < head_dim; d++) qf[d] *= scale;
+}
+
+/* An output row from its float32 sums: rounded to bf16 (bf = 1; with PV16 the sums hold each 16
+ * dimensions as 8 even, then 8 odd values, pv_rows_bf16's order) or copied (float32). */
+static inline void store_row(const float* acc, void* out, int64_t head_dim, int PV16, int bf) {
+    uint16_t* op = (uint16_t*)out;
+    if (PV16) {
+        for (int64_t c = 0; c < head_dim; c += 16)
+            for (int j = 0; j < 8; j++) {
+                op[c + 2 * j] = f32_to_bf16(acc[c + j]);
+                op[c + 2 * j + 1] = f32_to_bf16(acc[c + 8 + j]);
+            }
+    } else if (bf) {
+        for (int64_t d = 0; d < head_dim; d++) op[d] = f32_to_bf16(acc[d]);
+    } else {
+        memcpy(out, acc, sizeof(float) * head_dim);
+    }
+}
+
+/* Keys or values per pass and FMA chains of a group of G query rows (task_avx2, tile_avx2). */
+#define AVX2_KEYS_PER_PASS(G) ((G) == 1 ? 8 : (G) <= 3 ? 4 : (G) <= 6 ? 2 : 1)
+#define AVX2_CHAINS(G) ((G) <= 6 ? 2 : 1)
 
 /* One query token's attention over nkv consecutive KV heads from head_off (nkv = 1: one (token,
  * KV head) task; all heads: a token task that reads each block's K, then V, for every head in
@@ -147,16 +188,12 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
                                                              int64_t nkv, int64_t head_dim, float scale, void* out, float* scores,
                                                              float (*qf)[MAX_HEAD_DIM], float (*acc)[MAX_HEAD_DIM],
                                                              const int G, const int bf) {
-    const int R = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
-    const int CH = G <= 6 ? 2 : 1;
+    const int R = AVX2_KEYS_PER_PASS(G), CH = AVX2_CHAINS(G);
     const int PV16 = bf && head_dim % 16 == 0;
     float row[MAX_HEAD_DIM];
     const int64_t nc = head_dim / 8, esize = bf ? 2 : 4, rows = nkv * G;
     const int64_t head_bytes = block_size * head_dim * esize, bytes = nkv * head_bytes;
-    for (int64_t r = 0; r < rows; r++) {
-        load_row((const char*)q + r * head_dim * esize, bf, head_dim, qf[r]);
-        for (int64_t d = 0; d < head_dim; d++) qf[r][d] *= scale;
-    }
+    for (int64_t r = 0; r < rows; r++) load_scaled_row((const char*)q + r * head_dim * esize, bf, head_dim, scale, qf[r]);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
         const char* kb = (const char*)kc + (table[t0 / block_size] * block_stride + head_off) * esize;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
@@ -167,7 +204,7 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
             float* sc = scores + h * G * n;
             int64_t o = 0;
             for (; o + R <= len; o += R)
-                qk_keys((const float (*)[MAX_HEAD_DIM])(qf + h * G), kh + o * head_dim * esize, nc, head_dim, sc + t0 + o, n, G, R, bf);
+                qk_keys(qf[h * G], MAX_HEAD_DIM, kh + o * head_dim * esize, nc, head_dim, sc + t0 + o, n, G, R, bf);
             for (; o < len; o++) {
                 load_row(kh + o * head_dim * esize, bf, head_dim, row);
                 for (int g = 0; g < G; g++) sc[g * n + t0 + o] = dot(qf[h * G + g], row, head_dim);
@@ -181,25 +218,11 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
         if (t0 + block_size < n) prefetch_block((const char*)vc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, bytes);
         for (int64_t h = 0; h < nkv; h++) {
-            if (PV16) pv_block_bf16(acc + h * G, scores + h * G * n + t0, n, (const uint16_t*)(vb + h * head_bytes), len, head_dim, G, CH);
-            else pv_block(acc + h * G, scores + h * G * n + t0, n, vb + h * head_bytes, len, nc, head_dim, G, CH, bf);
+            if (PV16) pv_block_bf16(acc[h * G], MAX_HEAD_DIM, scores + h * G * n + t0, n, vb + h * head_bytes, len, head_dim, G, CH, 0);
+            else pv_block(acc[h * G], MAX_HEAD_DIM, scores + h * G * n + t0, n, vb + h * head_bytes, len, nc, head_dim, G, CH, bf);
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        if (PV16) {
-            uint16_t* op = (uint16_t*)out + r * head_dim;
-            for (int64_t c = 0; c < head_dim; c += 16)
-                for (int j = 0; j < 8; j++) {
-                    op[c + 2 * j] = f32_to_bf16(acc[r][c + j]);
-                    op[c + 2 * j + 1] = f32_to_bf16(acc[r][c + 8 + j]);
-                }
-        } else if (bf) {
-            uint16_t* op = (uint16_t*)out + r * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) op[d] = f32_to_bf16(acc[r][d]);
-        } else {
-            memcpy((float*)out + r * head_dim, acc[r], sizeof(float) * head_dim);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) store_row(acc[r], (char*)out + r * head_dim * esize, head_dim, PV16, bf);
 }
 
 /* task_avx2 for a group size known at run time (1 .. 12; larger groups take the generic path). */
@@ -226,5 +249,6 @@ static void task_one_head_avx2(const void* q, const void* kc, const void* vc, co
     else task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, 1, group, head_dim, scale, out, scores, qf, acc, 0);
 }
 
+#include "attention_avx2_tiles.c"
 #include "attention_avx2_tokens.c"
 #endif

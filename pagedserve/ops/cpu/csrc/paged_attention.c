@@ -166,10 +166,10 @@ static inline float exp_sum(float* x, int64_t n, float m) {
     return sum;
 }
 
-/* In-place softmax of `rows` rows of n scores each (float32). */
-static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+/* In-place softmax of `rows` rows of n scores each (float32), stride floats apart. */
+static inline void softmax_rows_strided(float* scores, int64_t rows, int64_t n, int64_t stride) {
     for (int64_t g = 0; g < rows; g++) {
-        float* sc = scores + g * n;
+        float* sc = scores + g * stride;
         float m = -INFINITY;
         int64_t t = 0;
 #ifdef __AVX512F__
@@ -188,6 +188,8 @@ static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
         for (int64_t t = 0; t < n; t++) sc[t] *= inv;  /* vectorised by the compiler */
     }
 }
+
+static inline void softmax_rows(float* scores, int64_t rows, int64_t n) { softmax_rows_strided(scores, rows, n, n); }
 
 #if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(HAVE_AVX2)
 #include "attention_token_tasks.c"
