@@ -37,12 +37,12 @@ static int paged_attention_tokens_avx2(const void* q, const void* k_cache, const
 #pragma omp parallel
     {
     float* buf = (float*)aligned_alloc(32, sizeof(float) * (token_floats + tile_floats));
-    float (*qf)[MAX_HEAD_DIM] = (float (*)[MAX_HEAD_DIM])buf;
-    float (*acc)[MAX_HEAD_DIM] = buf ? qf + num_heads : NULL;
-    float* tile_qf = buf + token_floats;
-    float* tile_acc = tile_qf + tile_rows * group * head_dim;
-    float* kvf = tile_acc + tile_rows * group * head_dim;
     float* scores = buf ? (float*)malloc(sizeof(float) * score_floats) : NULL;
+    float (*qf)[MAX_HEAD_DIM] = (float (*)[MAX_HEAD_DIM])buf;
+    float (*acc)[MAX_HEAD_DIM] = scores ? qf + num_heads : NULL;
+    float* tile_qf = scores ? buf + token_floats : NULL;
+    float* tile_acc = scores ? tile_qf + tile_rows * group * head_dim : NULL;
+    float* kvf = scores ? tile_acc + tile_rows * group * head_dim : NULL;
     if (scores == NULL) {
 #pragma omp atomic write
         failed = 1;
