@@ -199,7 +199,7 @@ def test_prefill_row_equals_decode_row(num_heads, num_kv_heads, block_size, head
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size,head_dim", [
     (9, 3, 16, 64), (8, 2, 32, 64), (4, 4, 16, 64), (8, 4, 16, 64), (16, 8, 16, 128), (6, 3, 48, 128),
-    (7, 1, 16, 64), (10, 2, 16, 72), (24, 2, 16, 64), (9, 3, 12, 64), (8, 8, 16, 64)])
+    (14, 2, 16, 64), (10, 2, 16, 72), (24, 2, 16, 64), (9, 3, 12, 64), (8, 8, 16, 64)])
 def test_prefill_tiles_equal_rows_alone(num_heads, num_kv_heads, block_size, head_dim):
     """A prefill chunk's rows run in tiles of several tokens that share each K/V block (AVX512-BF16:
     transposed keys, pre-paired values; AVX2: keys and values widened once, query rows of any
@@ -207,8 +207,9 @@ def test_prefill_tiles_equal_rows_alone(num_heads, num_kv_heads, block_size, hea
     where fp32 rounding depends on the order of the sums (values spanning 2^-8..2^8 around a large
     shared term), so that a changed summation order shows in the output. The shapes cover every
     AVX2 keys-per-pass and chain count (groups 1, 2, 3, 4, 5, 7, 12), both value passes (head_dim
-    72: 8 wide) and a block size that is not a multiple of 8. (With AMX, head_dim 64 goes through
-    attention_amx.c's tiles, which promise the same.)"""
+    72: 8 wide) and a block size that is not a multiple of 8. "Alone" is the batch of decodes
+    (one task per token) and, for some tokens, a call of that token by itself (one task per KV
+    head). (With AMX, head_dim 64 goes through attention_amx.c's tiles, which promise the same.)"""
     g = torch.Generator().manual_seed(11)
     parts = [(0, 57), (5, 40), (31, 16), (16, 3), (0, 1), (200, 35), (47, 18)]
     seq_lens = [c + n for c, n in parts]
@@ -233,6 +234,10 @@ def test_prefill_tiles_equal_rows_alone(num_heads, num_kv_heads, block_size, hea
     assert cpu_kernels.paged_attention_cpu(q, cache, bt[token_seq].contiguous(), None, token_lens, scale, alone)
     assert torch.isfinite(chunk.float()).all()
     assert torch.equal(chunk, alone)
+    for t in (0, 56, 60, 100, 120, 131, T - 1):
+        one = torch.empty_like(q[t : t + 1])
+        assert cpu_kernels.paged_attention_cpu(q[t : t + 1].contiguous(), cache, bt[token_seq[t : t + 1]].contiguous(), None, token_lens[t : t + 1].contiguous(), scale, one)
+        assert torch.equal(one[0], chunk[t]), t
 
 
 def _cpu_flags() -> set:
