@@ -147,6 +147,33 @@ static inline __attribute__((always_inline)) void pv_block_bf16(float* acc, int6
     }
 }
 
+/* Scores of keys 0 .. len - 1 of one (block, KV head) slice kb (float32, bf = 0, or bf16) for G
+ * query rows (qf, qs floats apart) into sc (rows n apart): R keys a pass, the rest one at a time
+ * through dot. task_avx2 and a prefill tile's rows that see part of a block both score here,
+ * so a row's scores are the same bits on either path. */
+static inline __attribute__((always_inline)) void slice_scores(const float* qf, int64_t qs, const char* kb, int64_t len,
+                                                                int64_t nc, int64_t head_dim, float* sc, int64_t n,
+                                                                const int G, const int R, const int bf) {
+    const int64_t esize = bf ? 2 : 4;
+    float row[MAX_HEAD_DIM];
+    int64_t o = 0;
+    for (; o + R <= len; o += R) qk_keys(qf, qs, kb + o * head_dim * esize, nc, head_dim, sc + o, n, G, R, bf);
+    for (; o < len; o++) {
+        load_row(kb + o * head_dim * esize, bf, head_dim, row);
+        for (int g = 0; g < G; g++) sc[g * n + o] = dot(qf + g * qs, row, head_dim);
+    }
+}
+
+/* acc += P.V over keys 0 .. len - 1 of one slice vb for G rows: the 16-wide pass where PV16
+ * (bf16 values, or with W = 1 values widened in its order), else pv_block (float32 or bf16
+ * values). */
+static inline __attribute__((always_inline)) void slice_pv(float* acc, int64_t as, const float* p, int64_t n, const void* vb,
+                                                            int64_t len, int64_t nc, int64_t head_dim, const int G, const int CH,
+                                                            const int PV16, const int bf, const int W) {
+    if (PV16) pv_block_bf16(acc, as, p, n, vb, len, head_dim, G, CH, W);
+    else pv_block(acc, as, p, n, (const char*)vb, len, nc, head_dim, G, CH, bf);
+}
+
 /* A query row (float32 or bf16) -> float32 times scale, into qf. */
 static inline void load_scaled_row(const void* q, int bf, int64_t head_dim, float scale, float* qf) {
     load_row(q, bf, head_dim, qf);
@@ -190,7 +217,6 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
                                                              const int G, const int bf) {
     const int R = AVX2_KEYS_PER_PASS(G), CH = AVX2_CHAINS(G);
     const int PV16 = bf && head_dim % 16 == 0;
-    float row[MAX_HEAD_DIM];
     const int64_t nc = head_dim / 8, esize = bf ? 2 : 4, rows = nkv * G;
     const int64_t head_bytes = block_size * head_dim * esize, bytes = nkv * head_bytes;
     for (int64_t r = 0; r < rows; r++) load_scaled_row((const char*)q + r * head_dim * esize, bf, head_dim, scale, qf[r]);
@@ -200,15 +226,7 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
         if (t0 + block_size < n) prefetch_block((const char*)kc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, bytes);
         else prefetch_block((const char*)vc + (table[0] * block_stride + head_off) * esize, bytes);
         for (int64_t h = 0; h < nkv; h++) {
-            const char* kh = kb + h * head_bytes;
-            float* sc = scores + h * G * n;
-            int64_t o = 0;
-            for (; o + R <= len; o += R)
-                qk_keys(qf[h * G], MAX_HEAD_DIM, kh + o * head_dim * esize, nc, head_dim, sc + t0 + o, n, G, R, bf);
-            for (; o < len; o++) {
-                load_row(kh + o * head_dim * esize, bf, head_dim, row);
-                for (int g = 0; g < G; g++) sc[g * n + t0 + o] = dot(qf[h * G + g], row, head_dim);
-            }
+            slice_scores(qf[h * G], MAX_HEAD_DIM, kb + h * head_bytes, len, nc, head_dim, scores + h * G * n + t0, n, G, R, bf);
         }
     }
     softmax_rows(scores, rows, n);
@@ -217,10 +235,8 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
         const char* vb = (const char*)vc + (table[t0 / block_size] * block_stride + head_off) * esize;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
         if (t0 + block_size < n) prefetch_block((const char*)vc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, bytes);
-        for (int64_t h = 0; h < nkv; h++) {
-            if (PV16) pv_block_bf16(acc[h * G], MAX_HEAD_DIM, scores + h * G * n + t0, n, vb + h * head_bytes, len, head_dim, G, CH, 0);
-            else pv_block(acc[h * G], MAX_HEAD_DIM, scores + h * G * n + t0, n, vb + h * head_bytes, len, nc, head_dim, G, CH, bf);
-        }
+        for (int64_t h = 0; h < nkv; h++)
+            slice_pv(acc[h * G], MAX_HEAD_DIM, scores + h * G * n + t0, n, vb + h * head_bytes, len, nc, head_dim, G, CH, PV16, bf, 0);
     }
     for (int64_t r = 0; r < rows; r++) store_row(acc[r], (char*)out + r * head_dim * esize, head_dim, PV16, bf);
 }

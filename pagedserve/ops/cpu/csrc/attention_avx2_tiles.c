@@ -57,6 +57,15 @@ static inline __attribute__((always_inline)) void qk_rows_keys4(const float* q, 
     }
 }
 
+/* Of a tile whose token r sees its first n0 + r keys, the tokens that see key t0 (from *first)
+ * and, among them, those that see all of the block starting there (from *full). */
+static inline void tile_block_rows(int64_t t0, int64_t n0, int64_t rows, int64_t block_size, int64_t* first, int64_t* full) {
+    const int64_t f = t0 + 1 > n0 ? t0 + 1 - n0 : 0;
+    const int64_t w = t0 + block_size - n0;
+    *first = f;
+    *full = w < f ? f : w > rows ? rows : w;
+}
+
 /* rows consecutive query tokens of one sequence, token r attending to its first n0 + r cached
  * tokens, over all nkv KV heads; bf16 q, cache and out; group G <= 12 (compile-time), head_dim
  * % 8 == 0. q, out: [rows, nkv * G, head_dim]; cache blocks through table at block_stride
@@ -80,19 +89,14 @@ static inline __attribute__((always_inline)) void tile_avx2(const uint16_t* q, c
             const int64_t blen = nmax - t0 < block_size ? nmax - t0 : block_size;
             if (t0 + block_size < nmax) prefetch_block(kc + table[t0 / block_size + 1] * block_stride + h * slice, slice * 2);
             widen_slice(kc + table[t0 / block_size] * block_stride + h * slice, blen, head_dim, kvf, 0);
-            /* tokens from r_full on see the whole block: with block_size % 8 == 0 all its keys are in
-             * full passes, so any two query rows can share them */
-            const int64_t r_first = t0 + 1 > n0 ? t0 + 1 - n0 : 0;  /* the first token that sees key t0 */
-            int64_t r_full = block_size % 8 == 0 ? t0 + block_size - n0 : rows;
-            r_full = r_full < r_first ? r_first : r_full > rows ? rows : r_full;
+            /* rows that see the whole block can be paired when block_size % 8 == 0 (all its keys in
+             * full passes); the others are scored token by token */
+            int64_t r_first, r_full;
+            tile_block_rows(t0, n0, rows, block_size, &r_first, &r_full);
+            if (block_size % 8 != 0) r_full = rows;
             for (int64_t r = r_first; r < r_full; r++) {
                 const int64_t len = n0 + r - t0 < block_size ? n0 + r - t0 : block_size;
-                float* sc = scores + r * G * nmax + t0;
-                const float* qr = qf + r * rs;
-                int64_t o = 0;
-                for (; o + R <= len; o += R) qk_keys(qr, head_dim, (const char*)(kvf + o * head_dim), nc, head_dim, sc + o, nmax, G, R, 0);
-                for (; o < len; o++)
-                    for (int g = 0; g < G; g++) sc[g * nmax + o] = dot(qr + g * head_dim, kvf + o * head_dim, head_dim);
+                slice_scores(qf + r * rs, head_dim, (const char*)kvf, len, nc, head_dim, scores + r * G * nmax + t0, nmax, G, R, 0);
             }
             int64_t i = r_full * G;  /* query rows (token, head of the group) in order */
             for (; i + 2 <= rows * G; i += 2)
@@ -108,23 +112,17 @@ static inline __attribute__((always_inline)) void tile_avx2(const uint16_t* q, c
             const int64_t blen = nmax - t0 < block_size ? nmax - t0 : block_size;
             if (t0 + block_size < nmax) prefetch_block(vc + table[t0 / block_size + 1] * block_stride + h * slice, slice * 2);
             widen_slice(vc + table[t0 / block_size] * block_stride + h * slice, blen, head_dim, kvf, PV16);
-            const int64_t r_first = t0 + 1 > n0 ? t0 + 1 - n0 : 0;
-            int64_t r_full = t0 + block_size - n0;  /* tokens from here on see every key of the block */
-            r_full = r_full < r_first ? r_first : r_full > rows ? rows : r_full;
-            for (int64_t r = r_first; r < r_full; r++) {
-                const int64_t len = n0 + r - t0;
-                const float* p = scores + r * G * nmax + t0;
-                if (PV16) pv_block_bf16(acc + r * rs, head_dim, p, nmax, kvf, len, head_dim, G, CH, 1);
-                else pv_block(acc + r * rs, head_dim, p, nmax, (const char*)kvf, len, nc, head_dim, G, CH, 0);
-            }
+            int64_t r_first, r_full;
+            tile_block_rows(t0, n0, rows, block_size, &r_first, &r_full);
+            for (int64_t r = r_first; r < r_full; r++)
+                slice_pv(acc + r * rs, head_dim, scores + r * G * nmax + t0, nmax, kvf, n0 + r - t0, nc, head_dim, G, CH, PV16, 0, 1);
             /* rows that see the whole block, 3 at a time whatever their token (the group's chains) */
             for (int64_t i = r_full * G; i < rows * G; i += 3) {
-                const int64_t m = rows * G - i < 3 ? rows * G - i : 3;
+                float* a = acc + i * head_dim;
                 const float* p = scores + i * nmax + t0;
-                if (PV16) pv_block_bf16(acc + i * head_dim, head_dim, p, nmax, kvf, block_size, head_dim, m == 3 ? 3 : m == 2 ? 2 : 1, CH, 1);
-                else if (m == 3) pv_block(acc + i * head_dim, head_dim, p, nmax, (const char*)kvf, block_size, nc, head_dim, 3, CH, 0);
-                else if (m == 2) pv_block(acc + i * head_dim, head_dim, p, nmax, (const char*)kvf, block_size, nc, head_dim, 2, CH, 0);
-                else pv_block(acc + i * head_dim, head_dim, p, nmax, (const char*)kvf, block_size, nc, head_dim, 1, CH, 0);
+                if (rows * G - i >= 3) slice_pv(a, head_dim, p, nmax, kvf, block_size, nc, head_dim, 3, CH, PV16, 0, 1);
+                else if (rows * G - i == 2) slice_pv(a, head_dim, p, nmax, kvf, block_size, nc, head_dim, 2, CH, PV16, 0, 1);
+                else slice_pv(a, head_dim, p, nmax, kvf, block_size, nc, head_dim, 1, CH, PV16, 0, 1);
             }
         }
         for (int64_t r = 0; r < rows; r++)
