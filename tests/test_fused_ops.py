@@ -1,6 +1,7 @@
 """Fused C element-wise ops against the PyTorch ops they replace (HF's op order and rounding)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,53 @@ def test_add_rms_norm_matches_hf_order(dtype, dim):
         _close(got0, norm(x), dtype)
 
 
+def _rms_in_lane_order(x, res, weight, eps):
+    """add_rms_norm's arithmetic spelled out in float32 ops: the sum of squares in 16 lanes
+    (lane l takes columns l, l + 16, ..), the lanes added 0 to 15, then the tail columns."""
+    v = x.float() if res is None else (x.float() + res.float()).bfloat16().float()
+    rows, dim = v.shape
+    body = dim - dim % 16
+    lanes = torch.zeros(rows, 16)
+    for i in range(0, body, 16):
+        lanes = lanes + v[:, i : i + 16] * v[:, i : i + 16]
+    sumsq = torch.zeros(rows)
+    for lane in range(16):
+        sumsq = sumsq + lanes[:, lane]
+    for i in range(body, dim):
+        sumsq = sumsq + v[:, i] * v[:, i]
+    # numpy's float32 sqrt and division are correctly rounded, as sqrtf and / in C (torch's
+    # vectorised sqrt / reciprocal are not always)
+    s = sumsq.numpy()
+    inv = torch.from_numpy(np.float32(1) / np.sqrt(s / np.float32(dim) + np.float32(eps)))
+    return (weight.float() * (v * inv[:, None]).bfloat16().float()).bfloat16()
+
+
+def _has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return "avx512_bf16" in fh.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(_has_avx512_bf16(), reason="the AVX512-BF16 rows add their lanes as a tree")
+@pytest.mark.parametrize("dim", [576, 2048, 48, 40])
+def test_add_rms_norm_bf16_rows_keep_the_lane_order(dim):
+    """bf16 rows (the AVX2 rows and the scalar loop) give the bits of the scalar order. The
+    values span many magnitudes so that another order of the sum moves some outputs across a
+    bf16 rounding boundary (a reversed lane sum changes ~10 of these outputs)."""
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 5, 3000):
+        x = (torch.randn(rows, dim, generator=g) * torch.exp(torch.randn(rows, dim, generator=g) * 3)).bfloat16()
+        res = torch.randn(rows, dim, generator=g).bfloat16()
+        w = torch.randn(dim, generator=g).bfloat16()
+        got, got_res = cpu_kernels.add_rms_norm(x, res.clone(), w, 1e-5)
+        assert torch.equal(got, _rms_in_lane_order(x, res, w, 1e-5)), (dim, rows)
+        assert torch.equal(got_res, x + res)
+        got0, _ = cpu_kernels.add_rms_norm(x, None, w, 1e-5)
+        assert torch.equal(got0, _rms_in_lane_order(x, None, w, 1e-5)), (dim, rows)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [1536, 72])
 def test_silu_mul_matches_torch(dtype, inter):
@@ -59,11 +107,14 @@ def test_silu_mul_matches_torch(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 6)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 6), (3, 1, 80), (2, 2, 24)])
 def test_rope_write_kv_matches_hf(dtype, num_heads, num_kv_heads, head_dim):
     torch.manual_seed(2)
     T, block_size, num_blocks, max_pos = 23, 16, 8, 200
-    qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim)
+    zeros = torch.rand(qkv.shape) < 0.2  # +0 and -0 inputs: the rotation must keep HF's zero signs
+    qkv[zeros] = torch.where(torch.rand(int(zeros.sum())) < 0.5, 0.0, -0.0)
+    qkv = qkv.to(dtype)
     positions = torch.randint(0, max_pos, (T,))
     slots = torch.randperm(num_blocks * block_size)[:T]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -76,9 +127,10 @@ def test_rope_write_kv_matches_hf(dtype, num_heads, num_kv_heads, head_dim):
     cos, sin = cos_t[positions].to(dtype)[:, None], sin_t[positions].to(dtype)[:, None]
     qk = qkv[:, :qk_end].view(T, num_heads + num_kv_heads, head_dim)
     want = qk * cos + rotate_half(qk) * sin
-    assert torch.equal(q, want[:, :num_heads])
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(q.view(bits), want[:, :num_heads].contiguous().view(bits))
     blk, off = slots // block_size, slots % block_size
-    assert torch.equal(cache[0][blk, :, off], want[:, num_heads:])
+    assert torch.equal(cache[0][blk, :, off].contiguous().view(bits), want[:, num_heads:].contiguous().view(bits))
     assert torch.equal(cache[1][blk, :, off], qkv[:, qk_end:].view(T, num_kv_heads, head_dim))
 
 

@@ -16,7 +16,9 @@
  * twice, and float32 outputs are compared with HF's.
  *
  * Storage types: float32 (is_bf16 = 0) or bfloat16 (raw uint16). Rows are contiguous unless a
- * row stride (elements) is given.
+ * row stride (elements) is given. bf16 rows run AVX512-BF16 loops where the CPU has them, else
+ * fused_ops_avx2.h's AVX2 loops (the scalar loop's bits), else the scalar loop. The greedy
+ * argmax is in argmax_rows.c, included at the end.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +30,7 @@
 #include "bf16.h"
 #include "kv_int8.h"
 #include "avx2_math.h"
+#include "fused_ops_avx2.h"
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -90,6 +93,12 @@ void add_rms_norm(const void* x, void* residual, const void* weight, void* out, 
             uint16_t* o16 = (uint16_t*)out + base;
             for (int64_t j = 0; j < dim; j += 16)
                 st16(o16 + j, _mm512_mul_ps(ld16(w16 + j), rnd16(_mm512_mul_ps(_mm512_loadu_ps(rr + j), inv))));
+            continue;
+        }
+#elif defined(HAVE_AVX2_ROWS)
+        if (is_bf16 && dim % 16 == 0) {
+            add_rms_norm_row_avx2((const uint16_t*)x + base, residual ? (uint16_t*)residual + base : NULL,
+                                  (const uint16_t*)weight, (uint16_t*)out + base, dim, eps, rr);
             continue;
         }
 #endif
@@ -194,7 +203,15 @@ static inline void rope_write_kv_impl(const void* qk, int64_t qk_stride, const v
         const float* s = sin + positions[t] * head_dim;
         float cr[1024], sr[1024];
         uint16_t krow[1024]; /* int8 cache: one K row in the storage type before quantization */
-        for (int64_t i = 0; i < head_dim; i++) {
+        int64_t i0 = 0;
+#ifdef HAVE_AVX2_ROWS
+        if (is_bf16) {
+            i0 = head_dim - head_dim % 8;
+            round_rows_avx2(c, cr, i0);
+            round_rows_avx2(s, sr, i0);
+        }
+#endif
+        for (int64_t i = i0; i < head_dim; i++) {
             cr[i] = rnd(c[i], is_bf16);
             sr[i] = rnd(s[i], is_bf16);
         }
@@ -222,10 +239,16 @@ static inline void rope_write_kv_impl(const void* qk, int64_t qk_stride, const v
                     const __m512 x1 = ld16(x16 + i), x2 = ld16(x16 + half + i);
                     const __m512 c1 = _mm512_loadu_ps(cr + i), s1 = _mm512_loadu_ps(sr + i);
                     const __m512 c2 = _mm512_loadu_ps(cr + half + i), s2 = _mm512_loadu_ps(sr + half + i);
-                    const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+                    /* the sign bit flipped, as HF's -x (0 - x would turn -0 into +0) */
+                    const __m512 neg_x2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32((int)0x80000000u)));
                     st16(o16 + i, _mm512_add_ps(rnd16(_mm512_mul_ps(x1, c1)), rnd16(_mm512_mul_ps(neg_x2, s1))));
                     st16(o16 + half + i, _mm512_add_ps(rnd16(_mm512_mul_ps(x2, c2)), rnd16(_mm512_mul_ps(x1, s2))));
                 }
+                vec_done = 1;
+            }
+#elif defined(HAVE_AVX2_ROWS)
+            if (is_bf16 && half % 8 == 0) {
+                rope_head_avx2((const uint16_t*)qk + src, (uint16_t*)dst_base + dst, cr, sr, half);
                 vec_done = 1;
             }
 #endif
@@ -277,61 +300,4 @@ void rope_write_kv_q8(const void* qk, int64_t qk_stride, const void* v, int64_t 
                        num_heads, num_kv_heads, head_dim, block_size, is_bf16, 1);
 }
 
-/* Index of the largest value of each bf16 row (the first one on ties, as torch.max(dim) and
- * argmax; the first NaN when a row has one, as torch). x: [rows, cols] with a row stride
- * (elements); out: [rows] int64. Greedy sampling of a [64, 49152] batch: one 6 MB read. */
-/* Continues a scan from column start (no NaN before it): the first NaN wins. */
-static int64_t argmax_row_scalar(const uint16_t* p, int64_t cols, int64_t start, int64_t best_i) {
-    float best = bf16_to_f32(p[best_i]);
-    for (int64_t c = start; c < cols; c++) {
-        const float v = bf16_to_f32(p[c]);
-        if (isnan(v)) return c;
-        if (v > best) {
-            best = v;
-            best_i = c;
-        }
-    }
-    return best_i;
-}
-
-static int64_t argmax_row_first_nan(const uint16_t* p, int64_t cols) {
-    for (int64_t c = 0; c < cols; c++)
-        if (isnan(bf16_to_f32(p[c]))) return c;
-    return -1;
-}
-
-void argmax_bf16_rows(const uint16_t* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out) {
-#pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t* p = x + r * row_stride;
-        int64_t best_i = 0, c = 1;
-#ifdef HAVE_BF16_VEC
-        if (cols >= 32) {
-            __m512 best = ld16(p);
-            __m512i best_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            __m512i idx = best_idx;
-            const __m512i step = _mm512_set1_epi32(16);
-            __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
-            for (c = 16; c + 16 <= cols; c += 16) {
-                idx = _mm512_add_epi32(idx, step);
-                const __m512 v = ld16(p + c);
-                const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-                best = _mm512_mask_mov_ps(best, gt, v);
-                best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
-            }
-            if (nan) {
-                out[r] = argmax_row_first_nan(p, cols);
-                continue;
-            }
-            /* Each lane holds its first maximum; the earliest lane index among the lanes that
-             * hold the row maximum is the row's first maximum. */
-            const float m = _mm512_reduce_max_ps(best);
-            const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-            best_i = _mm512_mask_reduce_min_epi32(at_max, best_idx);
-        }
-#endif
-        const int64_t nan_i = c == 1 ? argmax_row_first_nan(p, cols) : -1;
-        out[r] = nan_i >= 0 ? nan_i : argmax_row_scalar(p, cols, c, best_i);
-    }
-}
+#include "argmax_rows.c"
