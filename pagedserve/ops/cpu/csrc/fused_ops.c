@@ -61,7 +61,7 @@ static inline __m512 rnd16(__m512 v) {
 #endif
 
 #define MAX_DIM 16384
-#define PAR_MIN_ELEMS 65536 /* below this a row loop is cheaper than waking the thread pool */
+#define PAR_MIN_ELEMS 16384 /* below this a row loop is cheaper than waking the thread pool (benchmarks/README.md) */
 
 /* x, residual, out: [rows, dim]; weight: [dim]. residual may be NULL (first layer: the
  * residual is x itself and is written to residual_out if that is not NULL). */
