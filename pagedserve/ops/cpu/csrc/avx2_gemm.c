@@ -30,6 +30,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -216,8 +217,12 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
     if (!xf) return -2;
     float* bf = xf + rows * K; /* bias widened, zero-padded to whole panels */
     float* bfe = bf + panels * AG_NR; /* the same, each panel's 8 even outputs, then its 8 odd */
-    for (int64_t n = 0; n < panels * AG_NR; n++) bf[n] = (bias && n < N) ? bf16_to_f32(bias[n]) : 0.f;
-    for (int64_t n = 0; n < panels * AG_NR; n++) bfe[n - n % AG_NR + (n % 2) * (AG_NR / 2) + (n % AG_NR) / 2] = bf[n];
+    if (!bias) { /* the usual case (Llama has none): a memset, not two scalar passes over N */
+        memset(bf, 0, sizeof(float) * 2 * panels * AG_NR);
+    } else {
+        for (int64_t n = 0; n < panels * AG_NR; n++) bf[n] = n < N ? bf16_to_f32(bias[n]) : 0.f;
+        for (int64_t n = 0; n < panels * AG_NR; n++) bfe[n - n % AG_NR + (n % 2) * (AG_NR / 2) + (n % AG_NR) / 2] = bf[n];
+    }
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mb = M - r0 < rows ? M - r0 : rows;
         const uint16_t* xb = x + r0 * K;
