@@ -176,3 +176,39 @@ def test_argmax_bf16_rows_equals_torch_first_max():
         assert torch.equal(cpu_kernels.argmax_bf16(t), t.max(-1).indices), cols
     wide = torch.randn(3, 300, generator=g).to(torch.bfloat16)
     assert torch.equal(cpu_kernels.argmax_bf16(wide[:, 10:260]), wide[:, 10:260].max(-1).indices)  # strided rows
+
+
+def test_argmax_bf16_lanes_ties_and_early_nans():
+    """The vector scans (16 columns a pass) against torch.max: a tie of two maxima at every pair of
+    positions over 40 columns (across lanes, passes and the tail), +0 / -0 ties, rows of -inf,
+    and a NaN at every position of a 48-column row (in the first pass included)."""
+    cols = 40
+    pairs = [(i, j) for i in range(cols) for j in range(i + 1, cols)]
+    for hi, lo in ((2.0, 1.0), (0.0, -1.0), (float("inf"), 3.0)):
+        x = torch.full((len(pairs), cols), lo)
+        for r, (i, j) in enumerate(pairs):
+            x[r, i] = x[r, j] = hi
+        x = x.bfloat16()
+        assert torch.equal(cpu_kernels.argmax_bf16(x), x.max(-1).indices), hi
+    zeros = torch.zeros(len(pairs), cols)
+    for r, (i, j) in enumerate(pairs):  # -0 first, +0 later: equal values, the first one wins
+        zeros[r] = -1.0
+        zeros[r, i], zeros[r, j] = -0.0, 0.0
+    zeros = zeros.bfloat16()
+    assert torch.equal(cpu_kernels.argmax_bf16(zeros), zeros.max(-1).indices)
+    neg_inf = torch.full((3, 50), float("-inf")).bfloat16()
+    assert torch.equal(cpu_kernels.argmax_bf16(neg_inf), torch.zeros(3, dtype=torch.int64))
+    nan_rows = torch.randn(48, 48, generator=torch.Generator().manual_seed(6))
+    nan_rows[torch.arange(48), torch.arange(48)] = float("nan")
+    assert torch.equal(cpu_kernels.argmax_bf16(nan_rows.bfloat16()), torch.arange(48))
+    with pytest.raises(ValueError, match="empty"):
+        cpu_kernels.argmax_bf16(torch.zeros(2, 0, dtype=torch.bfloat16))
+
+
+def test_rope_write_kv_refuses_odd_head_dim():
+    qkv = torch.zeros(1, 3 * 17, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 1, 1, 16, 17, dtype=torch.bfloat16)
+    table = torch.zeros(4, 17)
+    with pytest.raises(ValueError, match="even head_dim"):
+        cpu_kernels.rope_write_kv(qkv[:, :34], qkv[:, 34:], torch.zeros(1, dtype=torch.int64),
+                                  torch.zeros(1, dtype=torch.int64), table, table, cache, 1)

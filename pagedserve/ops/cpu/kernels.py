@@ -174,6 +174,8 @@ def rope_write_kv(
             or the int8 cache of :mod:`pagedserve.ops.kv_int8` (``block_size`` required).
     Returns:
         q ``[rows, num_heads, head_dim]`` contiguous, rotated.
+    Raises:
+        ValueError: head_dim odd or under 2 (RoPE rotates two halves).
     """
     lib = get_fused_lib()
     assert lib is not None
@@ -186,6 +188,8 @@ def rope_write_kv(
     else:
         _, _, nkv, bs, hd = kv_cache.shape
         fn = lib.rope_write_kv
+    if hd < 2 or hd % 2:
+        raise ValueError(f"RoPE needs an even head_dim (two halves), got {hd}")
     rows = qk.shape[0]
     assert qk.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.is_contiguous()
     assert positions.is_contiguous() and slot_mapping.is_contiguous() and cos.dtype == torch.float32
@@ -202,9 +206,12 @@ def rope_write_kv(
 
 def argmax_bf16(x: torch.Tensor) -> torch.Tensor:
     """``[rows]`` int64: the index of each row's largest value of ``x [rows, cols]`` (bf16, CPU,
-    unit inner stride), the first one on ties and the first NaN if any, as ``x.max(-1)``."""
+    unit inner stride), the first one on ties and the first NaN if any, as ``x.max(-1)``.
+    Raises ValueError when the rows are empty (``cols == 0``)."""
     lib = get_fused_lib()
     assert lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
+    if x.shape[1] < 1:
+        raise ValueError("argmax over an empty row")
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_bf16_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out

@@ -232,7 +232,7 @@ static inline void rope_write_kv_impl(const void* qk, int64_t qk_stride, const v
                 dst = ((blk * num_kv_heads + (h - num_heads)) * block_size + off) * head_dim;
             }
 #ifdef HAVE_BF16_VEC
-            if (is_bf16 && half % 16 == 0) {
+            if (is_bf16 && half > 0 && head_dim == 2 * half && half % 16 == 0) {
                 const uint16_t* x16 = (const uint16_t*)qk + src;
                 uint16_t* o16 = (uint16_t*)dst_base + dst;
                 for (int64_t i = 0; i < half; i += 16) {
@@ -247,7 +247,7 @@ static inline void rope_write_kv_impl(const void* qk, int64_t qk_stride, const v
                 vec_done = 1;
             }
 #elif defined(HAVE_AVX2_ROWS)
-            if (is_bf16 && half % 8 == 0) {
+            if (is_bf16 && half > 0 && head_dim == 2 * half && half % 8 == 0) {
                 rope_head_avx2((const uint16_t*)qk + src, (uint16_t*)dst_base + dst, cr, sr, half);
                 vec_done = 1;
             }

@@ -2,8 +2,10 @@
  * AVX2 rows of fused_ops.c's bf16 element-wise ops (8 float32 lanes), for CPUs without
  * AVX512-BF16. Each computes exactly what fused_ops.c's scalar loop computes: the same float32
  * products and sums in the same order, rounded to bf16 at the same points (nearest even, NaN
- * kept), so a row's bits do not depend on which path ran it. Included by fused_ops.c (built with
- * -ffp-contract=off: no fused multiply-adds).
+ * kept), so a row's bits do not depend on which path ran it. One exception: where two NaNs meet in
+ * one operation, which payload comes out may differ (it already does between -O0 and -O3 builds of
+ * the scalar loop); a NaN stays a NaN. Included by fused_ops.c (built with -ffp-contract=off: no
+ * fused multiply-adds).
  */
 #ifndef PAGEDSERVE_FUSED_OPS_AVX2_H
 #define PAGEDSERVE_FUSED_OPS_AVX2_H
