@@ -15,6 +15,7 @@ import torch
 from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 from pagedserve.model.backends import CpuBackend, TorchBackend
 from pagedserve.model.backends.torch_backend import write_kv_cache
+from cpu_utils import cpu_flags
 from pagedserve.ops import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.get_lib() is None, reason="no C compiler: CPU kernels unavailable")
@@ -240,18 +241,7 @@ def test_prefill_tiles_equal_rows_alone(num_heads, num_kv_heads, block_size, hea
         assert torch.equal(one[0], chunk[t]), t
 
 
-def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-@pytest.mark.skipif(not ({"avx2", "fma"} <= _cpu_flags() and "avx512f" not in _cpu_flags()), reason="the AVX2 attention task runs only on CPUs with AVX2 and no AVX-512")
+@pytest.mark.skipif(not ({"avx2", "fma"} <= cpu_flags() and "avx512f" not in cpu_flags()), reason="the AVX2 attention task runs only on CPUs with AVX2 and no AVX-512")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 2), (4, 4), (7, 1), (10, 2)])
 def test_avx2_bf16_value_pass_equals_8_wide_pass(num_heads, num_kv_heads):
     """AVX2, bf16 cache: with head_dim % 16 == 0, P.V reads 16 dimensions a pass (even and odd
@@ -288,7 +278,7 @@ def test_avx2_bf16_value_pass_equals_8_wide_pass(num_heads, num_kv_heads):
         assert torch.equal(out, wide[..., :64])
 
 
-@pytest.mark.skipif(not ({"avx2", "fma"} <= _cpu_flags() and "avx512f" not in _cpu_flags()), reason="the AVX2 attention task runs only on CPUs with AVX2 and no AVX-512")
+@pytest.mark.skipif(not ({"avx2", "fma"} <= cpu_flags() and "avx512f" not in cpu_flags()), reason="the AVX2 attention task runs only on CPUs with AVX2 and no AVX-512")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (10, 2, 72), (24, 2, 64), (8, 8, 128)])
 def test_avx2_token_tasks_equal_head_tasks(dtype, num_heads, num_kv_heads, head_dim):

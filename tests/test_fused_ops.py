@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cpu_utils import cpu_flags
 from pagedserve.ops import cpu as cpu_kernels
 from pagedserve.model.layers import RMSNorm, rotate_half
 
@@ -71,15 +72,7 @@ def _rms_in_lane_order(x, res, weight, eps):
     return (weight.float() * (v * inv[:, None]).bfloat16().float()).bfloat16()
 
 
-def _has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return "avx512_bf16" in fh.read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(_has_avx512_bf16(), reason="the AVX512-BF16 rows add their lanes as a tree")
+@pytest.mark.skipif("avx512_bf16" in cpu_flags(), reason="the AVX512-BF16 rows add their lanes as a tree")
 @pytest.mark.parametrize("dim", [576, 2048, 48, 40])
 def test_add_rms_norm_bf16_rows_keep_the_lane_order(dim):
     """bf16 rows (the AVX2 rows and the scalar loop) give the bits of the scalar order. The

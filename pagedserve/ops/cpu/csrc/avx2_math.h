@@ -20,6 +20,11 @@ static inline __m256i bf16x8_round_lanes(__m256 v) {
     return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
+/* Eight float32 rounded to bf16 and back (f32_to_bf16, then bf16_to_f32). */
+static inline __m256 bf16x8_rne(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_round_lanes(v), 16));
+}
+
 /* Eight float32 -> eight packed bf16, rounded as bf16x8_round_lanes. */
 static inline __m128i bf16x8_round(__m256 v) {
     const __m256i r = bf16x8_round_lanes(v);

@@ -163,7 +163,7 @@ void silu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int i
                 _mm256_storeu_si256((__m256i*)(o16 + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, u)));
             }
         }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(HAVE_AVX2_ROWS)
         if (is_bf16) { /* the same steps, 8 lanes */
             const uint16_t* g16 = (const uint16_t*)gate_up + gb;
             const uint16_t* u16 = g16 + inter;
@@ -172,9 +172,7 @@ void silu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int i
             for (; i + 8 <= inter; i += 8) {
                 const __m256 g = bf16x8_load(g16 + i), u = bf16x8_load(u16 + i);
                 const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-                const __m128i sb = bf16x8_round(s);
-                const __m256 sr = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(sb), 16));
-                _mm_storeu_si128((__m128i*)(o16 + i), bf16x8_round(_mm256_mul_ps(sr, u)));
+                _mm_storeu_si128((__m128i*)(o16 + i), bf16x8_round(_mm256_mul_ps(bf16x8_rne(s), u)));
             }
         }
 #endif

@@ -17,11 +17,6 @@
 
 #define HAVE_AVX2_ROWS 1
 
-/* Eight float32 rounded to bf16 and back (f32_to_bf16, then bf16_to_f32). */
-static inline __m256 bf16x8_rne(__m256 v) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_round_lanes(v), 16));
-}
-
 /* One row of add_rms_norm, dim % 16 == 0: residual (r16, may be NULL) = x + residual; out =
  * weight * rnd(residual * rsqrt(mean(residual^2) + eps)). The sum of squares runs in 16 lanes
  * (two vectors of 8) added up lane 0 to 15, the scalar loop's order. rr: dim floats of scratch. */
