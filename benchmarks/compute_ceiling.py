@@ -1,0 +1,207 @@
+"""This CPU's compute ceiling for issue 15's throughput targets, in three figures:
+
+1. **FMA peak**: a C loop of 12 independent float32 FMA chains (8 lanes with AVX2 + FMA, 16
+   with AVX-512), built with ``-march=native``, on 1 .. ``--threads`` OpenMP threads: GFLOP/s at
+   2 FLOP per lane per FMA, the best of 5 runs. It is the hardware bound of float32 arithmetic,
+   and so of the bf16 matmul on CPUs without bf16 instructions (``csrc/avx2_gemm.c`` widens bf16
+   to float32 and sums with FMA). CPUs with AVX512-BF16 or AMX multiply bf16 faster than this;
+   there the figure is not their ceiling, and the script says so.
+2. **The engine's bf16 matmul** on such CPUs (``csrc/avx2_gemm.c``, built with the engine's
+   flags and timed in C, as a decode step calls it) over a model's projections (``--layers``
+   copies of each on 2 MiB pages, read cold as in a step, plus the LM head), at several row
+   counts: GFLOP/s and its share of 1. Beside it, the ``torch.matmul`` probe that ``bench``
+   divides by for MFU.
+3. **W1's ceiling**: W1's model FLOPs (``bench``'s count: 2 x matmul params x tokens; 32
+   requests, prompts 64-512 tokens, 128 output tokens, seed 0) over 1: the output tok/s W1 would
+   reach if the matmuls ran at the FMA peak and everything else (attention, element-wise ops,
+   scheduling) were free. Issue 15's target 1 asks for 750.
+
+    .venv/bin/python benchmarks/compute_ceiling.py [--model DIR] [--threads 2] [--layers 8]
+        [--rows 1,16,32,64,128,512] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from pagedserve.bench.datasets import sample_random
+from pagedserve.bench.flops import measure_matmul_flops, model_flops
+from pagedserve.bench.throughput import load_tokenizer_and_config
+from pagedserve.model.packed_linear import avx2_bf16
+
+FMA_LOOP = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <time.h>
+#ifdef __AVX512F__
+typedef __m512 V;
+#define LANES 16
+#define SET1 _mm512_set1_ps
+#define FMA _mm512_fmadd_ps
+#define ADD _mm512_add_ps
+#define ASM "+v"
+#else
+typedef __m256 V;
+#define LANES 8
+#define SET1 _mm256_set1_ps
+#define FMA _mm256_fmadd_ps
+#define ADD _mm256_add_ps
+#define ASM "+x"
+#endif
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+int main(int argc, char** argv) {
+    const long iters = atol(argv[1]);
+    double best = 0;
+    for (int run = 0; run < 5; run++) {
+        float sink = 0;
+        const double t0 = now();
+#pragma omp parallel reduction(+ : sink)
+        {   /* 12 named chains: as an array GCC stores them every iteration */
+            V a0 = SET1(0), a1 = SET1(1), a2 = SET1(2), a3 = SET1(3), a4 = SET1(4), a5 = SET1(5);
+            V a6 = SET1(6), a7 = SET1(7), a8 = SET1(8), a9 = SET1(9), a10 = SET1(10), a11 = SET1(11);
+            const V b = SET1(0.999f), c = SET1(0.001f);
+            for (long k = 0; k < iters; k++) {
+                a0 = FMA(a0, b, c); a1 = FMA(a1, b, c); a2 = FMA(a2, b, c); a3 = FMA(a3, b, c);
+                a4 = FMA(a4, b, c); a5 = FMA(a5, b, c); a6 = FMA(a6, b, c); a7 = FMA(a7, b, c);
+                a8 = FMA(a8, b, c); a9 = FMA(a9, b, c); a10 = FMA(a10, b, c); a11 = FMA(a11, b, c);
+                __asm__("" : ASM(a0), ASM(a1), ASM(a2), ASM(a3), ASM(a4), ASM(a5));
+                __asm__("" : ASM(a6), ASM(a7), ASM(a8), ASM(a9), ASM(a10), ASM(a11));
+            }
+            V s = ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7)));
+            s = ADD(s, ADD(ADD(a8, a9), ADD(a10, a11)));
+            float o[LANES];
+            memcpy(o, &s, sizeof(o));
+            sink += o[0];
+        }
+        const double g = (double)iters * omp_get_max_threads() * 12 * LANES * 2 / (now() - t0) / 1e9;
+        if (g > best) best = g;
+        if (sink != sink) return 1; /* keeps the result live */
+    }
+    printf("%d %.3f\n", LANES, best);
+    return 0;
+}
+"""
+
+
+def fma_peak(threads: int, iters: int = 100_000_000) -> tuple[int, float]:
+    """(lanes, best GFLOP/s) of the FMA loop on ``threads`` OpenMP threads."""
+    with tempfile.TemporaryDirectory(prefix="fma_peak_") as tmp:
+        src, exe = os.path.join(tmp, "fma.c"), os.path.join(tmp, "fma")
+        with open(src, "w") as fh:
+            fh.write("#include <string.h>\n#include <stdlib.h>\n" + FMA_LOOP)
+        subprocess.run(["cc", "-O2", "-march=native", "-fopenmp", src, "-o", exe], check=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_PROC_BIND="spread")
+        out = subprocess.run([exe, str(iters // threads)], check=True, capture_output=True, text=True, env=env).stdout.split()
+    return int(out[0]), float(out[1])
+
+
+def projection_shapes(cfg) -> list[tuple[int, int]]:
+    """(out, in) of a Llama layer's fused qkv, o, gate_up and down projections."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    return [((heads + 2 * kv) * hd, h), (h, heads * hd), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+
+
+GEMM_MAIN = r"""
+#include "avx2_gemm.c"
+#include <stdio.h>
+#include <sys/mman.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static int cmp(const void* a, const void* b) { double d = *(const double*)a - *(const double*)b; return (d > 0) - (d < 0); }
+/* args: K N M copies rounds; prints the median seconds of one pass over the copies */
+int main(int argc, char** argv) {
+    const int64_t K = atol(argv[1]), N = atol(argv[2]), M = atol(argv[3]);
+    const int copies = atoi(argv[4]), rounds = atoi(argv[5]);
+    const int64_t per = (N + 15) / 16 * 16 * K;
+    const size_t bytes = ((size_t)per * 2 * copies + (2 << 20) - 1) / (2 << 20) * (2 << 20);
+    uint16_t* w = aligned_alloc(2 << 20, bytes);
+    madvise(w, bytes, MADV_HUGEPAGE);
+    for (int64_t i = 0; i < per * copies; i++) w[i] = (uint16_t)(0x3c00 + i % 251);
+    madvise(w, bytes, 25); /* MADV_COLLAPSE, as the engine does for its weights (Linux >= 6.1) */
+    uint16_t* x = malloc(M * K * 2);
+    uint16_t* y = malloc(M * N * 2);
+    for (int64_t i = 0; i < M * K; i++) x[i] = (uint16_t)(0x3c00 + i % 13);
+    double t[64];
+    for (int r = 0; r <= rounds && r < 64; r++) {
+        const double t0 = now();
+        for (int c = 0; c < copies; c++)
+            if (avx2_gemm_bf16(x, M, K, w + c * per, NULL, y, N)) return 1;
+        t[r] = now() - t0; /* round 0: warm-up */
+    }
+    qsort(t + 1, rounds, sizeof(double), cmp);
+    printf("%.9f\n", t[1 + rounds / 2]);
+    return 0;
+}
+"""
+
+
+def avx2_matmul(cfg, num_layers: int, rows: list[int], rounds: int, threads: int) -> dict[int, float]:
+    """GFLOP/s of ``csrc/avx2_gemm.c`` (built as the engine builds it, timed in C: a decode step
+    calls it from C too) over ``num_layers`` copies of each projection and one LM head, cold
+    (each pass reads every copy once), per row count: the median pass time of each shape, summed."""
+    from pagedserve.ops.cpu import build
+
+    flags = [f for f in build._COMMON_FLAGS if f not in ("-shared", "-fPIC")] + build._LIBS["decode"][1]
+    shapes = [(n, k, num_layers) for n, k in projection_shapes(cfg)] + [(cfg.vocab_size, cfg.hidden_size, 1)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    with tempfile.TemporaryDirectory(prefix="avx2_gemm_") as tmp:
+        src, exe = os.path.join(tmp, "gemm.c"), os.path.join(tmp, "gemm")
+        with open(src, "w") as fh:
+            fh.write(GEMM_MAIN)
+        subprocess.run(["cc", *flags, "-I", build._CSRC, src, "-o", exe, "-lm"], check=True)
+        result = {}
+        for m in rows:
+            seconds = sum(float(subprocess.run([exe, str(k), str(n), str(m), str(c), str(rounds)], check=True,
+                                               capture_output=True, text=True, env=env).stdout) for n, k, c in shapes)
+            result[m] = 2.0 * m * sum(n * k * c for n, k, c in shapes) / seconds / 1e9
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model folder or GGUF (default: the default model)")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--layers", type=int, default=8, help="layers of distinct weights in 2. (at most the model's)")
+    ap.add_argument("--rows", default="1,16,32,64,128,512")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if os.path.exists("/proc/cpuinfo") else []
+
+    peaks = {t: fma_peak(t) for t in sorted({1, args.threads})}
+    lanes, peak = peaks[args.threads]
+    print(f"1. FMA peak (float32, {lanes} lanes): " + ", ".join(f"{t} thread(s) {p:.1f} GFLOP/s" for t, (_, p) in peaks.items()))
+    if "amx_bf16" in flags or "avx512_bf16" in flags:
+        print("   this CPU multiplies bf16 natively (AMX or AVX512-BF16): the float32 FMA peak is not its bf16 ceiling")
+
+    _, tokenizer, cfg = load_tokenizer_and_config(args.model)
+    num_layers = min(args.layers, cfg.num_hidden_layers)
+    rows = [int(r) for r in args.rows.split(",")]
+    probe = measure_matmul_flops(cfg.hidden_size, cfg.intermediate_size, torch.bfloat16, seconds=1.0) / 1e9
+    print(f"2. bench's matmul probe (MFU's denominator): {probe:.1f} GFLOP/s ({probe / peak:.0%} of the FMA peak)")
+    if avx2_bf16(torch.bfloat16):
+        print(f"   the engine's bf16 matmul (avx2_gemm.c), {num_layers} layers + LM head, cold, {args.threads} threads:")
+        for m, gf in avx2_matmul(cfg, num_layers, rows, args.rounds, args.threads).items():
+            print(f"   {m:5d} rows: {gf:7.1f} GFLOP/s  {gf / peak:6.1%} of the FMA peak")
+    else:
+        print("   the engine's bf16 matmul here is not avx2_gemm.c (AMX, AVX512-BF16 or oneDNN): not measured")
+
+    reqs = sample_random(tokenizer, 32, (64, 512), (128, 128), seed=0)
+    prompt = sum(len(r.prompt_token_ids) for r in reqs)
+    out = sum(r.expected_output_len for r in reqs)
+    flops = model_flops(cfg).flops(prompt + out - len(reqs), out)
+    t = flops / (peak * 1e9)
+    print(f"3. W1 ({len(reqs)} requests, {prompt} prompt + {out} output tokens): {flops / 1e12:.2f} TFLOP of matmuls, "
+          f"{t:.1f} s at the FMA peak: at most {out / t:.0f} output tok/s with all else free (target 1: 750)")
+
+
+if __name__ == "__main__":
+    main()
