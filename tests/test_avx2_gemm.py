@@ -34,7 +34,7 @@ def _same_arithmetic(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
 def test_avx2_gemm_equals_the_same_arithmetic_bit_for_bit(n, k, has_bias):
     """Every row count of a 6-row tile and its remainders, the 1-3 row paths that take several
     panels a pass, N not a multiple of the 16-wide panel, K odd, and (K = 2048) more rows than
-    one block of widened rows; 48 rows read the bf16 panels directly, 49 widen them."""
+    one block of rows widened to float32."""
     _avx2_or_skip()
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)

@@ -19,14 +19,14 @@
  * Blocking: rows in blocks of `rows_per_block` (the widened rows, rows x K x 4 bytes, stay in
  * L2 while every panel passes), panels split evenly over the OpenMP threads.
  *
- * Up to AG_DIRECT_ROWS rows, panels are read as bf16 straight from memory, 16 weights (one k) a
- * load, widened as the 8 even outputs (a shift) and the 8 odd ones (a mask): two instructions
- * for 16 weights where a zero-extension and a shift per 8 took four. The tile's two accumulators
- * of a row then hold the even and the odd outputs, put back in place when stored; each output's
- * sum is the same. A panel's later row tiles read it from cache. With more rows each panel is
- * widened once into a buffer, in order: a pass over the panel that the FMAs do not overlap,
- * which cost more than the tiles' extra shifts and masks up to 64 rows and tied at 96-256 on a
- * Zen 1 (benchmarks/README.md, "Issue 15 on an AVX2-only Zen 1").
+ * Panels are read as bf16 straight from memory, 16 weights (one k) a load, widened as the 8 even
+ * outputs (a shift) and the 8 odd ones (a mask): two instructions for 16 weights where a
+ * zero-extension and a shift per 8 took four. The tile's two accumulators of a row then hold the
+ * even and the odd outputs, put back in place when stored; each output's sum is the same. A
+ * panel's later row tiles read it from L1 (K x 32 bytes). Widening each panel once into a float32
+ * buffer for all row tiles instead (twice the bytes, over L1 for K = 576) was slower at 8-64
+ * rows and tied at 96-256 on a Zen 1, and was 1.03-1.10x slower at 64-2,048 rows on a Zen 3
+ * (benchmarks/README.md, "Issue 15 on an AVX2-only Zen 1" and "the hardware ceiling").
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,7 +40,6 @@
 #define AG_NR 16                  /* outputs per panel */
 #define AG_MR 6                   /* rows per register tile */
 #define AG_BLOCK_BYTES (256 << 10) /* widened rows kept per block */
-#define AG_DIRECT_ROWS 48          /* most rows of a block that read bf16 panels without widening */
 
 #ifdef HAVE_AVX2_GEMM
 #include "avx2_math.h"
@@ -62,40 +61,28 @@ static inline void ag_put16(__m256i out, uint16_t* y, int64_t valid) {
     }
 }
 
-/* Store one row of a tile: acc + bias rounded to bf16 into y[n0 .. n0 + valid). */
-static inline void ag_store(__m256 a0, __m256 a1, const float* bias16, uint16_t* y, int64_t valid) {
-    ag_put16(ag_round16(_mm256_add_ps(a0, _mm256_loadu_ps(bias16)), _mm256_add_ps(a1, _mm256_loadu_ps(bias16 + 8))), y, valid);
-}
-
-/* ag_store for sums held as the tile's 8 even outputs (e) and 8 odd ones (o), as the paths that
- * read bf16 panels straight from memory keep them (bf16x16_load_eo): bias_eo in the same order,
- * each output rounded, then the two put back in place in one pass. Each output's value is the
- * one ag_store gives. */
+/* Store one row of a tile, its sums held as the tile's 8 even outputs (e) and 8 odd ones (o), as
+ * bf16x16_load_eo gives them: + bias (bias_eo in the same order), each output rounded to bf16,
+ * then the two put back in place in one pass into y[0 .. valid). */
 static inline void ag_store_eo(__m256 e, __m256 o, const float* bias_eo, uint16_t* y, int64_t valid) {
     const __m256i re = bf16x8_round_lanes(_mm256_add_ps(e, _mm256_loadu_ps(bias_eo)));
     const __m256i ro = bf16x8_round_lanes(_mm256_add_ps(o, _mm256_loadu_ps(bias_eo + 8)));
     ag_put16(_mm256_or_si256(re, _mm256_slli_epi32(ro, 16)), y, valid);
 }
 
-/* Rows [0, M) (M <= AG_MR, fixed at compile time) of x (float32, rows K apart) times one panel,
- * bf16 (wp; WIDE = 0: its even and odd outputs in the two accumulators of a row, bias16 in that
- * order) or already widened (wf; WIDE = 1): outputs n0..n0+15 of y (rows N apart), only the
- * first `valid` stored. The 12 accumulators are named variables: as an array, GCC stored them to
- * the stack on every k. */
-static inline __attribute__((always_inline)) void ag_tile(const float* xf, int64_t K, const uint16_t* wp, const float* wf,
-                                                           const float* bias16, uint16_t* y, int64_t N, int64_t n0,
-                                                           int64_t valid, const int M, const int WIDE) {
+/* Rows [0, M) (M <= AG_MR, fixed at compile time) of x (float32, rows K apart) times one bf16
+ * panel wp (its even and odd outputs in the two accumulators of a row; bias_eo in that order):
+ * outputs n0..n0+15 of y (rows N apart), only the first `valid` stored. The 12 accumulators are
+ * named variables: as an array, GCC stored them to the stack on every k. */
+static inline __attribute__((always_inline)) void ag_tile(const float* xf, int64_t K, const uint16_t* wp,
+                                                           const float* bias_eo, uint16_t* y, int64_t N, int64_t n0,
+                                                           int64_t valid, const int M) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const float *x0 = xf, *x1 = xf + K, *x2 = xf + 2 * K, *x3 = xf + 3 * K, *x4 = xf + 4 * K, *x5 = xf + 5 * K;
     for (int64_t k = 0; k < K; k++) {
         __m256 w0, w1;
-        if (WIDE) {
-            w0 = _mm256_load_ps(wf + k * AG_NR);
-            w1 = _mm256_load_ps(wf + k * AG_NR + 8);
-        } else {
-            bf16x16_load_eo(wp + k * AG_NR, &w0, &w1);
-        }
+        bf16x16_load_eo(wp + k * AG_NR, &w0, &w1);
         __m256 xv = _mm256_broadcast_ss(x0 + k);
         c00 = _mm256_fmadd_ps(xv, w0, c00);
         c01 = _mm256_fmadd_ps(xv, w1, c01);
@@ -106,13 +93,12 @@ static inline __attribute__((always_inline)) void ag_tile(const float* xf, int64
         if (M > 5) { xv = _mm256_broadcast_ss(x5 + k); c50 = _mm256_fmadd_ps(xv, w0, c50); c51 = _mm256_fmadd_ps(xv, w1, c51); }
     }
     y += n0;
-    void (*const store)(__m256, __m256, const float*, uint16_t*, int64_t) = WIDE ? ag_store : ag_store_eo;
-    store(c00, c01, bias16, y, valid);
-    if (M > 1) store(c10, c11, bias16, y + N, valid);
-    if (M > 2) store(c20, c21, bias16, y + 2 * N, valid);
-    if (M > 3) store(c30, c31, bias16, y + 3 * N, valid);
-    if (M > 4) store(c40, c41, bias16, y + 4 * N, valid);
-    if (M > 5) store(c50, c51, bias16, y + 5 * N, valid);
+    ag_store_eo(c00, c01, bias_eo, y, valid);
+    if (M > 1) ag_store_eo(c10, c11, bias_eo, y + N, valid);
+    if (M > 2) ag_store_eo(c20, c21, bias_eo, y + 2 * N, valid);
+    if (M > 3) ag_store_eo(c30, c31, bias_eo, y + 3 * N, valid);
+    if (M > 4) ag_store_eo(c40, c41, bias_eo, y + 4 * N, valid);
+    if (M > 5) ag_store_eo(c50, c51, bias_eo, y + 5 * N, valid);
 }
 
 /* One row times AG_WIDE consecutive panels (wp: the first; they are contiguous): 2 x AG_WIDE
@@ -180,18 +166,16 @@ static inline __attribute__((always_inline)) void ag_rows_pair(const float* xf, 
     }
 }
 
-/* One panel for rows [0, mb) of the block; bias16 in natural order for a widened panel (wf), else
- * in even/odd order. */
-static void ag_panel(const float* xf, int64_t mb, int64_t K, const uint16_t* wp, const float* wf, const float* bias16,
+/* One panel for rows [0, mb) of the block, 6 rows a tile; bias_eo in even/odd order. */
+static void ag_panel(const float* xf, int64_t mb, int64_t K, const uint16_t* wp, const float* bias_eo,
                      uint16_t* y, int64_t N, int64_t n0, int64_t valid) {
     for (int64_t m = 0; m < mb; m += AG_MR) {
         const float* xm = xf + m * K;
         uint16_t* ym = y + m * N;
         const int rows = mb - m < AG_MR ? (int)(mb - m) : AG_MR;
-#define AG_CASE(R)                                                                                              \
-        case R:                                                                                                 \
-            if (wf) ag_tile(xm, K, wp, wf, bias16, ym, N, n0, valid, R, 1);                                     \
-            else ag_tile(xm, K, wp, wf, bias16, ym, N, n0, valid, R, 0);                                        \
+#define AG_CASE(R)                                               \
+        case R:                                                  \
+            ag_tile(xm, K, wp, bias_eo, ym, N, n0, valid, R);    \
             break;
         switch (rows) {
             AG_CASE(1) AG_CASE(2) AG_CASE(3) AG_CASE(4) AG_CASE(5)
@@ -213,15 +197,14 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
     int64_t rows = AG_BLOCK_BYTES / (K * 4);
     rows = rows < 4 * AG_MR ? 4 * AG_MR : rows - rows % AG_MR;
     if (rows > M) rows = M;
-    float* xf = (float*)malloc(sizeof(float) * (rows * K + 2 * panels * AG_NR));
+    float* xf = (float*)malloc(sizeof(float) * (rows * K + panels * AG_NR));
     if (!xf) return -2;
-    float* bf = xf + rows * K; /* bias widened, zero-padded to whole panels */
-    float* bfe = bf + panels * AG_NR; /* the same, each panel's 8 even outputs, then its 8 odd */
-    if (!bias) { /* the usual case (Llama has none): a memset, not two scalar passes over N */
-        memset(bf, 0, sizeof(float) * 2 * panels * AG_NR);
+    float* bfe = xf + rows * K; /* bias widened, zero-padded to whole panels: each panel's 8 even outputs, then its 8 odd */
+    if (!bias) { /* the usual case (Llama has none): a memset, not a scalar pass over N */
+        memset(bfe, 0, sizeof(float) * panels * AG_NR);
     } else {
-        for (int64_t n = 0; n < panels * AG_NR; n++) bf[n] = n < N ? bf16_to_f32(bias[n]) : 0.f;
-        for (int64_t n = 0; n < panels * AG_NR; n++) bfe[n - n % AG_NR + (n % 2) * (AG_NR / 2) + (n % AG_NR) / 2] = bf[n];
+        for (int64_t n = 0; n < panels * AG_NR; n++)
+            bfe[n - n % AG_NR + (n % 2) * (AG_NR / 2) + (n % AG_NR) / 2] = n < N ? bf16_to_f32(bias[n]) : 0.f;
     }
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mb = M - r0 < rows ? M - r0 : rows;
@@ -239,8 +222,6 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
             }
             const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
             const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-            /* Many row tiles: widen each panel once into wf (L1/L2) for all of them. */
-            float* wf = mb > AG_DIRECT_ROWS ? (float*)aligned_alloc(32, sizeof(float) * K * AG_NR) : NULL;
             int64_t p = p0;
             /* 1-3 rows: full panels several at a time; the rest (and a partial last one) below */
             if (mb == 1)
@@ -252,13 +233,9 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
                     else ag_rows_pair(xf, K, w + p * K * AG_NR, bfe + p * AG_NR, yb + p * AG_NR, N, 3);
                 }
             for (; p < p1; p++) {
-                const uint16_t* wp = w + p * K * AG_NR;
                 const int64_t n0 = p * AG_NR, valid = N - n0 < AG_NR ? N - n0 : AG_NR;
-                if (wf)
-                    for (int64_t i = 0; i < K * AG_NR; i += 8) _mm256_store_ps(wf + i, bf16x8_load(wp + i));
-                ag_panel(xf, mb, K, wp, wf, (wf ? bf : bfe) + n0, yb, N, n0, valid);
+                ag_panel(xf, mb, K, w + n0 * K, bfe + n0, yb, N, n0, valid);
             }
-            free(wf);
         }
     }
     free(xf);
