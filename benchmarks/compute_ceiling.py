@@ -7,16 +7,17 @@
    to float32 and sums with FMA). CPUs with AVX512-BF16 or AMX multiply bf16 faster than this;
    there the figure is not their ceiling, and the script says so.
 2. **The engine's bf16 matmul** on such CPUs (``csrc/avx2_gemm.c``, built with the engine's
-   flags and timed in C, as a decode step calls it) over a model's projections (``--layers``
-   copies of each on 2 MiB pages, read cold as in a step, plus the LM head), at several row
-   counts: GFLOP/s and its share of 1. Beside it, the ``torch.matmul`` probe that ``bench``
-   divides by for MFU.
+   flags and timed in C, as a decode step calls it) at several row counts: GFLOP/s and share of 1
+   over the model's decoder layers (its four projections, weighted as in the model) and over
+   its LM head. Each shape is timed over copies of it that add up to ``--cold-mib`` (256 MiB,
+   beyond the last-level cache) on 2 MiB pages, so weights are read cold, as in a step. Beside
+   it, the ``torch.matmul`` probe that ``bench`` divides by for MFU.
 3. **W1's ceiling**: W1's model FLOPs (``bench``'s count: 2 x matmul params x tokens; 32
    requests, prompts 64-512 tokens, 128 output tokens, seed 0) over 1: the output tok/s W1 would
    reach if the matmuls ran at the FMA peak and everything else (attention, element-wise ops,
    scheduling) were free. Issue 15's target 1 asks for 750.
 
-    .venv/bin/python benchmarks/compute_ceiling.py [--model DIR] [--threads 2] [--layers 8]
+    .venv/bin/python benchmarks/compute_ceiling.py [--model DIR] [--threads 2] [--cold-mib 256]
         [--rows 1,16,32,64,128,512] [--rounds 5]
 """
 from __future__ import annotations
@@ -35,6 +36,9 @@ from pagedserve.bench.throughput import load_tokenizer_and_config
 from pagedserve.model.packed_linear import avx2_bf16
 
 FMA_LOOP = r"""
+#if !defined(__FMA__) && !defined(__AVX512F__)
+#error "no FMA on this CPU"
+#endif
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>
@@ -60,9 +64,12 @@ int main(int argc, char** argv) {
     double best = 0;
     for (int run = 0; run < 5; run++) {
         float sink = 0;
+        int team = 1;
         const double t0 = now();
 #pragma omp parallel reduction(+ : sink)
-        {   /* 12 named chains: as an array GCC stores them every iteration */
+        {
+#pragma omp single
+            team = omp_get_num_threads();   /* 12 named chains: as an array GCC stores them every iteration */
             V a0 = SET1(0), a1 = SET1(1), a2 = SET1(2), a3 = SET1(3), a4 = SET1(4), a5 = SET1(5);
             V a6 = SET1(6), a7 = SET1(7), a8 = SET1(8), a9 = SET1(9), a10 = SET1(10), a11 = SET1(11);
             const V b = SET1(0.999f), c = SET1(0.001f);
@@ -79,7 +86,7 @@ int main(int argc, char** argv) {
             memcpy(o, &s, sizeof(o));
             sink += o[0];
         }
-        const double g = (double)iters * omp_get_max_threads() * 12 * LANES * 2 / (now() - t0) / 1e9;
+        const double g = (double)iters * team * 12 * LANES * 2 / (now() - t0) / 1e9;
         if (g > best) best = g;
         if (sink != sink) return 1; /* keeps the result live */
     }
@@ -89,13 +96,26 @@ int main(int argc, char** argv) {
 """
 
 
+def compile_c(src_text: str, out_dir: str, flags: list[str]) -> str:
+    """Build ``src_text`` with ``$CC`` (default ``cc``, as the engine's kernels); the executable's
+    path. Exits with a message (status 2) where it cannot be built here."""
+    src, exe = os.path.join(out_dir, "main.c"), os.path.join(out_dir, "main")
+    with open(src, "w") as fh:
+        fh.write(src_text)
+    cc = os.environ.get("CC", "cc")
+    try:
+        done = subprocess.run([cc, *flags, src, "-o", exe, "-lm"], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SystemExit(f"compute_ceiling: no C compiler ({cc}); set CC") from None
+    if done.returncode != 0:
+        raise SystemExit("compute_ceiling: this CPU has no AVX2 + FMA or AVX-512 (or the build failed):\n" + done.stderr[-2000:])
+    return exe
+
+
 def fma_peak(threads: int, iters: int = 100_000_000) -> tuple[int, float]:
-    """(lanes, best GFLOP/s) of the FMA loop on ``threads`` OpenMP threads."""
+    """(lanes, best GFLOP/s) of the FMA loop on ``threads`` OpenMP threads (one per core, spread)."""
     with tempfile.TemporaryDirectory(prefix="fma_peak_") as tmp:
-        src, exe = os.path.join(tmp, "fma.c"), os.path.join(tmp, "fma")
-        with open(src, "w") as fh:
-            fh.write("#include <string.h>\n#include <stdlib.h>\n" + FMA_LOOP)
-        subprocess.run(["cc", "-O2", "-march=native", "-fopenmp", src, "-o", exe], check=True)
+        exe = compile_c("#include <string.h>\n#include <stdlib.h>\n" + FMA_LOOP, tmp, ["-O2", "-march=native", "-fopenmp"])
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_PROC_BIND="spread")
         out = subprocess.run([exe, str(iters // threads)], check=True, capture_output=True, text=True, env=env).stdout.split()
     return int(out[0]), float(out[1])
@@ -116,21 +136,24 @@ GEMM_MAIN = r"""
 #include <time.h>
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 static int cmp(const void* a, const void* b) { double d = *(const double*)a - *(const double*)b; return (d > 0) - (d < 0); }
-/* args: K N M copies rounds; prints the median seconds of one pass over the copies */
+/* args: K N M copies rounds (1 .. 63); prints the median seconds of one pass over the copies */
 int main(int argc, char** argv) {
+    if (argc != 6) return 2;
     const int64_t K = atol(argv[1]), N = atol(argv[2]), M = atol(argv[3]);
     const int copies = atoi(argv[4]), rounds = atoi(argv[5]);
+    if (K < 1 || N < 1 || M < 1 || copies < 1 || rounds < 1 || rounds > 63) return 2;
     const int64_t per = (N + 15) / 16 * 16 * K;
     const size_t bytes = ((size_t)per * 2 * copies + (2 << 20) - 1) / (2 << 20) * (2 << 20);
     uint16_t* w = aligned_alloc(2 << 20, bytes);
-    madvise(w, bytes, MADV_HUGEPAGE);
-    for (int64_t i = 0; i < per * copies; i++) w[i] = (uint16_t)(0x3c00 + i % 251);
-    madvise(w, bytes, 25); /* MADV_COLLAPSE, as the engine does for its weights (Linux >= 6.1) */
     uint16_t* x = malloc(M * K * 2);
     uint16_t* y = malloc(M * N * 2);
+    if (!w || !x || !y) return 3;
+    madvise(w, bytes, MADV_HUGEPAGE);
+    for (int64_t i = 0; i < per * copies; i++) w[i] = (uint16_t)(0x3c00 + i % 251);
+    madvise(w, bytes, 25); /* MADV_COLLAPSE, as the engine does for its weights (Linux >= 6.1; else 4 KiB pages) */
     for (int64_t i = 0; i < M * K; i++) x[i] = (uint16_t)(0x3c00 + i % 13);
     double t[64];
-    for (int r = 0; r <= rounds && r < 64; r++) {
+    for (int r = 0; r <= rounds; r++) {
         const double t0 = now();
         for (int c = 0; c < copies; c++)
             if (avx2_gemm_bf16(x, M, K, w + c * per, NULL, y, N)) return 1;
@@ -143,25 +166,31 @@ int main(int argc, char** argv) {
 """
 
 
-def avx2_matmul(cfg, num_layers: int, rows: list[int], rounds: int, threads: int) -> dict[int, float]:
-    """GFLOP/s of ``csrc/avx2_gemm.c`` (built as the engine builds it, timed in C: a decode step
-    calls it from C too) over ``num_layers`` copies of each projection and one LM head, cold
-    (each pass reads every copy once), per row count: the median pass time of each shape, summed."""
+def avx2_matmul(cfg, rows: list[int], rounds: int, threads: int, cold_bytes: int) -> dict[int, tuple[float, float]]:
+    """Per row count, GFLOP/s of ``csrc/avx2_gemm.c`` (built as the engine builds it, timed in C:
+    a decode step calls it from C too) over the model's decoder layers (its four projections,
+    weighted as in the model) and over its LM head. Each shape is timed over enough copies to read
+    ``cold_bytes`` a pass (beyond the last-level cache: cold, as in a step); the median pass time
+    over the copies is one instance's time."""
     from pagedserve.ops.cpu import build
 
-    flags = [f for f in build._COMMON_FLAGS if f not in ("-shared", "-fPIC")] + build._LIBS["decode"][1]
-    shapes = [(n, k, num_layers) for n, k in projection_shapes(cfg)] + [(cfg.vocab_size, cfg.hidden_size, 1)]
+    flags = [f for f in build._COMMON_FLAGS if f not in ("-shared", "-fPIC")] + build._LIBS["decode"][1] + ["-I", build._CSRC]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    layer = projection_shapes(cfg)
+    head = (cfg.vocab_size, cfg.hidden_size)
     with tempfile.TemporaryDirectory(prefix="avx2_gemm_") as tmp:
-        src, exe = os.path.join(tmp, "gemm.c"), os.path.join(tmp, "gemm")
-        with open(src, "w") as fh:
-            fh.write(GEMM_MAIN)
-        subprocess.run(["cc", *flags, "-I", build._CSRC, src, "-o", exe, "-lm"], check=True)
+        exe = compile_c(GEMM_MAIN, tmp, flags)
+
+        def instance_seconds(n: int, k: int, m: int) -> float:
+            copies = max(1, -(-cold_bytes // (-(-n // 16) * 16 * k * 2)))
+            out = subprocess.run([exe, str(k), str(n), str(m), str(copies), str(rounds)], check=True, capture_output=True, text=True, env=env)
+            return float(out.stdout) / copies
+
         result = {}
         for m in rows:
-            seconds = sum(float(subprocess.run([exe, str(k), str(n), str(m), str(c), str(rounds)], check=True,
-                                               capture_output=True, text=True, env=env).stdout) for n, k, c in shapes)
-            result[m] = 2.0 * m * sum(n * k * c for n, k, c in shapes) / seconds / 1e9
+            layer_s = sum(instance_seconds(n, k, m) for n, k in layer)
+            head_s = instance_seconds(*head, m)
+            result[m] = (2.0 * m * sum(n * k for n, k in layer) / layer_s / 1e9, 2.0 * m * head[0] * head[1] / head_s / 1e9)
     return result
 
 
@@ -169,10 +198,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model folder or GGUF (default: the default model)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--layers", type=int, default=8, help="layers of distinct weights in 2. (at most the model's)")
+    ap.add_argument("--cold-mib", type=int, default=256, help="weights each timed pass of 2. reads (MiB; beyond the last-level cache)")
     ap.add_argument("--rows", default="1,16,32,64,128,512")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    if not 1 <= args.threads <= cores:
+        ap.error(f"--threads must be 1 .. {cores} (the cores this process may use): more threads than cores understate the peak")
+    if not 1 <= args.rounds <= 63:
+        ap.error("--rounds must be 1 .. 63")
     torch.set_num_threads(args.threads)
     flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if os.path.exists("/proc/cpuinfo") else []
 
@@ -183,14 +217,15 @@ def main() -> None:
         print("   this CPU multiplies bf16 natively (AMX or AVX512-BF16): the float32 FMA peak is not its bf16 ceiling")
 
     _, tokenizer, cfg = load_tokenizer_and_config(args.model)
-    num_layers = min(args.layers, cfg.num_hidden_layers)
     rows = [int(r) for r in args.rows.split(",")]
+    if min(rows) < 1:
+        ap.error("--rows must be positive")
     probe = measure_matmul_flops(cfg.hidden_size, cfg.intermediate_size, torch.bfloat16, seconds=1.0) / 1e9
     print(f"2. bench's matmul probe (MFU's denominator): {probe:.1f} GFLOP/s ({probe / peak:.0%} of the FMA peak)")
     if avx2_bf16(torch.bfloat16):
-        print(f"   the engine's bf16 matmul (avx2_gemm.c), {num_layers} layers + LM head, cold, {args.threads} threads:")
-        for m, gf in avx2_matmul(cfg, num_layers, rows, args.rounds, args.threads).items():
-            print(f"   {m:5d} rows: {gf:7.1f} GFLOP/s  {gf / peak:6.1%} of the FMA peak")
+        print(f"   the engine's bf16 matmul (avx2_gemm.c), cold ({args.cold_mib} MiB a pass), {args.threads} threads, GFLOP/s and share of the FMA peak:")
+        for m, (layers, head) in avx2_matmul(cfg, rows, args.rounds, args.threads, args.cold_mib << 20).items():
+            print(f"   {m:5d} rows: decoder layers {layers:6.1f} ({layers / peak:5.1%}), LM head {head:6.1f} ({head / peak:5.1%})")
     else:
         print("   the engine's bf16 matmul here is not avx2_gemm.c (AMX, AVX512-BF16 or oneDNN): not measured")
 
