@@ -45,11 +45,6 @@
 #include "avx2_math.h"
 #include "bf16.h"
 
-/* 16 floats -> 16 bf16 (nearest even; NaN stays a quiet NaN). */
-static inline __m256i ag_round16(__m256 a, __m256 b) {
-    return _mm256_set_m128i(bf16x8_round(b), bf16x8_round(a));
-}
-
 /* The first `valid` (<= 16) of 16 packed bf16 outputs into y. */
 static inline void ag_put16(__m256i out, uint16_t* y, int64_t valid) {
     if (valid == AG_NR) {
