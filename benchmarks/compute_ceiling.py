@@ -208,7 +208,14 @@ def main() -> None:
     if not 1 <= args.rounds <= 63:
         ap.error("--rounds must be 1 .. 63")
     torch.set_num_threads(args.threads)
-    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if os.path.exists("/proc/cpuinfo") else []
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error("--rows must be positive integers separated by commas")
+    if min(rows) < 1:
+        ap.error("--rows must be positive")
 
     peaks = {t: fma_peak(t) for t in sorted({1, args.threads})}
     lanes, peak = peaks[args.threads]
@@ -217,9 +224,6 @@ def main() -> None:
         print("   this CPU multiplies bf16 natively (AMX or AVX512-BF16): the float32 FMA peak is not its bf16 ceiling")
 
     _, tokenizer, cfg = load_tokenizer_and_config(args.model)
-    rows = [int(r) for r in args.rows.split(",")]
-    if min(rows) < 1:
-        ap.error("--rows must be positive")
     probe = measure_matmul_flops(cfg.hidden_size, cfg.intermediate_size, torch.bfloat16, seconds=1.0) / 1e9
     print(f"2. bench's matmul probe (MFU's denominator): {probe:.1f} GFLOP/s ({probe / peak:.0%} of the FMA peak)")
     if avx2_bf16(torch.bfloat16):
