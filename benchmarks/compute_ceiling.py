@@ -31,8 +31,9 @@ import time
 import torch
 
 from pagedserve.bench.datasets import sample_random
-from pagedserve.bench.flops import measure_matmul_flops, model_flops
+from pagedserve.bench.flops import measure_matmul_flops, model_flops, projection_shapes
 from pagedserve.bench.throughput import load_tokenizer_and_config
+from pagedserve.model.loader import cpu_has_bf16
 from pagedserve.model.packed_linear import avx2_bf16
 
 FMA_LOOP = r"""
@@ -121,14 +122,6 @@ def fma_peak(threads: int, iters: int = 100_000_000) -> tuple[int, float]:
     return int(out[0]), float(out[1])
 
 
-def projection_shapes(cfg) -> list[tuple[int, int]]:
-    """(out, in) of a Llama layer's fused qkv, o, gate_up and down projections."""
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    hd = getattr(cfg, "head_dim", None) or h // heads
-    return [((heads + 2 * kv) * hd, h), (h, heads * hd), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
-
-
 GEMM_MAIN = r"""
 #include "avx2_gemm.c"
 #include <stdio.h>
@@ -208,8 +201,6 @@ def main() -> None:
     if not 1 <= args.rounds <= 63:
         ap.error("--rounds must be 1 .. 63")
     torch.set_num_threads(args.threads)
-    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     try:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
@@ -220,7 +211,7 @@ def main() -> None:
     peaks = {t: fma_peak(t) for t in sorted({1, args.threads})}
     lanes, peak = peaks[args.threads]
     print(f"1. FMA peak (float32, {lanes} lanes): " + ", ".join(f"{t} thread(s) {p:.1f} GFLOP/s" for t, (_, p) in peaks.items()))
-    if "amx_bf16" in flags or "avx512_bf16" in flags:
+    if cpu_has_bf16():
         print("   this CPU multiplies bf16 natively (AMX or AVX512-BF16): the float32 FMA peak is not its bf16 ceiling")
 
     _, tokenizer, cfg = load_tokenizer_and_config(args.model)

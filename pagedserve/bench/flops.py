@@ -36,15 +36,20 @@ class ModelFlops:
         return asdict(self)
 
 
-def model_flops(hf_config) -> ModelFlops:
-    """Matmul parameter counts of a Llama-family config (GQA, optional head_dim)."""
-    h = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
+def projection_shapes(hf_config) -> list[tuple[int, int]]:
+    """(out, in) of a Llama-family layer's fused qkv, o, gate_up and down projections (GQA,
+    optional head_dim)."""
+    h, heads = hf_config.hidden_size, hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
     inter = hf_config.intermediate_size
-    per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * inter
-    return ModelFlops(per_layer * hf_config.num_hidden_layers, h * hf_config.vocab_size)
+    return [((heads + 2 * kv_heads) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
+
+
+def model_flops(hf_config) -> ModelFlops:
+    """Matmul parameter counts of a Llama-family config: its layers' projections, and the LM head."""
+    per_layer = sum(n * k for n, k in projection_shapes(hf_config))
+    return ModelFlops(per_layer * hf_config.num_hidden_layers, hf_config.hidden_size * hf_config.vocab_size)
 
 
 def measure_matmul_flops(
