@@ -5,12 +5,14 @@ a sequence's greedy tokens do not depend on how many sequences were decoded with
 Skipped where the kernels cannot run (no C compiler, no AVX512-BF16, packing disabled)."""
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
 import torch
 
 from conftest import assert_engine_idle
+from cpu_utils import cpu_flags
 from pagedserve import LLM, SamplingParams
 from pagedserve.ops import cpu as cpu_kernels
 from pagedserve.ops.cpu import matmul
@@ -145,20 +147,51 @@ def test_rows_together_equal_rows_alone_for_any_plan(k, chain, body):
     chunks; 4 rows or fewer keep them in registers for the whole of K. The same plan must give
     the same bits either way, wherever its partial sums begin and end relative to the chunks
     (a wrong order shows in ~1 output in 10^3-10^4, hence 512 outputs a row), with a bias, and
-    with a last group of 1, 2 or 3 rows."""
+    with a last group of 1, 2 or 3 rows. The weight is laid out here in the kernel's own layout
+    (oneDNN packs another one on AMX CPUs), so this runs wherever the kernel is built."""
+    if cpu_kernels.get_small_gemm_lib() is None or not cpu_flags() >= {"avx512f", "avx512_bf16"}:
+        pytest.skip("the small-M kernel needs AVX512-BF16")
     n = 512
     g = torch.Generator().manual_seed(k + chain)
-    packed = _pack_or_skip((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
-    assert matmul._packed_address(packed)[1] == n * k * 2  # the unpadded layout the kernel reads
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    laid = matmul.small_gemm_layout(w)
+    assert laid.shape == (n // 64, k // 2, 64, 2) and torch.equal(laid[1, 3, 5], w[64 + 5, 6:8])
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     x = torch.randn(cpu_kernels.SMALL_GEMM_MAX_ROWS + 75, k, generator=g).to(torch.bfloat16)
-    alone = torch.cat([cpu_kernels.small_gemm(x[i : i + 1], packed, None, n, (chain, body)) for i in range(x.shape[0])])
+    alone = torch.cat([cpu_kernels.small_gemm(x[i : i + 1], laid, None, n, (chain, body)) for i in range(x.shape[0])])
     for m in (5, 6, 7, 8, 13, 30, cpu_kernels.SMALL_GEMM_MAX_ROWS, cpu_kernels.SMALL_GEMM_MAX_ROWS + 75):  # past 64: pieces of 64
-        assert torch.equal(cpu_kernels.small_gemm(x[:m], packed, None, n, (chain, body)), alone[:m]), m
-    alone_b = torch.cat([cpu_kernels.small_gemm(x[i : i + 1], packed, bias, n, (chain, body)) for i in range(11)])
-    assert torch.equal(cpu_kernels.small_gemm(x[:11], packed, bias, n, (chain, body)), alone_b)
-    exact = x[:8].double() @ torch.ops.mkldnn._linear_pointwise(torch.eye(k, dtype=torch.bfloat16), packed, None, "none", [], "").double()
+        assert torch.equal(cpu_kernels.small_gemm(x[:m], laid, None, n, (chain, body)), alone[:m]), m
+    alone_b = torch.cat([cpu_kernels.small_gemm(x[i : i + 1], laid, bias, n, (chain, body)) for i in range(11)])
+    assert torch.equal(cpu_kernels.small_gemm(x[:11], laid, bias, n, (chain, body)), alone_b)
+    exact = x[:8].double() @ w.double().T
     assert (alone[:8].double() - exact).abs().max() <= 0.01 * exact.abs().max() + 1e-3
+
+
+def test_small_gemm_only_on_its_own_layout(monkeypatch):
+    """The engine reaches the small-M kernel only through a calibrated plan, and calibration
+    refuses a weight oneDNN packed in another layout (AMX CPUs pack [N/32, K/2, 32, 2]): there
+    the kernel would read garbage. Where oneDNN packs the kernel's layout, its buffer equals
+    :func:`small_gemm_layout` of the weight."""
+    if not _onednn_bf16() or cpu_kernels.get_small_gemm_lib() is None:
+        pytest.skip("oneDNN packing or the C kernels are unavailable")
+    n, k = 512, 576
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16)
+    packed = pack_weight(w)
+    ptr, nbytes = matmul._packed_address(packed)
+    raw = torch.frombuffer((ctypes.c_int16 * (nbytes // 2)).from_address(ptr), dtype=torch.int16).view(torch.bfloat16)
+    ours = torch.equal(raw, matmul.small_gemm_layout(w).flatten())
+    assert matmul.small_gemm_layout_matches(packed, n, k) == ours
+    if not ours:
+        assert cpu_kernels.calibrate_small_gemm(packed, n, k, None) is None
+        lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        from pagedserve.model.packed_linear import attach_small_gemm
+
+        monkeypatch.setenv("PAGEDSERVE_AMX", "0")  # the oneDNN buffer, as the engine keeps it then
+        layer = PackedLinear.from_linear(lin)
+        attach_small_gemm(layer, {})
+        assert layer.packed_weight is not None and layer.small_plan is None
 
 
 def test_onednn_path_one_row_matches_batched():

@@ -101,14 +101,48 @@ def _packed_address(packed_weight: torch.Tensor) -> tuple[int, int]:
     return torch.ops.mkldnn.data_ptr(packed_weight), torch.ops.mkldnn._nbytes(packed_weight)
 
 
+def small_gemm_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (N % 64 == 0, K even) in the layout the small-M kernel reads,
+    oneDNN's AB16b64a2b: ``[N/64, K/2, 64, 2]`` bf16 (64 outputs, then pairs of k)."""
+    n, k = weight.shape
+    return weight.detach().to(torch.bfloat16).reshape(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def small_gemm_layout_matches(packed_weight: torch.Tensor, out_features: int, in_features: int) -> bool:
+    """Whether oneDNN packed ``packed_weight`` in :func:`small_gemm_layout`. It does on
+    AVX512-BF16 CPUs without AMX; with AMX it packs [N/32, K/2, 32, 2] for its AMX kernels, which
+    the small-M kernel would read as garbage. Checked on a few k pairs: oneDNN's product with unit
+    rows ``e_k`` is column k of the weight exactly, compared with the raw buffer."""
+    n, k = out_features, in_features
+    if n % 64 or k % 2 or packed_weight.dtype != torch.bfloat16:
+        return False
+    ptr, nbytes = _packed_address(packed_weight)
+    if nbytes != n * k * 2:
+        return False
+    pairs = sorted({0, k // 2 - 1, k // 4, (3 * k) // 8})
+    unit = torch.zeros(2 * len(pairs), k, dtype=torch.bfloat16)
+    for i, j in enumerate(pairs):
+        unit[2 * i, 2 * j] = unit[2 * i + 1, 2 * j + 1] = 1
+    cols = torch.ops.mkldnn._linear_pointwise(unit, packed_weight, None, "none", [], "")  # [2 * len(pairs), N]
+    raw = torch.frombuffer((ctypes.c_int16 * (n * k)).from_address(ptr), dtype=torch.int16).view(torch.bfloat16)
+    raw = raw.view(n // 64, k // 2, 64, 2)
+    for i, j in enumerate(pairs):
+        got = raw[:, j].reshape(n, 2).t()  # [2, N]: the pair's two k, every output
+        if not torch.equal(got, cols[2 * i : 2 * i + 2]):
+            return False
+    return True
+
+
 def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, plan: tuple[int, int]) -> torch.Tensor:
     """``x [M, K]`` (bf16, contiguous, M >= 1; past SMALL_GEMM_MAX_ROWS, 64 rows at a time) times a
-    packed weight whose ``plan`` came from :func:`calibrate_small_gemm`: ``[M, out_features]`` bf16, bit-identical to oneDNN's
-    batched result. Raises RuntimeError if the kernel rejects the shape (callers check first)."""
+    weight in :func:`small_gemm_layout` (oneDNN's packed tensor, or a plain tensor in that layout)
+    with the summation ``plan`` (chain, body) that :func:`calibrate_small_gemm` found: ``[M,
+    out_features]`` bf16, bit-identical to oneDNN's batched result. Raises RuntimeError if the
+    kernel rejects the shape (callers check first)."""
     lib = _get("decode")  # not get_small_gemm_lib(): plans made at load stay usable if the env changes
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    w_ptr = torch.ops.mkldnn.data_ptr(packed_weight)
+    w_ptr = torch.ops.mkldnn.data_ptr(packed_weight) if packed_weight.is_mkldnn else packed_weight.data_ptr()
     rc = lib.small_gemm_bf16(
         x.data_ptr(), m, k, w_ptr, None if bias is None else bias.data_ptr(),
         y.data_ptr(), out_features, plan[0], plan[1],
@@ -128,7 +162,7 @@ def calibrate_small_gemm(packed_weight: torch.Tensor, out_features: int, in_feat
     Tries (chain, body) candidates (k pairs: partial sums of ``chain`` pairs over the first
     ``body``, then one over the rest) on random rows and keeps the first whose every output
     equals oneDNN's batched result, then confirms it on a second, independent batch. Returns
-    None when the layout is not [N/64][K/2][64][2], the shape is not supported, or no candidate
+    None when the layout is not [N/64][K/2][64][2] (:func:`small_gemm_layout_matches`), the shape is not supported, or no candidate
     matches both batches. A wrong candidate differs from oneDNN in about 1-3 outputs in 10^4,
     so each batch has enough rows for 2^18 outputs (at least 64 rows): a wrong candidate then
     shows ~40 mismatches, and passes by chance with probability ~e^-40. (With a fixed 64 rows
@@ -142,7 +176,7 @@ def calibrate_small_gemm(packed_weight: torch.Tensor, out_features: int, in_feat
         _, nbytes = _packed_address(packed_weight)
     except (RuntimeError, AttributeError):
         return None
-    if nbytes != n * k * 2:  # padded layout (N or K not a multiple of the block)
+    if nbytes != n * k * 2 or not small_gemm_layout_matches(packed_weight, n, k):  # padded, or AMX's layout
         return None
     k2 = k // 2
     step = SMALL_GEMM_MAX_ROWS
