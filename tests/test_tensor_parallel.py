@@ -120,6 +120,22 @@ def test_indivisible_heads_refused_before_start():
         EngineConfig(tensor_parallel_size=0)
 
 
+def test_serve_indivisible_heads_is_one_line():
+    """`serve -tp 2` on the default model: the engine core refuses before it starts, and the user
+    sees one error line (the core's traceback is a debug-level log), a non-zero exit."""
+    import subprocess
+    import sys
+
+    from app_utils import free_port
+
+    r = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--tensor-parallel-size", "2",
+                        "--port", str(free_port()), "--host", "127.0.0.1"], capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert [line for line in out.splitlines() if "must divide the model's 9 query heads" in line] == \
+        ["pagedserve serve: error: tensor_parallel_size=2 must divide the model's 9 query heads and 3 KV heads (possible sizes: [1, 3])"]
+
+
 def test_cli_flags():
     import argparse
 

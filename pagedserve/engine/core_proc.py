@@ -171,10 +171,12 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
                 logger.error("pagedserve engine core: dropped a malformed message (%d bytes): %s", len(data), e)
         return None
 
+    started = False
     try:
         from pagedserve.engine.core import EngineCore
 
         core = EngineCore(EngineConfig(**config))
+        started = True
         frozen = freeze_gc_heap()
         logger.debug("pagedserve engine core: %d objects frozen for the collector", frozen)
         send(["ready", core.info])
@@ -184,7 +186,11 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
             core.shutdown()
         return 0
     except BaseException as e:  # start-up error or a crashed step: tell the frontend, exit non-zero
-        logger.error("pagedserve engine core failed:\n%s", traceback.format_exc())
+        if not started and isinstance(e, (ValueError, FileNotFoundError)):
+            # A configuration error: the front prints it as one line; the traceback only at debug.
+            logger.debug("pagedserve engine core refused its configuration:\n%s", traceback.format_exc())
+        else:
+            logger.error("pagedserve engine core failed:\n%s", traceback.format_exc())
         if not isinstance(e, KeyboardInterrupt):
             send(["error", type(e).__name__, str(e)])
         return 1
