@@ -154,3 +154,58 @@ def test_fallback_template_asks_for_the_parsers_format(smollm2_dir):
     assert "<tool_call>" not in js and "answer with only a JSON object" in js
     past = js.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     assert [c.name for c in Llama3JsonToolParser().extract(past)[1]] == ["get_weather", "get_weather"]
+
+
+NO_PARAMS = [{"type": "function", "function": {"name": "now", "description": "The current time"}},
+             {"type": "function", "function": {"name": "now", "description": "The current time", "parameters": {}}}]
+
+
+@pytest.mark.parametrize("tool", NO_PARAMS, ids=["omitted", "empty"])
+def test_a_tool_without_parameters_is_an_empty_closed_object(tool):
+    """Issue 46: as OpenAI documents and vLLM compiles it, not {"type": "object"} (any object)."""
+    empty = {"type": "object", "properties": {}}
+    named = plan_tools([tool], {"type": "function", "function": {"name": "now"}}, False, None)
+    assert json.loads(named.constraint.json) == empty
+    req = plan_tools([tool, WEATHER], "required", False, None)
+    assert json.loads(req.constraint.json)["items"]["anyOf"][0]["properties"]["parameters"] == empty
+
+
+def _stream_calls(http, body) -> tuple[list[tuple[str, str]], str]:
+    """(name, joined arguments) of each streamed call, and the finish_reason."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            for tc in choice["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(tc["index"], ["", ""])
+                entry[0] += (tc.get("function") or {}).get("name") or ""
+                entry[1] += (tc.get("function") or {}).get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool", NO_PARAMS, ids=["omitted", "empty"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_of_a_tool_without_parameters_gets_empty_arguments_at_once(server, tool, choice):
+    """Issue 46: the arguments were an echo of the tool's definition, or ran to max_tokens.
+    They are exactly "{}", whatever the model, in a few tokens, streamed or not."""
+    from server_utils import AUTH, MODEL, httpx
+
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "now"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What time is it?"}], "tools": [tool],
+            "tool_choice": tool_choice, "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    text = '[{"name": "now", "parameters": {}}]' if choice == "required" else "{}"
+    finish = "tool_calls" if choice == "required" else "stop"
+    with httpx.Client(base_url=server, headers=AUTH, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        ch = out["choices"][0]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in ch["message"]["tool_calls"]] == [("now", "{}")]
+        assert ch["finish_reason"] == finish and not ch["message"]["content"]
+        assert out["usage"]["completion_tokens"] <= len(text) + 1  # the forced text (and EOS), never a run to max_tokens
+        assert _stream_calls(http, body) == ([("now", "{}")], finish)

@@ -9,6 +9,8 @@
 * ``{"type": "function", "function": {"name": ...}}``: the grammar forces that function's
   arguments (its ``parameters`` schema).
 
+A function without ``parameters`` (or with ``{}``) takes none: its forced arguments are ``{}``.
+
 Every call gets an id ``chatcmpl-tool-<hex>``; a response with calls finishes with
 ``"tool_calls"``, or ``"stop"`` for a forced named function (as OpenAI and vLLM).
 """
@@ -98,7 +100,9 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
     if len(set(names)) != len(names):
         raise RequestError("tools must have distinct function names.", param="tools")
     choice = "auto" if tool_choice is None else tool_choice
-    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    # No parameters (omitted or {}): an empty parameter list, as OpenAI documents and vLLM
+    # compiles it; closed by close_objects, so the only arguments are "{}".
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}} for t in tools}
     if choice == "none":
         return ToolPlan("none", tools)
     if choice == "auto":
