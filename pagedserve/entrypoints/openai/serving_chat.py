@@ -8,7 +8,7 @@ import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.entrypoints.openai.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage, ToolMessage
 from pagedserve.entrypoints.openai.protocol_responses import (
     ChatChoiceLogProbs,
     ChatCompletionResponse,
@@ -33,7 +33,7 @@ from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
 from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
-from pagedserve.entrypoints.openai.tool_messages import tool_call_for_template, tools_template
+from pagedserve.entrypoints.openai.tool_messages import check_answers_a_call, tool_call_for_template, tools_template
 from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools, random_tool_call_id
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
@@ -97,6 +97,7 @@ class OpenAIServingChat(OpenAIServing):
                 "Start the server with --trust-request-chat-template to allow it.", param="chat_template",
             )
         conv = []
+        call_ids: set[str] = set()  # of the assistant tool calls so far: each tool message answers one
         for i, m in enumerate(messages):
             content = m.content
             if isinstance(content, list):
@@ -108,12 +109,16 @@ class OpenAIServingChat(OpenAIServing):
                 content = "\n".join(parts)
             if isinstance(content, str):
                 check_text(content, "messages")
-            msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+            role = "system" if m.role == "developer" else m.role  # as Responses: templates know system
+            msg: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
             if m.name:
                 msg["name"] = m.name
-            if m.tool_calls:
+            if isinstance(m, AssistantMessage) and m.tool_calls:
                 msg["tool_calls"] = [tool_call_for_template(c, i) for c in m.tool_calls]
-            if m.tool_call_id is not None:
+                call_ids.update(c["id"] for c in msg["tool_calls"] if isinstance(c["id"], str))
+            if isinstance(m, ToolMessage):
+                check_answers_a_call(m.tool_call_id, call_ids, f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id",
+                                     "assistant tool call")
                 msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
         server_template = self.chat_template
@@ -170,6 +175,10 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatChoiceLogProbs(content=content)
 
+    def thinking(self, req: ChatCompletionRequest, prompt: TokenizedPrompt) -> Optional[bool]:
+        """Where the answer starts (:meth:`ReasoningParser.thinking`); False without a parser."""
+        return False if self.reasoning is None else self.reasoning.thinking(prompt.token_ids, req.chat_template_kwargs)
+
     @staticmethod
     def _echo_text(req: ChatCompletionRequest, conv: list[dict]) -> str:
         if req.echo and conv and conv[-1].get("role") == "assistant":
@@ -191,10 +200,10 @@ class OpenAIServingChat(OpenAIServing):
                     choices[o.index].add(o)
         echo = "" if plan.parses_calls else self._echo_text(req, conv)  # echoed text is not a tool's arguments
         top_n = req.top_logprobs or 0
-        thinking = params._reasoning_end_token_id is not None
+        thinking = self.thinking(req, prompt)
         result = []
         for i, ch in enumerate(choices):
-            reasoning, content = self.reasoning.split("".join(ch.text)) if thinking else (None, "".join(ch.text))
+            reasoning, content = self.reasoning.split("".join(ch.text), thinking) if thinking is not False else (None, "".join(ch.text))
             message, called = self._message(plan, echo + (content or ""), req.parallel_tool_calls is False)
             if content is None and not echo and not message.tool_calls:
                 message.content = None  # it only thought (cut by max_tokens), as vLLM
@@ -232,7 +241,7 @@ class OpenAIServingChat(OpenAIServing):
         (RequestError, EngineDeadError) when the request fails after it started."""
         choices = [ChoiceState() for _ in range(params.n)]
         streams = [ToolCallStream(plan, single_call=req.parallel_tool_calls is False) for _ in range(params.n)]
-        thinking = [ReasoningStream(params._reasoning_end_token_id is not None) for _ in range(params.n)]
+        thinking = [ReasoningStream(self.thinking(req, prompt)) for _ in range(params.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         num_prompt = len(prompt.token_ids)
@@ -274,7 +283,8 @@ class OpenAIServingChat(OpenAIServing):
                     tools = streams[o.index]
                     reasoning, content = thinking[o.index].feed(o.text)
                     if o.finish_reason is not None:
-                        reasoning += thinking[o.index].finish()
+                        held = thinking[o.index].finish()
+                        reasoning, content = reasoning + held[0], content + held[1]
                     deltas = tools.feed(content) + (tools.finish() if o.finish_reason is not None else [])
                     if reasoning and req.include_reasoning:
                         deltas.insert(0, DeltaMessage(reasoning_content=reasoning, reasoning=reasoning))

@@ -30,14 +30,6 @@ _CHAT_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format
                ("response_format", "text.format"))
 
 
-def reasoning_tokens(token_ids: list[int], params: SamplingParams) -> int:
-    """Output tokens spent thinking: up to and with ``</think>`` (all of them if it never came)."""
-    end = params._reasoning_end_token_id
-    if end is None:
-        return 0
-    return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
-
-
 def _logprobs(lps: Any) -> list[dict]:
     """Chat's logprobs of a chunk in the Responses shape (``token``, ``logprob``, ``bytes``,
     ``top_logprobs``)."""
@@ -165,6 +157,10 @@ class OpenAIServingResponses:
             raise
         return chat_req, model, conv, prompt, params, plan
 
+    def _reasoning_tokens(self, chat_req: ChatCompletionRequest, prompt: TokenizedPrompt, token_ids: list[int]) -> int:
+        thinking = self.chats.thinking(chat_req, prompt)
+        return 0 if thinking is False else self.chats.reasoning.reasoning_tokens(token_ids, thinking)
+
     async def _events(self, stream: bool, req: ResponsesRequest, chat_req: ChatCompletionRequest, response_id: str, model: str,
                       conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams, plan: ToolPlan,
                       engine_id: Optional[str]) -> AsyncIterator[dict]:
@@ -186,7 +182,7 @@ class OpenAIServingResponses:
             status, incomplete = status_of(items.finish_reason)
             u = items.usage
             cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
-            usage = usage_object(u.prompt_tokens, cached, u.completion_tokens, reasoning_tokens(items.token_ids, params))
+            usage = usage_object(u.prompt_tokens, cached, u.completion_tokens, self._reasoning_tokens(chat_req, prompt, items.token_ids))
             yield items.event("response.completed" if status == "completed" else "response.incomplete",
                               response=response(status, usage=usage, incomplete=incomplete))
         except (ValueError, RuntimeError) as e:
