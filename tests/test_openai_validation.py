@@ -127,6 +127,17 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "response_format", "cannot both"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"choice": "abc"}}, "structured_outputs", "list of non-empty strings"),
     ("/v1/completions", {"prompt": "hi", "guided_json": "[" * 2000 + "]" * 2000}, "guided_json", "deeply"),
+    # Issue 46: a regex ending in a lone backslash was answered with the backslash dropped.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "\\"}}, "structured_outputs", "lone trailing backslash"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "ab\\", "stream": True}, "guided_regex", "lone trailing backslash"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "ab\\"}, "guided_regex", "lone trailing backslash"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "ab\\\\\\"}, "stream": True}, "structured_outputs", "lone trailing backslash"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "ab\\"}}}}}}, "response_format", "/properties/a/pattern"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object", "patternProperties": {"x\\": {"type": "integer"}}}}, "guided_json", "backslash"),
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": 'start: %json {"type": "string", "pattern": "ab\\\\"}'}, "guided_grammar", "backslash"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "\\"}}}}}], "tool_choice": "required", "stream": True}, "tools", "backslash"),
     # Tools: "auto" (the default with tools) needs the server flags, as in vLLM.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "--enable-auto-tool-choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice", "tools` must be set"),
@@ -193,6 +204,8 @@ def test_bad_request_is_an_openai_400_naming_the_field(app_client, path, body, p
     {"prompt": "hi", "stream_options": {}},  # an empty object is no stream option
     {"prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 0},
     {"prompt": "hi", "prompt_logprobs": 2},
+    *({"prompt": "hi", "guided_regex": rx} for rx in ("\\d+", "[a-z]+", "(ab|cd){2}", "a\\\\", "\\p{L}+", "a/b\\/")),
+    {"prompt": "hi", "guided_json": {"type": "string", "pattern": "^a\\\\$"}},
 ])
 def test_vllm_accepts_these_and_so_do_we(app_client, body):
     client, llm = app_client

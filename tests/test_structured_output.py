@@ -135,12 +135,32 @@ def test_preemption_keeps_the_grammar_state(tiny_model_factory):
     (dict(regex="(unclosed"), "regex"),
     (dict(grammar="start: undefined_rule"), "unknown name"),
     (dict(grammar="root ::= ("), "grammar"),
+    # Issue 46: llguidance drops a lone trailing backslash, which changed the constraint's meaning.
+    (dict(regex="\\"), "lone trailing backslash"),
+    (dict(regex="ab\\"), "lone trailing backslash"),
+    (dict(json={"type": "array", "items": {"type": "string", "pattern": "a\\"}}), "/items/pattern"),
+    (dict(grammar='start: "x" %json {"type": "string", "pattern": "a\\\\"}'), "backslash"),
 ])
 def test_invalid_constraints_are_refused_before_the_engine(smollm2_llm, constraint, words):
     with pytest.raises(RequestError, match=words) as e:
         smollm2_llm.generate("hi", SamplingParams(max_tokens=4, structured_outputs=Constraint(**constraint)), use_tqdm=False)
     assert e.value.param == "structured_outputs"
     assert_engine_idle(smollm2_llm)
+
+
+def test_valid_regexes_keep_their_meaning(smollm2_llm):
+    """What llguidance's regex syntax allows is still accepted, backslashes included."""
+    grammars = smollm2_llm.llm_engine.input_processor.grammars
+    tok = smollm2_llm.get_tokenizer()
+
+    def accepts(rx, text):
+        m = grammars.new_matcher(Constraint(regex=rx))
+        return all(m.consume_token(t) for t in tok(text, add_special_tokens=False)["input_ids"]) and m.is_accepting()
+
+    for rx, text in [("\\d+", "42"), ("[a-z]+", "abc"), ("(ab|cd){2}", "abcd"), ("a\\\\", "a\\"), ("\\p{L}+", "héllo"), ("a/b\\/", "a/b/")]:
+        grammars.validate(Constraint(regex=rx))
+        assert accepts(rx, text), (rx, text)
+    assert not accepts("a\\\\", "a")
 
 
 def test_constraint_shape_is_checked():

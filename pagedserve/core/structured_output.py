@@ -15,12 +15,14 @@ and each sampled token advances the matcher; a matcher that reaches the end of i
 finishes the request ("stop"). JSON grammars use fixed separators (``", "`` and ``": "``) and no
 optional whitespace between tokens, so a sampled answer cannot run away in spaces and newlines,
 and objects admit only the properties the schema names unless it says otherwise (as vLLM's
-default xgrammar backend in strict mode).
+default xgrammar backend in strict mode). A regex that ends in a lone backslash is refused here:
+llguidance would drop the backslash.
 Torch-free; llguidance is imported on first use.
 """
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -62,11 +64,63 @@ def close_objects(schema: Any) -> None:
         close_objects(schema.get(key))
 
 
+# JSON schema keywords whose values are subschemas: a map of them, or one (or a list of them).
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "additionalProperties", "contains", "propertyNames", "not",
+               "if", "then", "else", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf")
+
+
+def check_regex(rx: str, name: str) -> None:
+    """Raises ValueError when ``rx`` ends in a lone backslash: an incomplete escape, invalid in
+    every regex syntax, which llguidance's regex-to-Lark step drops silently (``ab\\`` would
+    mean ``ab``). Its Rust parser reports every other invalid pattern itself."""
+    if (len(rx) - len(rx.rstrip("\\"))) % 2:
+        end = repr(rx) if len(rx) <= 40 else f"...{rx[-40:]!r}"
+        raise ValueError(f"{name} is invalid: regex parse error: incomplete escape sequence at the end of {end} "
+                         "(a lone trailing backslash; a literal backslash is written \\\\).")
+
+
+def check_schema_regexes(schema: Any, name: str, where: str = "") -> None:
+    """``check_regex`` on every regex of a JSON schema: ``pattern``, ``patternProperties`` keys
+    and llguidance's ``x-guidance.whitespace_pattern``."""
+    if isinstance(schema, list):
+        for i, s in enumerate(schema):
+            check_schema_regexes(s, name, f"{where}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    if isinstance(schema.get("pattern"), str):
+        check_regex(schema["pattern"], f"{name} (at {where}/pattern)")
+    guidance = schema.get("x-guidance")
+    if isinstance(guidance, dict) and isinstance(guidance.get("whitespace_pattern"), str):
+        check_regex(guidance["whitespace_pattern"], f"{name} (at {where}/x-guidance/whitespace_pattern)")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for k, sub in schema[key].items():
+                if key == "patternProperties":
+                    check_regex(k, f"{name} (at {where}/patternProperties)")
+                check_schema_regexes(sub, name, f"{where}/{key}/{k}")
+    for key in _SUBSCHEMAS:
+        check_schema_regexes(schema.get(key), name, f"{where}/{key}")
+
+
+def check_grammar_regexes(grammar: str) -> None:
+    """``check_schema_regexes`` on the JSON schemas a Lark grammar embeds (``%json {...}``)."""
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r"%json\s*", grammar):
+        try:
+            schema, _ = decoder.raw_decode(grammar, m.end())
+        except ValueError:
+            continue  # not JSON: llguidance refuses it
+        check_schema_regexes(schema, "structured_outputs.grammar")
+
+
 def grammar_spec(so: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON text) of one constraint.
 
     Raises:
-        ValueError: the JSON schema is not JSON, or a GBNF grammar cannot be converted (other
+        ValueError: the JSON schema is not JSON, a regex (alone, in a schema or in a grammar's
+            ``%json``) ends in a lone backslash, or a GBNF grammar cannot be converted (other
             errors show when the grammar is compiled, see ``validate``).
     """
     import llguidance
@@ -80,6 +134,7 @@ def grammar_spec(so: StructuredOutputsParams) -> str:
                 schema = json.loads(so.json)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+                check_schema_regexes(schema, "structured_outputs.json")
                 close_objects(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
@@ -89,11 +144,17 @@ def grammar_spec(so: StructuredOutputsParams) -> str:
             schema = {**schema, "x-guidance": JSON_LAYOUT}
         return llguidance.grammar_from("json_schema", json.dumps(schema))
     if kind == "regex":
+        check_regex(so.regex, "structured_outputs.regex")
         return llguidance.grammar_from("regex", so.regex)
     if kind == "choice":
         return llguidance.grammar_from("choice", json.dumps(so.choice))
     try:  # Lark syntax (llguidance's), or GBNF (llama.cpp's), which llguidance converts
+        check_grammar_regexes(so.grammar)
         return llguidance.grammar_from("grammar", so.grammar)
+    except ValueError as e:
+        if str(e).startswith("structured_outputs.grammar"):  # check_grammar_regexes
+            raise
+        raise ValueError(f"structured_outputs.grammar could not be read: {e}") from None
     except Exception as e:  # the GBNF converter raises its own error types
         raise ValueError(f"structured_outputs.grammar could not be read: {e}") from None
 
