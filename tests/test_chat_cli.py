@@ -8,8 +8,13 @@ import os
 import subprocess
 import sys
 
+try:
+    import httpx
+except ImportError:  # some environments ship only httpx2 (as server_utils)
+    import httpx2 as httpx
+
 from pagedserve.entrypoints.chat_cli import run_chat
-from server_utils import API_KEY
+from server_utils import API_KEY, AUTH, MODEL
 
 
 class ScriptedBackend:
@@ -57,8 +62,12 @@ def test_local_chat_has_no_log_lines_in_the_conversation(tiny_model_factory):
 
 
 def test_chat_with_a_running_server(server):
-    r = _run(["--url", server + "/v1", "--api-key", API_KEY, "--max-tokens", "8"], "What is the capital of France?\n/exit\n", timeout=120)
+    """The CLI prints the server's answer to the same request (greedy), whatever the model writes."""
+    question = "What is the capital of France?"
+    r = _run(["--url", server + "/v1", "--api-key", API_KEY, "--max-tokens", "8"], question + "\n/exit\n", timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "Paris" in r.stdout
+    body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0.0}
+    want = httpx.post(server + "/v1/chat/completions", headers=AUTH, json=body, timeout=120).json()["choices"][0]["message"]["content"]
+    assert want.strip() and r.stdout == f"> {want}\n> ", (r.stdout, want)  # input()'s prompts, the answer, /exit
     r = _run(["--url", "http://127.0.0.1:9"], "hi\n", timeout=60)  # nothing listens there
     assert r.returncode == 2 and "no OpenAI-compatible server" in r.stderr

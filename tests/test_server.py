@@ -237,11 +237,18 @@ def test_auth(server):
     assert httpx.get(server + "/v1/models", headers={"authorization": f"bearer {key}"}).status_code == 200
 
 
-def test_completion(server, client):
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+def test_completion(server, client, smollm2_llm):
+    from pagedserve import SamplingParams
+
+    # The server answers what the offline engine (float32 too) answers, whatever the model writes on this host.
+    prompt = "The capital of France is"
+    want = smollm2_llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
     c = r.choices[0]
-    assert "Paris" in c.text and c.finish_reason == "length"
-    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8 and r.usage.total_tokens == 13
+    assert (c.text, c.model_extra["token_ids"], c.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    n = len(want.token_ids)
+    assert c.text and c.finish_reason == ("length" if n == 8 else "stop")
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == n and r.usage.total_tokens == 5 + n
     assert r.object == "text_completion" and r.model == MODEL
 
     # n=2 with a seed: two different samples, reproducible.
@@ -344,18 +351,28 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server, smollm2_ll
 
 
 def test_stop_strings_and_stop_reason(client):
-    base = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0).choices[0].text
-    assert " Paris." in base
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["."])
-    c = r.choices[0]
-    assert c.text == base[: base.index(".")] and c.finish_reason == "stop" and c.model_extra["stop_reason"] == "."
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop="is",
-                                  extra_body={"include_stop_str_in_output": True})
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].text.endswith("is")
-    # stop token id: "." token of " Paris."
-    dot = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), headers=AUTH, json={"prompt": ".", "add_special_tokens": False}).json()["tokens"][0]
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, extra_body={"stop_token_ids": [dot]})
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == dot
+    """Stop strings and stop token ids taken from the greedy answer's own tokens (whatever the
+    model writes on this host), so each one is known to occur before max_tokens."""
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    ext = {"ignore_eos": True}  # always 8 tokens to cut
+    b = client.completions.create(**kw, logprobs=0, extra_body={**ext, "return_token_ids": True}).choices[0]
+    base, ids, pieces = b.text, b.model_extra["token_ids"], b.logprobs.tokens
+    assert len(ids) == len(pieces) == 8 and b.finish_reason == "length" and len(base) >= 5, (base, pieces)
+    # A stop string: the text of one of the answer's tokens past the first two; the text ends where it first occurs.
+    stop = next((p.strip() for p in pieces[2:] if p.strip() and p.strip() in base), None)
+    assert stop and stop in base, pieces
+    c = client.completions.create(**kw, stop=[stop], extra_body=ext).choices[0]
+    assert c.text == base[: base.index(stop)] and c.finish_reason == "stop" and c.model_extra["stop_reason"] == stop, (c.text, base, stop)
+    # include_stop_str_in_output keeps it (a span of the answer that can lie across tokens).
+    span = base[2:5]
+    c = client.completions.create(**kw, stop=span, extra_body={**ext, "include_stop_str_in_output": True}).choices[0]
+    assert c.text == base[: base.index(span) + len(span)] and c.finish_reason == "stop" and c.model_extra["stop_reason"] == span
+    # A stop token id: the answer's fourth token; the answer ends with its first occurrence.
+    stop_id = ids[3]
+    cut = ids.index(stop_id) + 1
+    c = client.completions.create(**kw, extra_body={**ext, "stop_token_ids": [stop_id], "return_token_ids": True}).choices[0]
+    assert c.model_extra["token_ids"] == ids[:cut] and base.startswith(c.text)
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == stop_id
 
 
 def test_completion_logprobs(client):
@@ -369,12 +386,16 @@ def test_completion_logprobs(client):
         assert abs(max(top.values()) - p) < 1e-4  # greedy: the sampled token is the most likely
 
 
-def test_chat(server, client):
+def test_chat(server, client, smollm2_llm):
+    from pagedserve import SamplingParams
+
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
     c = full.choices[0]
-    assert c.message.role == "assistant" and "Paris" in c.message.content
-    assert full.usage.completion_tokens <= 16 and c.finish_reason in ("stop", "length")
+    # The offline engine's answer through the same chat template, whatever the model writes on this host.
+    want = smollm2_llm.chat(msgs, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert c.message.role == "assistant" and c.message.content and (c.message.content, c.finish_reason) == (want.text, want.finish_reason)
+    assert full.usage.completion_tokens == len(want.token_ids) <= 16 and c.finish_reason in ("stop", "length")
     assert full.object == "chat.completion"
 
     # logprobs: content list of {token, logprob, bytes, top_logprobs}

@@ -3,6 +3,8 @@
 end to end."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -63,17 +65,26 @@ def test_frontend_tokenizes_both_spellings_and_refuses_what_leaves_nothing(smoll
 
 
 def test_smollm2_never_generates_a_bad_word(smollm2_llm):
+    """Ban a word the model writes greedily (taken from its own answer, whatever it says on this
+    host): neither spelling's tokens appear under the ban, greedy or sampled."""
     prompt = "The capital of France is"
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     first = smollm2_llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
-    assert "Paris" in first.text  # the word the test bans
-    spellings = smollm2_llm.llm_engine.input_processor.bad_words_token_ids(["Paris"])
-    for params in (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, bad_words=["Paris"]),
-                   SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, bad_words=["Paris"], n=2)):
+    ids = list(first.token_ids)
+
+    def contains(ids, w):
+        return any(ids[i:i + len(w)] == w for i in range(len(ids)))
+
+    ip = smollm2_llm.llm_engine.input_processor
+    # The first whole word (3+ letters) whose tokens, as either spelling, are in the greedy answer's ids.
+    candidates = [(m.group(), ip.bad_words_token_ids([m.group()])) for m in re.finditer(r"\b[A-Za-z]{3,}\b", first.text)]
+    word, spellings = next(((w, sp) for w, sp in candidates if any(contains(ids, s) for s in sp)), (None, None))
+    assert word is not None, (first.text, ids)  # the word the test bans is in the unbanned answer
+    for params in (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, bad_words=[word]),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, bad_words=[word], n=2)):
         for out in smollm2_llm.generate(prompt, params, use_tqdm=False)[0].outputs:
-            ids = list(out.token_ids)
             for w in spellings:
-                assert not any(ids[i:i + len(w)] == w for i in range(len(ids))), (w, out.text)
+                assert not contains(list(out.token_ids), w), (word, w, out.text)
     assert_engine_idle(smollm2_llm)
 
 
