@@ -392,9 +392,26 @@ def test_engine_greedy_output_unchanged(plain_bf16):
         stats = llm.llm_engine.get_stats()
         assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0  # 24 blocks: preempts
         # A stop string inside a step's accepted drafts: the ids end where they end one at a time.
-        stop = SamplingParams(temperature=0, max_tokens=80, stop=[" Sunday, Monday, Tuesday"], logprobs=1)
+        # It is cut from the drafted answer itself (what the model writes differs with the host's
+        # bf16 rounding): it ends with the first token of a step that accepted drafts.
+        free = llm.chat(DAYS, SamplingParams(temperature=0, max_tokens=80), use_tqdm=False)[0]
+        ids, text = free.outputs[0].token_ids, free.outputs[0].text
+        steps = [e for rec in llm.get_step_trace() for e in rec["scheduled"] if e["request_id"] == free.request_id and e["phase"] == "decode"]
+        num_prompt = len(free.prompt_token_ids)
+        # A decode step that starts with b tokens cached emits output tokens b - P + 1 .. b' - P (b' the next step's).
+        firsts = [a["num_computed_tokens"] - num_prompt + 1 for a, b in zip(steps, steps[1:])
+                  if a.get("num_draft_tokens") and b["num_computed_tokens"] - a["num_computed_tokens"] >= 2]
+        assert firsts, "no step accepted a draft: pick a more repetitive prompt"
+        t = firsts[0]
+        end = len(llm.get_tokenizer().decode(ids[: t + 1], skip_special_tokens=True))
+        assert 0 < end < len(text), (t, text)
+        # The shortest string ending there that occurs nowhere earlier in the answer.
+        k = next(k for k in range(1, end + 1) if text[end - k : end].strip() and text.find(text[end - k : end]) == end - k)
+        stop_str = text[end - k : end]
+        stop = SamplingParams(temperature=0, max_tokens=80, stop=[stop_str], logprobs=1)
         ref, got = (e.chat(DAYS, stop, use_tqdm=False)[0].outputs[0] for e in (plain_bf16, llm))
         assert ref.finish_reason == got.finish_reason == "stop" and got.text == ref.text and got.token_ids == ref.token_ids
+        assert got.token_ids == ids[: t + 1] and got.text == text[: end - k], (stop_str, got.text, text)
         assert [list(e) for e in got.logprobs] == [list(e) for e in ref.logprobs]  # and their logprobs
         assert got.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
         assert_engine_idle(llm)
