@@ -139,3 +139,36 @@ def test_params_checks():
         with pytest.raises(kvp.KVParamsError):
             kvp.check_params(bad, 4, ["127.0.0.1"])
     assert kvp.check_params({**good, "remote_host": "example.com"}, 4, None)  # "*" allows any host
+
+
+def test_a_peer_down_is_one_engine_not_its_address():
+    """After a load from a producer timed out, loads from that producer fail at once for
+    ``peer_down_s``; a producer restarted on the same address (a new engine id) is tried."""
+    import torch
+
+    from pagedserve.distributed.kv_transfer.base import LoadSpec
+    from pagedserve.distributed.kv_transfer.consumer import KVLoader
+    from pagedserve.distributed.kv_transfer.wire import kv_layout
+
+    loader = KVLoader(torch.zeros(2, 2, 4, 2, 16, 8), kv_layout("m", "float32", 16, 2, 2, 8, b"s"), timeout_s=1.0, peer_down_s=60)
+    port = _free_port()  # nobody answers there: a producer that died
+
+    def load(rid: str, engine: str) -> tuple[str, float]:
+        t0 = time.monotonic()
+        loader.submit(LoadSpec(rid, engine, "127.0.0.1", port, "t-" + rid, [0], [b"\0" * 16], [0], [0], 16))
+        deadline = t0 + 10
+        while True:
+            _, failed, *_ = loader.take_finished()
+            if rid in failed:
+                return failed[rid], time.monotonic() - t0
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    try:
+        assert load("r1", "old")[0] == "timeout"
+        reason, took = load("r2", "old")
+        assert reason == "peer_down" and took < 0.9
+        reason, took = load("r3", "new")  # the same address, another engine: tried again (and times out)
+        assert reason == "timeout" and took >= 0.9
+    finally:
+        loader.shutdown()

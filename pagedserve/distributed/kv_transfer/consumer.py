@@ -49,7 +49,9 @@ class KVLoader:
         self.ctx = zmq.Context()
         self.pool = ThreadPoolExecutor(MAX_PARALLEL_LOADS, thread_name_prefix="pagedserve-kv-load")
         self.release_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-kv-release")  # never delays a load
-        self._down_until: dict[tuple[str, int], float] = {}
+        # (host, port, engine id) -> until when loads from it fail at once. The engine id is part
+        # of the key: a prefill instance restarted on the same address (a new id) is used at once.
+        self._down_until: dict[tuple[str, int, str], float] = {}
         self.peer_down_s = peer_down_s
         self._lock = threading.Lock()
         self._active: set[str] = set()
@@ -89,9 +91,9 @@ class KVLoader:
         self.ctx.term()
 
     # -- the loads ---------------------------------------------------------------------------
-    def _peer_down(self, host: str, port: int) -> bool:
+    def _peer_down(self, spec: LoadSpec | ReleaseSpec) -> bool:
         with self._lock:
-            return self._down_until.get((host, port), 0.0) > time.monotonic()
+            return self._down_until.get((spec.host, spec.port, spec.engine_id), 0.0) > time.monotonic()
 
     def _socket(self, host: str, port: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -112,7 +114,7 @@ class KVLoader:
         t0 = time.monotonic()
         sock = self._socket(spec.host, spec.port)
         try:
-            if self._peer_down(spec.host, spec.port):
+            if self._peer_down(spec):
                 raise _Fail("peer_down", f"{spec.host}:{spec.port} timed out less than {self.peer_down_s:g} s ago")
             self._pull(sock, spec)
             dt = time.monotonic() - t0
@@ -124,7 +126,9 @@ class KVLoader:
             reason = e.reason if isinstance(e, _Fail) else "error"
             if reason == "timeout":
                 with self._lock:
-                    self._down_until[(spec.host, spec.port)] = time.monotonic() + self.peer_down_s
+                    now = time.monotonic()
+                    self._down_until = {k: t for k, t in self._down_until.items() if t > now}  # restarted peers' old ids
+                    self._down_until[(spec.host, spec.port, spec.engine_id)] = now + self.peer_down_s
             if reason != "aborted":
                 logger.warning("pagedserve: KV load for %s from %s:%d failed: %s", spec.req_id, spec.host, spec.port, e)
             with self._lock:
@@ -132,7 +136,7 @@ class KVLoader:
                 self._failures[reason] += 1
         finally:
             try:  # the producer may free its hold now, whatever happened
-                if not self._closed and not self._peer_down(spec.host, spec.port):
+                if not self._closed and not self._peer_down(spec):
                     self._ask(sock, ["done", spec.transfer_id], time.monotonic() + min(RELEASE_TIMEOUT_S, self.timeout_ms / 1000))
             except Exception:
                 pass
@@ -177,7 +181,7 @@ class KVLoader:
             self.kv[:, :, local] = data.movedim(0, 2).to(self.kv.device)
 
     def _release(self, spec: ReleaseSpec) -> None:
-        if self._closed or self._peer_down(spec.host, spec.port):
+        if self._closed or self._peer_down(spec):
             return  # its lease frees it
         sock = self._socket(spec.host, spec.port)
         try:
