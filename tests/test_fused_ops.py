@@ -134,7 +134,7 @@ def test_fused_forward_checks_positions_and_slots(tiny_model_factory):
     from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 
     if not cpu_kernels.prefill_kernel_preferred(torch.bfloat16, 4, 2, 64):
-        pytest.skip("the fused RoPE path needs the bf16 kernel fast path (AVX512-BF16)")
+        pytest.skip("the fused RoPE path needs the bf16 kernel fast path (AVX512-BF16, or AVX2 + FMA without AVX-512)")
     llm = LLM(tiny_model_factory("llama", head_dim=64), dtype="bfloat16", num_kv_blocks=8, max_model_len=64)
     model = llm.llm_engine.core.worker.model_runner.model
     kv = llm.llm_engine.core.worker.model_runner.kv_caches

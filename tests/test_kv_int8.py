@@ -195,7 +195,7 @@ def test_smollm2_int8_cache_stays_close_to_bf16_on_real_text(smollm2_dir):
     from transformers import AutoTokenizer
 
     if not cpu_kernels.prefill_kernel_preferred(torch.bfloat16, 9, 3, 64):
-        pytest.skip("no AVX512-BF16: bf16 SmolLM2 would be too slow here")
+        pytest.skip("no vectorised bf16 attention (AVX512-BF16, or AVX2 + FMA without AVX-512): bf16 SmolLM2 would be too slow here")
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     ids = tok("\n".join(pydoc_data.topics.topics.values())[:60_000])["input_ids"]
     prompts = [ids[i * 997: i * 997 + 200] for i in range(8)]
