@@ -61,6 +61,10 @@ def app_client(smollm2_dir):
         yield client, llm
 
 
+USER = {"role": "user", "content": "Weather in Paris?"}
+CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+
 BAD_REQUESTS = [
     # (path, body, expected param, words in message)
     ("/v1/completions", b'{"prompt": "hi", ', None, "JSON"),
@@ -179,6 +183,33 @@ BAD_REQUESTS = [
     # Found by the issue-10 review: a value that cannot travel to the engine-core process.
     ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k", "2**63"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**70, "stream": True}, "top_k", "2**63"),
+    # Issue 46: tool results that answer no call, and loose types, were answered 200 (OpenAI: 400).
+    ("/v1/chat/completions", {"messages": [USER, CALL, {"role": "tool", "content": "21 C"}]}, "messages[2].tool_call_id", "field required"),
+    ("/v1/chat/completions", {"messages": [USER, CALL, {"role": "tool", "tool_call_id": "call_2", "content": "21 C"}]},
+     "messages[2].tool_call_id", "no assistant tool call with id 'call_2'"),
+    ("/v1/chat/completions", {"messages": [USER, {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]},
+     "messages[1].tool_call_id", "no assistant tool call comes before"),
+    ("/v1/chat/completions", {"messages": [USER, {"role": "assistant", "content": "ok"}, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+     "messages[2].tool_call_id", "no assistant tool call comes before"),
+    ("/tokenize", {"messages": [USER, {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]}, "messages[1].tool_call_id", "comes before"),
+    ("/v1/chat/completions", {"messages": [USER], "stream": "yes"}, "stream", "valid boolean"),
+    ("/v1/chat/completions", {"messages": [USER], "max_tokens": True}, "max_tokens", "valid integer"),
+    ("/v1/chat/completions", {"messages": [USER], "logprobs": 1}, "logprobs", "valid boolean"),
+    ("/v1/chat/completions", {"messages": [USER], "n": 2.0}, "n", "valid integer"),
+    ("/v1/completions", {"prompt": "hi", "echo": "true"}, "echo", "valid boolean"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", "valid integer"),
+    ("/v1/completions", {"prompt": [True, 5]}, "prompt[0]", "valid integer"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": "no"}}, "stream_options.include_usage", "valid boolean"),
+    ("/v1/responses", {"input": "hi", "stream": "yes"}, "stream", "valid boolean"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": False}, "max_output_tokens", "valid integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "'wizard'"),
+    ("/v1/chat/completions", {"messages": [USER, {"role": "function", "name": "f", "content": "1"}]}, "messages[1].role", "'function'"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role", "role"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "'wizard'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content", "field required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content", "valid string"),
+    ("/v1/chat/completions", {"messages": [USER, {"role": "assistant"}]}, "messages[1].content", "content or tool_calls"),
+    ("/v1/chat/completions", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": []}]}, "messages[1].content", "content or tool_calls"),
 ]
 
 
@@ -216,6 +247,34 @@ def test_vllm_accepts_these_and_so_do_we(app_client, body):
         pass
     assert len(llm.reached_engine) == before + 1
     llm.reached_engine.pop()
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [USER, CALL, {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]},  # a tool round trip
+    {"messages": [USER, {k: v for k, v in CALL.items() if k != "content"}, {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+                  {"role": "user", "content": "And tomorrow?"}]},  # no content key beside tool_calls
+    {"messages": [{"role": "developer", "content": "Be brief."}, USER], "temperature": 1, "top_p": 1, "stream": True},
+    {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, USER, {"role": "assistant", "content": "Sunny."}],
+     "continue_final_message": True, "add_generation_prompt": False, "n": None, "max_tokens": None},
+])
+def test_valid_chat_requests_reach_the_engine(app_client, body):
+    client, llm = app_client
+    before = len(llm.reached_engine)
+    try:
+        r = client.post("/v1/chat/completions", json=body)
+    except AssertionError as e:  # the stub refuses to generate once the request got there
+        assert "reached the engine" in str(e)
+    else:
+        assert r.status_code == 200 and body.get("stream"), r.text  # a stream's failure comes as an event
+    assert len(llm.reached_engine) == before + 1
+    llm.reached_engine.pop()
+
+
+def test_developer_messages_render_as_system(app_client):
+    client, _ = app_client
+    ids = [client.post("/tokenize", json={"messages": [{"role": role, "content": "Be brief."}, USER]}).json()["tokens"]
+           for role in ("developer", "system")]
+    assert ids[0] == ids[1]
 
 
 @pytest.mark.parametrize("path, body", [

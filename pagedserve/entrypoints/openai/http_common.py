@@ -197,6 +197,19 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499)
 
 
+def field_path(loc: list, body: Any) -> str:
+    """OpenAI's name of the field at a pydantic error's ``loc`` (``messages[2].tool_call_id``),
+    found by walking the request body: parts that do not lead into it (a union member's tag, such
+    as ``str`` or a message's role) are left out."""
+    path, node = "", body
+    for k, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            path, node = f"{path}[{part}]", node[part]
+        elif isinstance(part, str) and isinstance(node, dict) and (part in node or k == len(loc) - 1):
+            path, node = f"{path}.{part}" if path else part, node.get(part)
+    return path
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error becomes ``{"error": {"message", "type", "param", "code"}}``: invalid input
     400, unknown model or route 404, a dead engine 503, a bug 500."""
@@ -206,13 +219,14 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         parts, param = [], None
         for e in errors:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
             if e.get("type") == "json_invalid":
                 parts.append(f"Invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
                 continue
-            where = ".".join(loc)
-            if param is None and loc:
-                param = loc[0]
+            where = field_path([x for x in e.get("loc", ()) if x != "body"], exc.body)
+            if e.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # a message's role
+                where += "." + str(e.get("ctx", {}).get("discriminator", "")).strip("'")
+            if param is None and where:
+                param = where
             parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
         return error_response("; ".join(parts) or "Invalid request.", 400, "BadRequestError", param)
 

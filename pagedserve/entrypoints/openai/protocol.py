@@ -1,15 +1,16 @@
 """Request shapes of the OpenAI-compatible API (pydantic), after vLLM's
 ``vllm/entrypoints/openai/protocol.py``; the responses are in :mod:`.protocol_responses`.
 
-Unknown request fields are accepted and ignored, as vLLM does. Ranges are checked where
+Unknown request fields are accepted and ignored, as vLLM does. Booleans and integers are strict
+(``"stream": "yes"`` or ``"max_tokens": true`` is a 400, as OpenAI); floats take integers. Ranges are checked where
 :class:`SamplingParams` is built (``to_sampling_params``), so every endpoint reports the same
 ``ValueError`` message naming the field.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator, model_validator
 
 from pagedserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -21,10 +22,11 @@ class OpenAIBaseModel(BaseModel):
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         """OpenAI's schema lets optional fields be null: null then means the field's default
-        (``"n": null`` is ``n = 1``), field by field."""
+        (``"n": null`` is ``n = 1``), field by field. A required field's null is refused."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items() if not (v is None and k in fields and fields[k].default is not None)}
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)}
         return data
 
 
@@ -42,28 +44,28 @@ class ErrorResponse(BaseModel):
 
 # -- shared pieces ----------------------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = True
-    continuous_usage_stats: Optional[bool] = False
+    include_usage: Optional[StrictBool] = True
+    continuous_usage_stats: Optional[StrictBool] = False
 
 
 class SamplingExtras(OpenAIBaseModel):
     """Sampling and scheduling fields of vLLM's (and OpenAI's older) APIs that every generating
     endpoint takes: completions, chat completions and Responses."""
 
-    top_k: Optional[int] = None
+    top_k: Optional[StrictInt] = None
     min_p: Optional[float] = None
-    seed: Optional[int] = None
+    seed: Optional[StrictInt] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    stop_token_ids: Optional[list[StrictInt]] = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     cache_salt: Optional[str] = None
     timeout: Optional[float] = None  # seconds: past it the request ends with finish_reason "timeout"
-    priority: int = 0  # vLLM's: with --scheduling-policy priority, smaller runs first
+    priority: StrictInt = 0  # vLLM's: with --scheduling-policy priority, smaller runs first
 
 
 class _SamplingFields(SamplingExtras):
@@ -71,20 +73,20 @@ class _SamplingFields(SamplingExtras):
 
     model: Optional[str] = None
     request_id: Optional[str] = None  # vLLM's: the response's id after its prefix (X-Request-Id wins)
-    n: int = 1
+    n: StrictInt = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: Optional[int] = None  # vLLM's: the top-k logprobs of every prompt position
-    return_tokens_as_token_ids: Optional[bool] = None  # vLLM's: logprob tokens as "token_id:<id>"
-    return_token_ids: Optional[bool] = None  # vLLM's: prompt and generated token ids beside the text
-    truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
-    allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    prompt_logprobs: Optional[StrictInt] = None  # vLLM's: the top-k logprobs of every prompt position
+    return_tokens_as_token_ids: Optional[StrictBool] = None  # vLLM's: logprob tokens as "token_id:<id>"
+    return_token_ids: Optional[StrictBool] = None  # vLLM's: prompt and generated token ids beside the text
+    truncate_prompt_tokens: Optional[StrictInt] = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM's: sample only among these
     bad_words: Optional[list[str]] = None  # vLLM's: words never generated
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (vLLM's field)
-    stream: Optional[bool] = False
+    stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older
@@ -186,13 +188,13 @@ class _SamplingFields(SamplingExtras):
 
 # -- /v1/completions --------------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
-    prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: Optional[int] = 16  # as OpenAI's legacy API and vLLM
-    logprobs: Optional[int] = None
-    echo: bool = False
+    prompt: Union[list[StrictInt], list[list[StrictInt]], str, list[str]]
+    max_tokens: Optional[StrictInt] = 16  # as OpenAI's legacy API and vLLM
+    logprobs: Optional[StrictInt] = None
+    echo: StrictBool = False
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
-    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
+    best_of: Optional[StrictInt] = None
+    add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
 
     def to_sampling_params(self, max_tokens: int, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.suffix:
@@ -212,30 +214,64 @@ class CompletionRequest(_SamplingFields):
 
 
 # -- /v1/chat/completions ---------------------------------------------------------------------
-class ChatMessage(OpenAIBaseModel):
-    role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+# A message's content: a string or a list of {"type": "text", "text": ...} parts.
+MessageContent = Union[str, list[dict[str, Any]]]
+
+
+class SystemMessage(OpenAIBaseModel):
+    role: Literal["system", "developer"]  # developer: OpenAI's newer name, rendered as system
+    content: MessageContent
     name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn that called tools
-    tool_call_id: Optional[str] = None  # a "tool" turn: the call it answers
+
+
+class UserMessage(OpenAIBaseModel):
+    role: Literal["user"]
+    content: MessageContent
+    name: Optional[str] = None
+
+
+class AssistantMessage(OpenAIBaseModel):
+    role: Literal["assistant"]
+    tool_calls: Optional[list[dict[str, Any]]] = None  # the tools it called
+    content: Optional[MessageContent] = Field(default=None, validate_default=True)  # null only with tool_calls
+    name: Optional[str] = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None and not info.data.get("tool_calls"):
+            raise ValueError("an assistant message needs content or tool_calls")
+        return content
+
+
+class ToolMessage(OpenAIBaseModel):
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str  # the assistant's call it answers
+    name: Optional[str] = None
+
+
+# The roles chat templates render (OpenAI's deprecated "function" role is not one): a 400
+# names ``messages[i].role``.
+ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    echo: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    max_tokens: Optional[StrictInt] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[StrictInt] = None
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = None
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    add_special_tokens: bool = False  # vLLM's: the template already places the special tokens
+    add_special_tokens: StrictBool = False  # vLLM's: the template already places the special tokens
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
-    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, false drops reasoning_content
+    parallel_tool_calls: Optional[StrictBool] = None
+    include_reasoning: StrictBool = True  # vLLM's: with --reasoning-parser, false drops reasoning_content
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -258,15 +294,15 @@ class TokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: Optional[bool] = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: Optional[StrictBool] = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[StrictInt]

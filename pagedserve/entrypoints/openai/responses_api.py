@@ -16,11 +16,12 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-from pydantic import ValidationError
+from pydantic import StrictBool, StrictInt, ValidationError
 
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingExtras
 from pagedserve.entrypoints.openai.serving_common import check_extra_fields, log_ignored
+from pagedserve.entrypoints.openai.tool_messages import check_answers_a_call
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields that keep their meaning from the Responses request to the chat one.
@@ -43,20 +44,20 @@ class ResponsesRequest(SamplingExtras):  # vLLM's sampling extras, as on chat co
     input: Optional[Union[str, list[dict[str, Any]]]] = None
     model: Optional[str] = None
     instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
+    max_output_tokens: Optional[StrictInt] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     text: Optional[dict[str, Any]] = None
-    stream: bool = False
+    stream: StrictBool = False
     metadata: Optional[dict[str, str]] = None
     include: Optional[list[str]] = None  # "message.output_text.logprobs": logprobs of the text
-    top_logprobs: Optional[int] = None  # with those logprobs: the k most likely tokens at each position
-    store: Optional[bool] = None  # nothing is stored; logged once when true
+    top_logprobs: Optional[StrictInt] = None  # with those logprobs: the k most likely tokens at each position
+    store: Optional[StrictBool] = None  # nothing is stored; logged once when true
     previous_response_id: Optional[str] = None
-    background: Optional[bool] = None
+    background: Optional[StrictBool] = None
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None  # a stored prompt template's id
     reasoning: Optional[dict[str, Any]] = None
@@ -125,8 +126,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise _refuse(where, "a function_call_output needs call_id and output.")
-            if item["call_id"] not in call_ids:
-                raise _refuse(f"{where}.call_id", f"no function_call with call_id {item['call_id']!r} comes before it.")
+            check_answers_a_call(item["call_id"], call_ids, f"{where}.call_id", "input", "function_call")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output, f"{where}.output")})
         elif kind != "reasoning":
             raise _refuse(f"{where}.type", f"{kind!r} is not supported (message, function_call, function_call_output, reasoning).")

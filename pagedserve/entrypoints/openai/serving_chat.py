@@ -8,7 +8,7 @@ import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.entrypoints.openai.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage, ToolMessage
 from pagedserve.entrypoints.openai.protocol_responses import (
     ChatChoiceLogProbs,
     ChatCompletionResponse,
@@ -33,7 +33,7 @@ from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
 from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
-from pagedserve.entrypoints.openai.tool_messages import tool_call_for_template, tools_template
+from pagedserve.entrypoints.openai.tool_messages import check_answers_a_call, tool_call_for_template, tools_template
 from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools, random_tool_call_id
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
@@ -97,6 +97,7 @@ class OpenAIServingChat(OpenAIServing):
                 "Start the server with --trust-request-chat-template to allow it.", param="chat_template",
             )
         conv = []
+        call_ids: set[str] = set()  # of the assistant tool calls so far: each tool message answers one
         for i, m in enumerate(messages):
             content = m.content
             if isinstance(content, list):
@@ -108,12 +109,16 @@ class OpenAIServingChat(OpenAIServing):
                 content = "\n".join(parts)
             if isinstance(content, str):
                 check_text(content, "messages")
-            msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+            role = "system" if m.role == "developer" else m.role  # as Responses: templates know system
+            msg: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
             if m.name:
                 msg["name"] = m.name
-            if m.tool_calls:
+            if isinstance(m, AssistantMessage) and m.tool_calls:
                 msg["tool_calls"] = [tool_call_for_template(c, i) for c in m.tool_calls]
-            if m.tool_call_id is not None:
+                call_ids.update(c["id"] for c in msg["tool_calls"] if isinstance(c["id"], str))
+            if isinstance(m, ToolMessage):
+                check_answers_a_call(m.tool_call_id, call_ids, f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id",
+                                     "assistant tool call")
                 msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
         server_template = self.chat_template

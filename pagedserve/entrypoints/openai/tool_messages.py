@@ -24,6 +24,21 @@ def tool_call_for_template(call: Any, i: int) -> dict:
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
+def check_answers_a_call(call_id: str, call_ids: set[str], field: str, param: str, call: str) -> None:
+    """A tool result must answer a call made before it (OpenAI's 400): ``call_ids`` holds the ids
+    of the calls so far, ``field`` names the result's id in the message, ``call`` what a call is
+    called in this API.
+
+    Raises:
+        RequestError: naming ``field``, with ``param``.
+    """
+    if call_id in call_ids:
+        return
+    if not call_ids:
+        raise RequestError(f"{field}: no {call} comes before this tool result.", param=param)
+    raise RequestError(f"{field}: no {call} with id {call_id!r} comes before it.", param=param)
+
+
 @lru_cache(maxsize=1)
 def tools_template() -> str:
     """ChatML with Hermes tool calls (``templates/chatml_hermes_tools.jinja``), used when tools are
