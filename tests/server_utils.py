@@ -102,12 +102,12 @@ def wait_idle(base: str, timeout: float = 20.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
-def start_tiny_server(model: str, tmp_path, *args: str, new_session: bool = False):
-    """``pagedserve serve MODEL`` on a free loopback port (float32, one thread, no API key) with
+def start_tiny_server(model: str, tmp_path, *args: str, new_session: bool = False, port: int | None = None):
+    """``pagedserve serve MODEL`` on a free loopback port (or ``port``; float32, one thread, no API key) with
     its output in ``tmp_path/server.log``, once ``/health`` answers 200. Returns
     ``(proc, base_url, log_path)``; the caller stops ``proc`` (by pid, or its process group
     with ``new_session``)."""
-    port = _free_port()
+    port = port or _free_port()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env.pop("PAGEDSERVE_API_KEY", None)
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
