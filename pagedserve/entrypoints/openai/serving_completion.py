@@ -20,7 +20,7 @@ from pagedserve.entrypoints.openai.protocol_responses import (
 from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
-from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
+from pagedserve.entrypoints.openai.token_strings import TokenPieces, finite_logprob, prompt_logprobs_json
 from pagedserve.engine.input_processor import RequestError
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
@@ -77,18 +77,23 @@ class OpenAIServingCompletion(OpenAIServing):
             self.input_processor.check_token_ids(out[-1].token_ids)
         return out
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], ch: ChoiceState, name) -> CompletionLogProbs:
-        """OpenAI's legacy logprobs of ``token_ids``, tokens named by ``name`` (``token_name``);
-        an entry None (an echoed prompt's first token) has a null logprob and top_logprobs."""
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], pieces: list[str],
+                             ch: ChoiceState, req: CompletionRequest) -> CompletionLogProbs:
+        """OpenAI's legacy logprobs of ``token_ids``, each token named by its piece of the text
+        (:class:`TokenPieces`: they join to the text, ``text_offset`` indexes it) or with
+        ``return_tokens_as_token_ids`` by id; top_logprobs name the others by their own text.
+        An entry None (an echoed prompt's first token) has a null logprob and top_logprobs."""
         out = CompletionLogProbs()
-        for tid, entry in zip(token_ids, logprobs):
-            tok = name(tid)
+        name = self.token_name(req)
+        for tid, entry, piece in zip(token_ids, logprobs, pieces):
+            tok = name(tid) if req.return_tokens_as_token_ids else piece
             lp = entry.get(tid) if entry is not None else None
             out.tokens.append(tok)
             out.token_logprobs.append(finite_logprob(lp.logprob) if lp is not None else None)
-            out.top_logprobs.append({name(t): finite_logprob(v.logprob) for t, v in entry.items()} if entry is not None else None)
+            out.top_logprobs.append({(tok if t == tid else name(t)): finite_logprob(v.logprob) for t, v in entry.items()}
+                                    if entry is not None else None)
             out.text_offset.append(ch.text_offset)
-            ch.text_offset += len(tok)
+            ch.text_offset += len(piece)
         return out
 
     async def completion_full(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
@@ -110,15 +115,17 @@ class OpenAIServingCompletion(OpenAIServing):
             pi = idx // n
             if req.echo_only and ch.finish_reason not in ("timeout", "error"):  # its one token is dropped
                 ch.text, ch.token_ids, ch.logprobs, ch.finish_reason, ch.stop_reason = [], [], [], "length", None
-            text, lps = "".join(ch.text), None
+            text, lps, p = "".join(ch.text), None, prompts[pi]
+            pieces = TokenPieces(self.tokenizer, p.token_ids, params[pi]).feed(ch.token_ids, text, True) if req.logprobs is not None else []
             if req.echo:
-                p = prompts[pi]
-                text = (p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) + text
+                echoed = p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+                text = echoed + text
                 if req.logprobs is not None:  # null entries where the prompt was never scored (timed out first)
                     plp = prompt_lps[pi] or [None] * len(p.token_ids)
-                    lps = self._completion_logprobs(p.token_ids + ch.token_ids, plp + ch.logprobs, ch, self.token_name(req))
+                    pieces = TokenPieces.of_prompt(self.tokenizer, p.token_ids, echoed) + pieces
+                    lps = self._completion_logprobs(p.token_ids + ch.token_ids, plp + ch.logprobs, pieces, ch, req)
             elif req.logprobs is not None:
-                lps = self._completion_logprobs(ch.token_ids, ch.logprobs, ch, self.token_name(req))
+                lps = self._completion_logprobs(ch.token_ids, ch.logprobs, pieces, ch, req)
             result.append(CompletionResponseChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
                                                    prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps[pi]),
                                                    prompt_token_ids=prompts[pi].token_ids if req.return_token_ids else None,
@@ -139,6 +146,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         cached = 0
         prompt_lps: list = [None] * len(prompts)
+        pieces = [TokenPieces(self.tokenizer, prompts[i // n].token_ids, params[i // n]) for i in range(len(choices))] if req.logprobs is not None else []
         try:
             async with aclosing(self.run(engine_id or request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
                 async for pi, out in stream:
@@ -152,12 +160,16 @@ class OpenAIServingCompletion(OpenAIServing):
                         token_ids, entries = ([], []) if req.echo_only else (o.token_ids, o.logprobs or [])
                         new_ids, first_chunk = list(token_ids), not ch.started
                         text = "" if req.echo_only else o.text
+                        texts = pieces[idx].feed(token_ids, text, o.finish_reason is not None) if req.logprobs is not None else []
                         if not ch.started:
                             ch.started = True
                             if req.echo:  # the prompt, and its logprobs, before the first tokens
                                 p = prompts[pi]
-                                text = (p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) + text
+                                echoed = p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+                                text = echoed + text
                                 token_ids, entries = p.token_ids + token_ids, (prompt_lps[pi] or [None] * len(p.token_ids)) + entries
+                                if req.logprobs is not None:
+                                    texts = TokenPieces.of_prompt(self.tokenizer, p.token_ids, echoed) + texts
                         ch.num_tokens += 0 if req.echo_only else len(o.token_ids)
                         raise_if_failed(o)
                         ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
@@ -165,7 +177,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             ch.finish_reason, ch.stop_reason = "length", None
                         if not text and o.finish_reason is None and not token_ids:
                             continue
-                        lps = self._completion_logprobs(token_ids, entries, ch, self.token_name(req)) if req.logprobs is not None else None
+                        lps = self._completion_logprobs(token_ids, entries, texts, ch, req) if req.logprobs is not None else None
                         fields = dict(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
                         if req.return_token_ids:
                             choice = CompletionResponseStreamChoiceIds(**fields, token_ids=new_ids,
