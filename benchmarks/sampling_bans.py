@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from pagedserve.engine import serial
+from pagedserve import messages as serial
 from pagedserve.model.sampler import Sampler
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch

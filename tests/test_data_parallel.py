@@ -123,6 +123,10 @@ def test_block_pool_events():
 
 def test_utility_fanout_combines_answers_and_survives_a_dead_replica():
     from pagedserve.engine.dp_utility import UtilityFanout
+    from pagedserve.messages import EngineCoreEventType, UtilityResult
+
+    def U(call_id, result, error):
+        return (EngineCoreEventType.UTILITY, UtilityResult(call_id, result, error))
 
     f = UtilityFanout()
     alive = [True, False, True]
@@ -130,16 +134,16 @@ def test_utility_fanout_combines_answers_and_survives_a_dead_replica():
     assert f.targets("get_block_map", alive) == [0]
     assert f.start(1, "reset_prefix_cache", [0, 2]) == []
     assert f.answer(0, 1, True, None) == []
-    assert f.answer(2, 1, False, None) == [["utility", 1, False, None]]  # True only when each reset
+    assert f.answer(2, 1, False, None) == [U(1, False, None)]  # True only when each reset
     assert f.answer(2, 1, True, None) == []  # unknown or finished id: ignored
     f.start(2, "reset_prefix_cache", [0, 2])
     f.answer(0, 2, True, None)
-    assert f.replica_died(2, "replica 2 died") == [["utility", 2, True, None]]  # answered by the live one
+    assert f.replica_died(2, "replica 2 died") == [U(2, True, None)]  # answered by the live one
     f.start(3, "get_block_map", [0])
-    assert f.replica_died(0, "replica 0 died") == [["utility", 3, None, "replica 0 died"]]
-    assert f.start(4, "get_block_map", []) == [["utility", 4, None, "no engine replica is alive"]]
+    assert f.replica_died(0, "replica 0 died") == [U(3, None, "replica 0 died")]
+    assert f.start(4, "get_block_map", []) == [U(4, None, "no engine replica is alive")]
     f.start(5, "get_step_trace", [1])
-    assert f.answer(1, 5, None, "ValueError: bad") == [["utility", 5, None, "ValueError: bad"]]
+    assert f.answer(1, 5, None, "ValueError: bad") == [U(5, None, "ValueError: bad")]
 
 
 def test_offline_engine_refuses_data_parallel(tiny):

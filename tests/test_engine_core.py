@@ -14,7 +14,8 @@ from conftest import assert_engine_idle
 from pagedserve import LLM, EngineConfig, RequestOutputKind, SamplingParams
 from pagedserve.core.outputs import EngineCoreRequest, ModelRunnerOutput
 from pagedserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedserve.engine import serial
+from pagedserve import messages as serial
+from pagedserve.messages import AddRequest, EngineCoreEventType, EngineCoreRequestType, check
 
 BLOCK = 16
 
@@ -27,7 +28,7 @@ def test_core_and_package_import_no_torch():
         "import pagedserve, pagedserve.core, pagedserve.config, pagedserve.sampling_params\n"
         "names = [m.name for m in pkgutil.walk_packages(pagedserve.core.__path__, 'pagedserve.core.')]\n"
         "for n in names: importlib.import_module(n)\n"
-        "import pagedserve.engine.serial, pagedserve.engine.core, pagedserve.engine.core_proc\n"
+        "import pagedserve.messages, pagedserve.engine.core, pagedserve.engine.core_proc, pagedserve.engine.core_client\n"
         "assert len(names) >= 6, names\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad[:5]\n"
@@ -42,8 +43,13 @@ def test_message_codec_round_trip_and_refusals():
                             min_tokens=2, logprobs=3, output_kind=RequestOutputKind.DELTA, allowed_token_ids=[4, 9])
     params._all_stop_token_ids = {2, 3}
     req = EngineCoreRequest("r", [1, 2, 3], params, [2], 12.5, "salt", priority=-(2**63))
-    back = serial.decode(serial.encode(["add", req]))
-    assert back[0] == "add" and back[1] == req and back[1].sampling_params._all_stop_token_ids == {2, 3}
+    back = check(serial.decode(serial.encode((EngineCoreRequestType.ADD, AddRequest([req])))), EngineCoreRequestType)
+    assert back[0] is EngineCoreRequestType.ADD and back[1].requests == [req]
+    assert back[1].requests[0].sampling_params._all_stop_token_ids == {2, 3}
+    # a message of the wrong conversation, or with the wrong payload, is refused
+    for bad in ([EngineCoreEventType.OUTPUTS, None], [EngineCoreRequestType.ADD, req], [EngineCoreRequestType.SHUTDOWN, 1], ["add", [req]]):
+        with pytest.raises(ValueError):
+            check(serial.decode(serial.encode(bad)), EngineCoreRequestType)
     so = SchedulerOutput([NewRequestData("a", [1, 2], [], params, [2], [4, 5], 0)], CachedRequestData(["b"], [[6]], [17], [[]]),
                          {"a": 2, "b": 1}, 3, ["c"], ["d"])
     assert serial.decode(serial.encode(so)) == so

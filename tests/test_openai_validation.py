@@ -33,14 +33,15 @@ class ValidationOnlyLLM:
         self.model_name = MODEL
         self.served_model_names = [MODEL, "alias"]
         self.model_dir = model_dir
-        self.metrics = None
+        from pagedserve.metrics import EngineMetrics
+
+        self.metrics = EngineMetrics(MODEL)
         self.errored = False
         self.is_running = True
         self.reached_engine: list = []
 
-    @contextlib.contextmanager
-    def admission(self):
-        yield
+    def num_waiting_to_start(self) -> int:
+        return 0
 
     async def generate_processed(self, req):
         self.reached_engine.append(req)

@@ -6,9 +6,8 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-from pagedserve.engine.async_llm import _Stream
 from pagedserve.engine.loop_handoff import call_each_in_loops
-from pagedserve.engine.output_thread import OutputThread
+from pagedserve.engine.output_handler import OutputHandler, Stream
 
 
 class CountingLoop(asyncio.SelectorEventLoop):
@@ -73,28 +72,25 @@ def test_closed_loop_is_skipped() -> None:
     assert got == [2]
 
 
-class _Host(OutputThread):
-    """The attributes ``_handle_outputs`` uses, around a stub output processor."""
-
-    def __init__(self, streams: dict) -> None:
-        self._lock = threading.Lock()
-        self._streams = streams
-        self.data_parallel_size = 1
-        self.metrics = None
-        self.output_processor = SimpleNamespace(process_outputs=lambda core: (core.outputs, []))
+def _handler(streams: dict) -> OutputHandler:
+    """An output handler around a stub client and output processor (its thread not started)."""
+    handler = OutputHandler(SimpleNamespace(send=lambda msg: None), SimpleNamespace(process_outputs=lambda core: (core.outputs, [])),
+                            stats=None)
+    handler.streams = streams
+    return handler
 
 
 def test_a_step_wakes_each_consumer_loop_once() -> None:
     loop = CountingLoop()
     try:
         queues = [asyncio.Queue() for _ in range(3)]
-        host = _Host({f"r{i}": _Stream(loop, q) for i, q in enumerate(queues)})
+        host = _handler({f"r{i}": Stream(loop, q) for i, q in enumerate(queues)})
         outs = [SimpleNamespace(request_id=f"r{i}", finished=i == 2) for i in range(3)]
-        host._handle_outputs(SimpleNamespace(outputs=outs, scheduler_stats=None, engine_index=0, num_scheduled_tokens=3))
+        host.handle_outputs(SimpleNamespace(outputs=outs, scheduler_stats=None, engine_index=0, num_scheduled_tokens=3))
         loop.run_until_complete(asyncio.sleep(0.01))
         assert loop.threadsafe_calls == 1
         assert [q.get_nowait() for q in queues] == outs
-        assert list(host._streams) == ["r0", "r1"]  # the finished request's stream is dropped
+        assert list(host.streams) == ["r0", "r1"]  # the finished request's stream is dropped
     finally:
         loop.close()
 

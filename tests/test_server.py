@@ -182,13 +182,14 @@ def test_send_to_a_dead_engine_process_never_blocks(tiny_model_factory):
 
     from pagedserve import EngineConfig
     from pagedserve.engine.core_client import MPClient
+    from pagedserve.messages import AbortRequests, EngineCoreRequestType
 
     client = MPClient(EngineConfig(model=tiny_model_factory("llama"), dtype="float32", num_kv_blocks=64, num_threads=1))
     try:
         os.kill(client.pid, signal.SIGKILL)
         client.proc.wait(10)
         time.sleep(0.2)  # the IPC peer is gone
-        t = threading.Thread(target=lambda: [client.send(["abort", [f"r{i}"]]) for i in range(100)], daemon=True)
+        t = threading.Thread(target=lambda: [client.send((EngineCoreRequestType.ABORT, AbortRequests([f"r{i}"]))) for i in range(100)], daemon=True)
         t.start()
         t.join(5)
         assert not t.is_alive(), "send blocked on a dead core"

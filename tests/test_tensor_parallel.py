@@ -214,7 +214,7 @@ def test_serve_tp2_and_core_death_stops_workers(tiny_model_factory, tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
         (core,) = [p for p in _children(proc.pid) if "core_proc" in open(f"/proc/{p}/cmdline").read()]
-        workers = [p for p in _children(core) if "tp_worker_proc" in open(f"/proc/{p}/cmdline").read()]
+        workers = [p for p in _children(core) if "executor.worker_proc" in open(f"/proc/{p}/cmdline").read()]
         assert len(workers) == 1
         os.kill(core, signal.SIGKILL)
         assert not _wait_gone(workers, 10), log.read_text()[-2000:]

@@ -6,15 +6,19 @@
   progressed, finish reasons, and the core's :class:`SchedulerStats`).
 
 Each is a dataclass of ints, floats, strings, lists and dicts, so it can be encoded with
-msgpack (``pagedserve.engine.serial``) to cross a process boundary.
+msgpack (:mod:`pagedserve.messages`) to cross a process boundary. :class:`EngineCoreInfo` is
+the core's ready message.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
 
 # (token ids, logprobs, rank of the sampled token): the sampled token first, then the top-k.
 TokenLogprobs = tuple[list[int], list[float], int]
@@ -233,3 +237,25 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         else:
             out[f.name] = sum(values)
     return SchedulerStats(**out)
+
+
+@dataclass
+class EngineCoreInfo:
+    """What the frontend needs to know of a started core (sent in its ready message).
+
+    Attributes:
+        config: the resolved config (max_model_len and the token budget filled in).
+        num_blocks, block_bytes: the KV pool (blocks, bytes per block).
+        dtype, device: as strings ("bfloat16", "cpu").
+        model_dir: the resolved HF-style model directory (tokenizer and config live there).
+        block_hash_seed: the prefix cache's hash seed (16 bytes, from the model identity), so
+            a data-parallel front hashes requests' blocks exactly as this core does.
+    """
+
+    config: "EngineConfig"
+    num_blocks: int
+    block_bytes: int
+    dtype: str
+    device: str
+    model_dir: str
+    block_hash_seed: bytes = b""

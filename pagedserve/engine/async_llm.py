@@ -5,54 +5,47 @@ outputs are detokenized here and handed to asyncio consumers (vLLM v1's ``AsyncL
 * ``generate()`` runs the :class:`InputProcessor` on the caller's event loop (a bad request
   raises at once and never reaches the core), registers the request with the
   :class:`OutputProcessor`, sends it to the core, and yields its outputs.
-* One *output thread* receives the core's per-step outputs, runs the output processor
-  (detokenization, stop strings: a sequence that hits one is aborted in the core), and hands
-  each ``RequestOutput`` to its consumer's loop, one ``loop.call_soon_threadsafe`` per loop
-  and step (:mod:`pagedserve.engine.loop_handoff`).
+* Its :class:`OutputHandler` runs one *output thread* that receives the core's per-step
+  outputs, runs the output processor (detokenization, stop strings: a sequence that hits one is
+  aborted in the core), and hands each ``RequestOutput`` to its consumer's loop, one
+  ``loop.call_soon_threadsafe`` per loop and step (:mod:`pagedserve.engine.loop_handoff`).
+* Utility calls (``reset_prefix_cache``, ``get_step_trace``, ``get_block_map``: vLLM's name for
+  calls into the core that are not requests) send a UTILITY message and await the answer the
+  output thread resolves between two steps.
 * A consumer that stops iterating (``break``, ``aclose()``, cancellation, client disconnect)
   aborts its request at once; the core frees its blocks before its next step.
 * If the core dies (even by SIGKILL) or fails a step, every live request ends with
   :class:`EngineDeadError`, ``errored`` turns True and ``on_engine_dead`` is called; nothing hangs.
 * With ``data_parallel_size`` N > 1 the client is a :class:`pagedserve.engine.dp_client.DPClient`
   (N replicas, one router): stats and metrics are kept per engine (``get_stats`` sums them),
-  and a replica's death ends only the requests it was running (``["failed", ids, reason]``).
+  and a replica's death ends only the requests it was running (a FAILED message).
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import SchedulerStats
-from pagedserve.engine.core_utility import CoreUtilityCalls
-from pagedserve.engine.input_processor import ProcessedRequest, PromptType, RequestError
+from pagedserve.engine.input_processor import ProcessedRequest, PromptType
 from pagedserve.engine.llm_engine import make_processors, served_model_names
-from pagedserve.engine.output_thread import EngineDeadError, OutputThread
+from pagedserve.engine.output_handler import EngineDeadError, OutputHandler, Stream
+from pagedserve.messages import AbortRequests, AddRequest, EngineCoreRequestType as Req, ReleaseKV, UtilityCall
+from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
-class AsyncLLM(CoreUtilityCalls, OutputThread):
+class AsyncLLM:
     """Serve one model to asyncio code.
 
     Args:
         config: the engine's configuration.
         engine_process: run the engine core in its own process (default) or in a thread.
-        metrics: optional observer (:class:`pagedserve.metrics.EngineMetrics`) with
-            ``observe_stats``, ``observe_output`` and ``observe_abort``, called from the
-            output thread.
+        metrics: the Prometheus observer (:class:`pagedserve.metrics.EngineMetrics`, called from
+            the output thread); one is made for the served model name when None.
         on_engine_dead: called once (from the output thread) when the core dies or fails.
 
     Raises:
@@ -90,32 +83,21 @@ class AsyncLLM(CoreUtilityCalls, OutputThread):
         self.input_processor, self.output_processor, self.tokenizer = make_processors(info, info.model_dir)
         self.max_model_len = self.config.max_model_len
         self.vocab_size = self.input_processor.vocab_size
-        self.metrics = metrics
-        self.on_engine_dead = on_engine_dead
-        self._lock = threading.Lock()  # output processor, streams, stats
-        self._streams: dict[str, _Stream] = {}
-        self._not_started: set[str] = set()  # admitted, no output yet (queued or in prefill)
-        self._preparing = 0  # HTTP requests inside admission(), not yet handed to the core
-        self.max_queued_requests: Optional[int] = None  # beyond it, new requests get 503
-        self.draining = False  # set by the server when it stops admitting (SIGTERM)
-        self._utility_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._call_ids = itertools.count()
-        self._stats = SchedulerStats(num_total_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
-        # Data parallel: each replica's latest stats.
-        self._engine_stats: dict[int, SchedulerStats] = dict(enumerate(getattr(self.client, "replica_stats", ())))
-        self._error: Optional[str] = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run_output_loop, name="pagedserve-output", daemon=True)
-        self._thread.start()
+        self.metrics = metrics if metrics is not None else EngineMetrics(self.model_name)
+        self.outputs = OutputHandler(
+            self.client, self.output_processor, SchedulerStats(num_total_blocks=info.num_blocks, num_free_blocks=info.num_blocks),
+            data_parallel_size=self.data_parallel_size, replica_stats=tuple(getattr(self.client, "replica_stats", ())),
+            metrics=self.metrics, on_engine_dead=on_engine_dead)
+        self.outputs.start()
 
     # -- public API (any event loop) ------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return not self._stopped and self._error is None and self._thread.is_alive()
+        return self.outputs.is_running
 
     @property
     def errored(self) -> bool:
-        return self._error is not None
+        return self.outputs.error is not None
 
     @property
     def engine_pid(self) -> int:
@@ -123,16 +105,20 @@ class AsyncLLM(CoreUtilityCalls, OutputThread):
 
     def get_stats(self) -> SchedulerStats:
         """The core's counters as of its last step or command."""
-        with self._lock:
-            return self._stats
+        return self.outputs.stats
 
     def replica_status(self) -> Optional[list[dict[str, Any]]]:
         """Data parallel: each replica's state (see ``DPClient.replica_status``); else None."""
         return self.client.replica_status() if self.data_parallel_size > 1 else None
 
     def num_unfinished_requests(self) -> int:
-        with self._lock:
+        with self.outputs.lock:
             return self.output_processor.get_num_unfinished_requests()
+
+    def num_waiting_to_start(self) -> int:
+        """Requests handed to the core that have produced no output yet (queued or in prefill)."""
+        with self.outputs.lock:
+            return len(self.outputs.not_started)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -151,17 +137,18 @@ class AsyncLLM(CoreUtilityCalls, OutputThread):
         processor made, until it finishes. Leaving early aborts it."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._check_alive()
+        out = self.outputs
+        with out.lock:
+            out.check_alive()
             self.output_processor.add_request(req)  # ValueError on a duplicate id
-            self._streams[req.request_id] = _Stream(loop, queue)
-            self._not_started.add(req.request_id)
+            out.streams[req.request_id] = Stream(loop, queue)
+            out.not_started.add(req.request_id)
         try:
-            self.client.send(["add", req.children])
+            self.client.send((Req.ADD, AddRequest(req.children)))
         except BaseException:
-            with self._lock:
-                self._streams.pop(req.request_id, None)
-                self._not_started.discard(req.request_id)
+            with out.lock:
+                out.streams.pop(req.request_id, None)
+                out.not_started.discard(req.request_id)
                 self.output_processor.abort_requests([req.request_id])
             raise
         finished = False
@@ -171,8 +158,8 @@ class AsyncLLM(CoreUtilityCalls, OutputThread):
                 item = await queue.get()
                 if not isinstance(item, BaseException) and not started:
                     started = True
-                    with self._lock:
-                        self._not_started.discard(req.request_id)
+                    with out.lock:
+                        out.not_started.discard(req.request_id)
                 if isinstance(item, BaseException):
                     finished = True  # the output thread already dropped it
                     raise item
@@ -181,55 +168,71 @@ class AsyncLLM(CoreUtilityCalls, OutputThread):
                 if finished:
                     return
         finally:
-            with self._lock:
-                self._not_started.discard(req.request_id)
+            with out.lock:
+                out.not_started.discard(req.request_id)
             if not finished:
                 self.abort(req.request_id)
 
-    @contextmanager
-    def admission(self) -> Iterator[None]:
-        """Admit one HTTP request for preparation (tokenizing, rendering), or raise RequestError
-        503 with ``Retry-After`` when ``max_queued_requests`` requests are already waiting to
-        start (requests being prepared count), so an overloaded server says so at once instead
-        of queueing without end."""
-        with self._lock:
-            self._check_capacity()
-            self._preparing += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._preparing -= 1
-
-    def _check_capacity(self) -> None:
-        waiting = len(self._not_started) + self._preparing
-        if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-            raise RequestError(f"the server is overloaded: {waiting} requests are waiting to start; retry later.",
-                               status_code=503, err_type="ServiceUnavailableError", headers={"Retry-After": "1"})
-
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or done). Never blocks on the core."""
-        with self._lock:
-            self._streams.pop(request_id, None)
+        with self.outputs.lock:
+            self.outputs.streams.pop(request_id, None)
             child_ids = self.output_processor.abort_requests([request_id])
         if child_ids:
             metrics = self.metrics
-            if metrics is not None and self.data_parallel_size > 1:
+            if self.data_parallel_size > 1:
                 metrics = metrics.for_engine(self.client.engine_of(child_ids[0]))
-            self.client.send(["abort", child_ids])
-            if metrics is not None:
-                metrics.observe_abort(request_id, len(child_ids))
+            self.client.send((Req.ABORT, AbortRequests(child_ids)))
+            metrics.observe_abort(request_id, len(child_ids))
+
+    def fail_all_requests(self, reason: str) -> None:
+        """End every live request now with EngineDeadError ``reason`` (see
+        :meth:`OutputHandler.fail_all_requests`); the core keeps running."""
+        self.outputs.fail_all_requests(reason)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core and the output thread; live requests end with EngineDeadError."""
-        self._stopped = True
+        self.outputs.stopped = True
         self.client.shutdown(timeout_s)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        self.outputs.stop(timeout_s)
 
-    # -- output thread (the loop itself: pagedserve.engine.output_thread) ------------------------
-    def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"engine failed: {self._error}")
-        if self._stopped:
-            raise EngineDeadError("engine is shut down")
+    # -- utility calls -----------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call_utility("reset_prefix_cache")
+
+    def release_kv_transfer(self, params: dict) -> None:
+        """A refused request named a prefill instance's KV hold: have the core release it (a
+        one-way RELEASE_KV command; nothing to await)."""
+        if self.outputs.is_running:
+            self.client.send((Req.RELEASE_KV, ReleaseKV(params)))
+
+    async def get_step_trace(self, since_step: Optional[int] = None, limit: Optional[int] = None) -> list[dict[str, Any]]:
+        """The engine core's step records with ``step >= since_step`` (every buffered one when
+        None), oldest first, at most ``limit``: plain dicts (fields in
+        :mod:`pagedserve.core.trace`), fetched from the core between two of its steps. A
+        dashboard polls with the last step it saw + 1. Empty when ``trace_buffer_steps=0``.
+
+        Raises:
+            EngineDeadError: the engine core is not running.
+        """
+        return await self._call_utility("get_step_trace", since_step, limit)
+
+    async def get_block_map(self) -> dict[str, Any]:
+        """Every KV block's state and owner now (see :func:`pagedserve.core.trace.block_map`),
+        built by the core on this call (O(num_blocks)).
+
+        Raises:
+            EngineDeadError: the engine core is not running.
+        """
+        return await self._call_utility("get_block_map")
+
+    async def _call_utility(self, name: str, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        call_id = self.outputs.register_call(loop, fut)
+        try:
+            self.client.send((Req.UTILITY, UtilityCall(call_id, name, list(args))))
+        except BaseException:  # not encodable (a caller's bug): leave no entry behind
+            self.outputs.forget_call(call_id)
+            raise
+        return await fut

@@ -9,40 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedserve.core.outputs import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.core.trace import StepTracer, block_map
 
 logger = logging.getLogger("pagedserve")
-
-
-@dataclass
-class EngineCoreInfo:
-    """What the frontend needs to know of a started core (sent in its ready message).
-
-    Attributes:
-        config: the resolved config (max_model_len and the token budget filled in).
-        num_blocks, block_bytes: the KV pool (blocks, bytes per block).
-        dtype, device: as strings ("bfloat16", "cpu").
-        model_dir: the resolved HF-style model directory (tokenizer and config live there).
-        block_hash_seed: the prefix cache's hash seed (16 bytes, from the model identity), so
-            a data-parallel front hashes requests' blocks exactly as this core does.
-    """
-
-    config: EngineConfig
-    num_blocks: int
-    block_bytes: int
-    dtype: str
-    device: str
-    model_dir: str
-    block_hash_seed: bytes = b""
 
 
 def _describe_step_target(config) -> str:
@@ -68,7 +45,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         from pagedserve.model.loader import load_eos_token_ids, load_tokenizer
-        from pagedserve.distributed.executor import create_executor  # the only torch import of the core path
+        from pagedserve.executor.tp_executor import create_executor  # the only torch import of the core path
 
         t0 = time.monotonic()
         # The in-process Worker itself, or a tensor-parallel executor with the same interface.

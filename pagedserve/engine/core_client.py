@@ -1,12 +1,13 @@
 """Clients of an engine core that runs beside the frontend (vLLM v1's ``EngineCoreClient``).
 
-Both speak the messages of :mod:`pagedserve.engine.core_proc` and offer the same calls:
-``send(message)`` (never blocks), ``recv(timeout_s)`` (the core's next message or None),
+Both speak the typed messages of :mod:`pagedserve.messages` (``(type, payload)`` pairs) and
+offer the same calls: ``send(message)`` (never blocks), ``recv(timeout_s)`` (the core's next
+message or None),
 ``is_alive()``, ``shutdown()``, and ``info`` (the core's :class:`EngineCoreInfo`).
 
 * :class:`MPClient`: the core in its own process (``python -m pagedserve.engine.core_proc``),
   over two ZeroMQ PUSH/PULL sockets on IPC paths in a private temporary directory (loopback by
-  nature), msgpack-encoded (``serial``). The core's torch threads are set by
+  nature), msgpack-encoded. The core's torch threads are set by
   ``EngineConfig.num_threads``; the frontend runs no torch work.
 * :class:`ThreadClient`: the core in a thread of this process, over two queues (no encoding).
   For tests and for callers that want one process.
@@ -26,7 +27,10 @@ import time
 from typing import Optional
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCoreInfo
+from pagedserve.core.outputs import EngineCoreInfo
+from pagedserve.messages import CoreError, EngineCoreEventType as Event, EngineCoreRequestType as Req
+
+Message = tuple  # (type, payload): see pagedserve.messages
 
 logger = logging.getLogger("pagedserve")
 
@@ -56,9 +60,9 @@ class MPClient:
                  wait_ready: bool = True) -> None:
         import zmq
 
-        from pagedserve.engine import serial
+        from pagedserve import messages
 
-        self._serial = serial
+        self._messages = messages
         self._zmq = zmq
         self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")  # mode 0700: only this user
         self._ctx = zmq.Context()
@@ -104,19 +108,20 @@ class MPClient:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"engine core process exited with status {self.proc.returncode} during start-up")
                 continue
-            if msg[0] == "ready":
-                return msg[1]
-            if msg[0] == "error":
+            kind, payload = msg
+            if kind is Event.READY:
+                return payload
+            if kind is Event.ERROR:
                 self.proc.wait(10)
-                _raise_core_error(msg[1], msg[2])
+                _raise_core_error(payload.kind, payload.message)
         raise RuntimeError(f"engine core did not get ready within {timeout_s:.0f} s")
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def send(self, msg: list) -> None:
-        """Queue a message for the core; never blocks. With no high-water mark a send to a
+    def send(self, msg: Message) -> None:
+        """Queue a message (an :class:`EngineCoreRequestType` and its payload) for the core; never blocks. With no high-water mark a send to a
         connected core always queues; a PUSH socket whose peer is gone (the core died) would
         block forever, so the send is non-blocking and such a message is dropped (the output
         thread notices the death and fails every request).
@@ -124,23 +129,25 @@ class MPClient:
         Raises:
             TypeError: a value the codec cannot encode (a bug in the caller's validation).
         """
-        data = self._serial.encode(msg)
+        data = self._messages.encode(msg)
         with self._send_lock:
             if self._ctx.closed:
                 return
             try:
                 self._input.send(data, flags=self._zmq.NOBLOCK, copy=False)
             except self._zmq.Again:  # no connected core: it died, is_alive() says so
-                logger.warning("pagedserve: engine core not connected; dropped a %r message", msg[0] if msg else None)
+                logger.warning("pagedserve: engine core not connected; dropped a %s message", msg[0].name)
             except self._zmq.ZMQError:  # closed by shutdown: is_alive() says so
                 pass
 
-    def recv(self, timeout_s: Optional[float]) -> Optional[list]:
-        """Only one thread may call this."""
+    def recv(self, timeout_s: Optional[float]) -> Optional[Message]:
+        """The core's next message (an :class:`EngineCoreEventType` and its payload), or None
+        after ``timeout_s``. Only one thread may call this. Raises ValueError on a message that
+        is not the core's."""
         try:
             if not self._output.poll(None if timeout_s is None else int(timeout_s * 1000)):
                 return None
-            return self._serial.decode(self._output.recv(copy=False).buffer)
+            return self._messages.check(self._messages.decode(self._output.recv(copy=False).buffer), Event)
         except self._zmq.ZMQError:  # closed by shutdown
             return None
 
@@ -150,7 +157,7 @@ class MPClient:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop, wait up to ``timeout_s``, then kill it; idempotent."""
         if self.proc.poll() is None:
-            self.send(["shutdown"])
+            self.send((Req.SHUTDOWN, None))
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -181,7 +188,7 @@ class ThreadClient:
     def _run(self) -> None:
         from pagedserve.engine.core_proc import run_busy_loop
 
-        def recv(timeout_s: Optional[float]) -> Optional[list]:
+        def recv(timeout_s: Optional[float]) -> Optional[Message]:
             try:
                 return self._inbox.get_nowait() if timeout_s == 0 else self._inbox.get(timeout=timeout_s)
             except queue.Empty:
@@ -192,7 +199,7 @@ class ThreadClient:
         except BaseException as e:
             logger.exception("pagedserve engine core thread crashed")
             self._error = e
-            self._outbox.put(["error", type(e).__name__, str(e)])
+            self._outbox.put((Event.ERROR, CoreError(type(e).__name__, str(e))))
         finally:
             self.core.shutdown()
 
@@ -200,10 +207,10 @@ class ThreadClient:
     def pid(self) -> int:
         return os.getpid()
 
-    def send(self, msg: list) -> None:
+    def send(self, msg: Message) -> None:
         self._inbox.put(msg)
 
-    def recv(self, timeout_s: Optional[float]) -> Optional[list]:
+    def recv(self, timeout_s: Optional[float]) -> Optional[Message]:
         try:
             return self._outbox.get(timeout=timeout_s)
         except queue.Empty:
@@ -214,5 +221,5 @@ class ThreadClient:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         if self._thread.is_alive():
-            self._inbox.put(["shutdown"])
+            self._inbox.put((Req.SHUTDOWN, None))
             self._thread.join(timeout_s)

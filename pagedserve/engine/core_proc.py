@@ -1,15 +1,11 @@
 """The engine core's busy loop, and the main of the engine-core process
 (``python -m pagedserve.engine.core_proc``, started by :class:`pagedserve.engine.core_client.MPClient`).
 
-Messages in (lists): ``["add", [EngineCoreRequest, ...]]`` (the ``n`` sequences of one request
-together), ``["abort", [ids]]``,
-``["release_kv", kv_transfer_params]`` (a refused request's prefill hold),
-``["utility", call_id, name, args]`` (``reset_prefix_cache``, ``get_stats``, ``get_step_trace``
-with args ``[since_step, limit]`` or ``get_block_map``; ``args`` may be left out), ``["shutdown"]``.
-Messages out: ``["ready", EngineCoreInfo]`` once loaded, ``["outputs", EngineCoreOutputs]`` after
-every step (and after commands that changed the state of an idle core),
-``["utility", call_id, result, error or None]``, and ``["error", exception type, message]`` when start-up or
-a step fails (the process then exits with status 1).
+Messages (:mod:`pagedserve.messages`): in, an :class:`EngineCoreRequestType` with its payload
+(ADD, ABORT, RELEASE_KV, UTILITY, SHUTDOWN); out, an :class:`EngineCoreEventType`: READY with the
+:class:`EngineCoreInfo` once loaded, OUTPUTS after every step (and after commands that changed
+the state of an idle core), UTILITY answers, and ERROR when start-up or a step fails (the
+process then exits with status 1).
 
 The loop: take every waiting command, run one step if any request is unfinished, send its
 outputs; when idle, block on the next command (waking every second). Each pass checks that the
@@ -30,6 +26,9 @@ import traceback
 from typing import Any, Callable, Optional
 
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs
+from pagedserve.messages import CoreError, EngineCoreEventType as Event, EngineCoreRequestType as Req, UtilityResult
+
+Message = tuple  # (type, payload): see pagedserve.messages
 
 logger = logging.getLogger("pagedserve")
 
@@ -37,11 +36,11 @@ IDLE_POLL_S = 1.0
 UTILITIES = ("reset_prefix_cache", "get_stats", "get_step_trace", "get_block_map")
 
 
-def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], send: Callable[[list], None],
+def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[Message]], send: Callable[[Message], None],
                   parent_alive: Callable[[], bool] = lambda: True, kv_events: bool = False) -> None:
     """Serve ``core`` (an :class:`EngineCore`) until a shutdown message or the parent's death.
 
-    ``recv(timeout_s)`` returns the next message or None after the timeout (0 = poll);
+    ``recv(timeout_s)`` returns the next (type, payload) or None after the timeout (0 = poll);
     ``send(message)`` must not block for long. Exceptions from a step propagate. With
     ``kv_events`` (a data-parallel replica) every outputs message carries the prefix-cache
     events since the previous one.
@@ -60,7 +59,7 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], 
             continue
         changed = False
         while msg is not None:
-            if msg[0] == "shutdown":
+            if msg[0] is Req.SHUTDOWN:
                 return
             changed |= _handle(core, msg, send)
             msg = recv(0.0)
@@ -81,7 +80,7 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[list]], 
                 out.kv_events = core.take_kv_events()
         else:
             continue
-        send(["outputs", out])
+        send((Event.OUTPUTS, out))
 
 
 def _stats_key(outputs: EngineCoreOutputs) -> Optional[tuple]:
@@ -93,35 +92,35 @@ def _stats_key(outputs: EngineCoreOutputs) -> Optional[tuple]:
             sum(s.kv_transfer_failures.values()))
 
 
-def _handle(core: Any, msg: list, send: Callable[[list], None]) -> bool:
+def _handle(core: Any, msg: Message, send: Callable[[Message], None]) -> bool:
     """Apply one command; returns True when it may have changed the core's state."""
-    kind = msg[0]
-    if kind == "add":
-        for req in msg[1]:
+    kind, payload = msg
+    if kind is Req.ADD:
+        for req in payload.requests:
             try:
                 core.add_request(req)
             except ValueError as e:  # the frontend checks ids first; answer instead of dying
                 logger.error("pagedserve engine core refused %s: %s", req.request_id, e)
-                send(["outputs", EngineCoreOutputs([EngineCoreOutput(req.request_id, [], finish_reason="abort")], time.monotonic())])
+                send((Event.OUTPUTS, EngineCoreOutputs([EngineCoreOutput(req.request_id, [], finish_reason="abort")], time.monotonic())))
         return True
-    if kind == "abort":
-        core.abort_requests(msg[1])
+    if kind is Req.ABORT:
+        core.abort_requests(payload.request_ids)
         return True
-    if kind == "release_kv":
-        core.release_kv_transfer(msg[1])
+    if kind is Req.RELEASE_KV:
+        core.release_kv_transfer(payload.params)
         return True
-    if kind == "utility":
-        call_id, name = msg[1], msg[2]
-        args = msg[3] if len(msg) > 3 and isinstance(msg[3], list) else []
+    if kind is Req.UTILITY:
+        call_id, name = payload.call_id, payload.name
+        args = payload.args if isinstance(payload.args, list) else []
         if name not in UTILITIES:
-            send(["utility", call_id, None, f"unknown utility {name!r}"])
+            send((Event.UTILITY, UtilityResult(call_id, None, f"unknown utility {name!r}")))
             return False
         try:
             result = getattr(core, name)(*args)
         except (TypeError, ValueError) as e:  # bad arguments from the front: answer, do not die
-            send(["utility", call_id, None, f"{name}: {e}"])
+            send((Event.UTILITY, UtilityResult(call_id, None, f"{name}: {e}")))
             return False
-        send(["utility", call_id, result, None])
+        send((Event.UTILITY, UtilityResult(call_id, result)))
         return name == "reset_prefix_cache"
     logger.error("pagedserve engine core: unknown message %r", kind)
     return False
@@ -146,8 +145,8 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
     import msgpack
     import zmq
 
+    from pagedserve import messages
     from pagedserve.config import EngineConfig
-    from pagedserve.engine import serial
     from pagedserve.engine.gc_heap import freeze_gc_heap
 
     ctx = zmq.Context()
@@ -159,14 +158,14 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(output_address)
 
-    def send(msg: list) -> None:
-        outbox.send(serial.encode(msg), copy=False)
+    def send(msg: Message) -> None:
+        outbox.send(messages.encode(msg), copy=False)
 
-    def recv(timeout_s: Optional[float]) -> Optional[list]:
+    def recv(timeout_s: Optional[float]) -> Optional[Message]:
         while timeout_s is None or inbox.poll(int(timeout_s * 1000)):
             data = inbox.recv(copy=False).buffer
             try:
-                return serial.decode(data)
+                return messages.check(messages.decode(data), Req)
             except (ValueError, TypeError, RecursionError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
                 logger.error("pagedserve engine core: dropped a malformed message (%d bytes): %s", len(data), e)
         return None
@@ -179,7 +178,7 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
         started = True
         frozen = freeze_gc_heap()
         logger.debug("pagedserve engine core: %d objects frozen for the collector", frozen)
-        send(["ready", core.info])
+        send((Event.READY, core.info))
         try:
             run_busy_loop(core, recv, send, parent_alive=parent_alive, kv_events=kv_events)
         finally:
@@ -192,7 +191,7 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
         else:
             logger.error("pagedserve engine core failed:\n%s", traceback.format_exc())
         if not isinstance(e, KeyboardInterrupt):
-            send(["error", type(e).__name__, str(e)])
+            send((Event.ERROR, CoreError(type(e).__name__, str(e))))
         return 1
     finally:
         outbox.close()

@@ -5,19 +5,18 @@ interface of :class:`pagedserve.engine.core_client.MPClient`, so :class:`AsyncLL
   pinned to its own ``threads_per_replica`` cores when they fit, or :class:`RayCoreClient`
   actors (``ray``). Each runs with ``data_parallel_size=1`` and, under the ``kv-aware``
   router, publishes its prefix-cache events with every outputs message.
-* ``send(["add", children])`` asks the :class:`DPRouter` for a replica (the request's block
-  hashes computed here with the replicas' seed), records request id -> replica and sends it
-  there; ``["abort", ids]`` goes to each id's replica; ``reset_prefix_cache`` goes to every
+* ADD asks the :class:`DPRouter` for a replica (the request's block hashes computed here with
+  the replicas' seed), records request id -> replica and sends it there; ABORT goes to each
+  id's replica; ``reset_prefix_cache`` goes to every
   replica (True when all reset), the other utility calls to the first live replica.
 * ``recv()`` polls every replica's output socket; each outputs message gets its replica's
   ``engine_index`` (AsyncLLM keeps stats and metrics per engine) and its KV events go to the
   router.
 * A replica that dies (process exit, SIGKILL, a dead actor, or a failed step) is taken out of
   rotation: its requests that have produced no output yet are sent again to another replica;
-  the others end with an error naming the replica (a message ``["failed", ids, reason]``,
-  which AsyncLLM turns into :class:`EngineDeadError` for those requests only); its gauges go
-  to zero. When none is left, recv
-  returns ``["error", ...]`` and AsyncLLM fails as when its one core dies.
+  the others end with an error naming the replica (a FAILED message, which AsyncLLM turns into
+  :class:`EngineDeadError` for those requests only); its gauges go to zero. When none is left,
+  recv returns an ERROR message and AsyncLLM fails as when its one core dies.
 """
 from __future__ import annotations
 
@@ -33,8 +32,11 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedserve.distributed.dp_placement import plan_cpus, threads_per_replica
 from pagedserve.distributed.dp_router import DPRouter
-from pagedserve.engine.core import EngineCoreInfo
+from pagedserve.core.outputs import EngineCoreInfo
 from pagedserve.engine.dp_utility import UtilityFanout
+from pagedserve.messages import (
+    AbortRequests, AddRequest, CoreError, EngineCoreEventType as Event, EngineCoreRequestType as Req, SequencesFailed,
+)
 
 logger = logging.getLogger("pagedserve")
 
@@ -132,29 +134,30 @@ class DPClient:
         g = self._groups.get(request_id)
         return g.replica if g is not None else 0
 
-    def send(self, msg: list) -> None:
-        kind = msg[0]
-        if kind == "add":
-            first = msg[1][0]
+    def send(self, msg: tuple) -> None:
+        kind, payload = msg
+        if kind is Req.ADD:
+            children = list(payload.requests)
+            first = children[0]
             hashes = self.router.request_hashes(first.prompt_token_ids, first.cache_salt) if self.router.wants_hashes() else None
             with self._lock:
-                self._route(_Group(list(msg[1]), -1, {c.request_id for c in msg[1]}, hashes))
-        elif kind == "abort":
+                self._route(_Group(children, -1, {c.request_id for c in children}, hashes))
+        elif kind is Req.ABORT:
             by_replica: dict[int, list[str]] = collections.defaultdict(list)
             with self._lock:
-                for rid in msg[1]:
+                for rid in payload.request_ids:
                     g = self._groups.pop(rid, None)
                     if g is not None and rid in g.unfinished:
                         self._finish_sequence(g, rid)
                         by_replica[g.replica].append(rid)
                 for i, ids in by_replica.items():
-                    self.replicas[i].send(["abort", ids])
-        elif kind == "utility":
+                    self.replicas[i].send((Req.ABORT, AbortRequests(ids)))
+        elif kind is Req.UTILITY:
             with self._lock:
-                targets = self._utility.targets(msg[2], self.router.alive)
+                targets = self._utility.targets(payload.name, self.router.alive)
                 for i in targets:
                     self.replicas[i].send(msg)
-                self._pending.extend(self._utility.start(msg[1], msg[2], targets))
+                self._pending.extend(self._utility.start(payload.call_id, payload.name, targets))
         else:
             for i, ok in enumerate(self.router.alive):
                 if ok:
@@ -168,7 +171,7 @@ class DPClient:
             self._groups[rid] = g
         self.router.load[i] += len(g.unfinished)
         self.router.note_routed(i, g.routed_hashes(self.router))
-        self.replicas[i].send(["add", g.children])
+        self.replicas[i].send((Req.ADD, AddRequest(g.children)))
 
     def _finish_sequence(self, g: _Group, rid: str) -> None:
         """One sequence of ``g`` ended (finished or aborted; under the lock)."""
@@ -178,14 +181,14 @@ class DPClient:
         if not g.unfinished:
             self.router.note_done(g.replica, g.routed_hashes(self.router))
 
-    def recv(self, timeout_s: Optional[float]) -> Optional[list]:
+    def recv(self, timeout_s: Optional[float]) -> Optional[tuple]:
         """The next message for AsyncLLM (only one thread may call this)."""
         with self._recv_lock:
             if self._closed:
                 return None
             return self._recv(timeout_s)
 
-    def _recv(self, timeout_s: Optional[float]) -> Optional[list]:
+    def _recv(self, timeout_s: Optional[float]) -> Optional[tuple]:
         if self._pending:
             return self._pending.popleft()
         try:
@@ -213,10 +216,10 @@ class DPClient:
         proc = self.replicas[i].proc
         return getattr(proc, "death", None) or f"exit status {proc.returncode}"
 
-    def _on_message(self, i: int, msg: list) -> None:
-        kind = msg[0]
-        if kind == "outputs":
-            out: EngineCoreOutputs = msg[1]
+    def _on_message(self, i: int, msg: tuple) -> None:
+        kind, payload = msg
+        if kind is Event.OUTPUTS:
+            out: EngineCoreOutputs = payload
             out.engine_index = i
             with self._lock:
                 if out.kv_events:
@@ -232,11 +235,11 @@ class DPClient:
                     if o.finish_reason is not None and o.request_id in g.unfinished:
                         self._finish_sequence(g, o.request_id)
             self._pending.append(msg)
-        elif kind == "utility":
+        elif kind is Event.UTILITY:
             with self._lock:
-                self._pending.extend(self._utility.answer(i, msg[1], msg[2], msg[3]))
-        elif kind == "error":
-            self._replica_died(i, f"engine replica {i} failed: {msg[1]}: {msg[2]}")
+                self._pending.extend(self._utility.answer(i, payload.call_id, payload.result, payload.error))
+        elif kind is Event.ERROR:
+            self._replica_died(i, f"engine replica {i} failed: {payload.kind}: {payload.message}")
 
     def _replica_died(self, i: int, reason: str) -> None:
         logger.error("pagedserve: %s; taking it out of rotation", reason)
@@ -260,10 +263,10 @@ class DPClient:
         if moved:
             logger.warning("pagedserve: %d requests that had produced nothing yet were sent to another replica", moved)
         if failed:
-            self._pending.append(["failed", failed, reason])
-        self._pending.append(["outputs", EngineCoreOutputs([], time.monotonic(), self.replica_stats[i], engine_index=i)])
+            self._pending.append((Event.FAILED, SequencesFailed(failed, reason)))
+        self._pending.append((Event.OUTPUTS, EngineCoreOutputs([], time.monotonic(), self.replica_stats[i], engine_index=i)))
         if not any(self.router.alive):
-            self._pending.append(["error", "EngineDeadError", f"every engine replica died (last: {reason})"])
+            self._pending.append((Event.ERROR, CoreError("EngineDeadError", f"every engine replica died (last: {reason})")))
         try:
             self._poller.unregister(self.replicas[i]._output)
         except KeyError:

@@ -1,6 +1,6 @@
-"""Utility calls (``["utility", call_id, name, args]``) fanned out to data-parallel replicas
+"""Utility calls (:class:`pagedserve.messages.UtilityCall`) fanned out to data-parallel replicas
 by :class:`pagedserve.engine.dp_client.DPClient`, and their answers combined into the one
-``["utility", call_id, result, error]`` message AsyncLLM awaits.
+UTILITY message (:class:`pagedserve.messages.UtilityResult`) AsyncLLM awaits.
 
 ``reset_prefix_cache`` goes to every live replica and is True only when each reset; every
 other call goes to the first live replica. A replica that dies stops being waited for.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from pagedserve.messages import EngineCoreEventType, UtilityResult
 
 BROADCAST_UTILITIES = ("reset_prefix_cache",)
 
@@ -34,11 +36,11 @@ class UtilityFanout:
         live = [i for i, ok in enumerate(alive) if ok]
         return live if name in BROADCAST_UTILITIES else live[:1]
 
-    def start(self, call_id: int, name: str, targets: list[int]) -> list[list]:
+    def start(self, call_id: int, name: str, targets: list[int]) -> list[tuple]:
         self._calls[call_id] = _UtilityCall(name, set(targets))
         return [] if targets else [self._finish(call_id, "no engine replica is alive")]
 
-    def answer(self, replica: int, call_id: int, result: Any, error: Optional[str]) -> list[list]:
+    def answer(self, replica: int, call_id: int, result: Any, error: Optional[str]) -> list[tuple]:
         """Replica ``replica`` answered call ``call_id`` (unknown ids are ignored)."""
         call = self._calls.get(call_id)
         if call is None:
@@ -48,7 +50,7 @@ class UtilityFanout:
         call.error = call.error or error
         return [] if call.waiting else [self._finish(call_id)]
 
-    def replica_died(self, replica: int, reason: str) -> list[list]:
+    def replica_died(self, replica: int, reason: str) -> list[tuple]:
         """Stop waiting for ``replica``; a call left with no answer at all fails with ``reason``."""
         done = []
         for call_id, call in list(self._calls.items()):
@@ -58,11 +60,11 @@ class UtilityFanout:
                     done.append(self._finish(call_id, None if call.results else reason))
         return done
 
-    def _finish(self, call_id: int, error: Optional[str] = None) -> list:
+    def _finish(self, call_id: int, error: Optional[str] = None) -> tuple:
         call = self._calls.pop(call_id)
         error = error or call.error
         if call.name == "reset_prefix_cache":
             result = bool(call.results) and all(call.results)
         else:
             result = call.results[0] if call.results else None
-        return ["utility", call_id, None if error else result, error]
+        return (EngineCoreEventType.UTILITY, UtilityResult(call_id, None if error else result, error))

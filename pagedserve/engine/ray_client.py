@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import STARTUP_TIMEOUT_S, MPClient
+from pagedserve.messages import EngineCoreRequestType as Req
 
 logger = logging.getLogger("pagedserve")
 
@@ -142,9 +143,9 @@ class RayCoreClient(MPClient):
         import zmq
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pagedserve.engine import serial
+        from pagedserve import messages
 
-        self._serial, self._zmq = serial, zmq
+        self._messages, self._zmq = messages, zmq
         self._dir = None
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
@@ -182,7 +183,7 @@ class RayCoreClient(MPClient):
         import ray
 
         if self.proc.poll() is None:
-            self.send(["shutdown"])
+            self.send((Req.SHUTDOWN, None))
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

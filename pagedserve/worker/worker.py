@@ -4,7 +4,7 @@ shape: the worker sizes the cache itself and reports the number of blocks to the
 
 With tensor parallelism one Worker runs per rank, each given the group: it shards the loaded
 weights for its rank (``pagedserve.distributed.tensor_parallel``) and sizes a cache of its own KV
-heads; the executor (``pagedserve.distributed.executor``) makes every rank agree on num_blocks.
+heads; the executor (``pagedserve.executor.tp_executor``) makes every rank agree on num_blocks.
 """
 from __future__ import annotations
 

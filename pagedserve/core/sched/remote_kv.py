@@ -42,7 +42,7 @@ class RemoteKVMixin:
         """For the request at the head of the waiting queue: None = no remote KV (admit it as
         usual); True = it now waits for remote KV (popped from the queue); False = no blocks
         for it now (stop admitting this step)."""
-        from pagedserve.distributed.kv_transfer.base import WAIT_FOR_OTHER_LOAD
+        from pagedserve.core.kv_connector import WAIT_FOR_OTHER_LOAD
 
         num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
         if num_external == 0:

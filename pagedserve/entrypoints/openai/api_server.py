@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-from typing import Any, Optional
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, Iterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -54,7 +55,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.responses_api import ResponsesRequest
 from pagedserve.entrypoints.openai.tools import plan_tools
-from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
+from pagedserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("pagedserve")
 
@@ -64,16 +65,43 @@ def add_cors(app: FastAPI, server: ServerArgs) -> None:
                        allow_headers=server.allowed_headers, allow_credentials=server.allow_credentials)
 
 
+class Admission:
+    """The front's gate before a request is prepared (tokenized, rendered): 503 with
+    ``Retry-After`` at once when ``max_queued_requests`` requests are already waiting to start
+    (those being prepared count), so an overloaded server says so instead of queueing without
+    end. ``draining`` is set when the server stops admitting (SIGTERM)."""
+
+    def __init__(self, llm: AsyncLLM, max_queued_requests: Optional[int]) -> None:
+        self.llm = llm
+        self.max_queued_requests = max_queued_requests
+        self.draining = False
+        self._preparing = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        """Raises RequestError 503 when the server is full."""
+        with self._lock:
+            waiting = self.llm.num_waiting_to_start() + self._preparing
+            if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+                raise RequestError(f"the server is overloaded: {waiting} requests are waiting to start; retry later.",
+                                   status_code=503, err_type="ServiceUnavailableError", headers={"Retry-After": "1"})
+            self._preparing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._preparing -= 1
+
+
 def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
-    """The FastAPI app over ``llm`` (its ``metrics`` are created here when it has none);
-    ``server`` holds the front's flags. Shutting the app down shuts ``llm`` down.
+    """The FastAPI app over ``llm``; ``server`` holds the front's flags. Shutting the app down
+    shuts ``llm`` down. ``app.state.admission`` is its :class:`Admission`.
 
     Raises:
         ValueError: an unreadable ``--chat-template`` or ``--generation-config``.
     """
     server = server or ServerArgs()
-    if llm.metrics is None:
-        llm.metrics = EngineMetrics(llm.model_name)
     metrics = llm.metrics
     served = list(llm.served_model_names)
     kw = dict(trust_request_chat_template=server.trust_request_chat_template, chat_template=server.chat_template_text(),
@@ -81,7 +109,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
               reasoning_parser=server.reasoning_parser,
               default_sampling=generation_defaults(server.generation_config, llm.model_dir), log_requests=server.enable_log_requests,
               request_timeout=server.request_timeout)
-    llm.max_queued_requests = server.max_queued_requests
+    admission = Admission(llm, server.max_queued_requests)
     completions = OpenAIServingCompletion(llm, served, **kw)
     chats = OpenAIServingChat(llm, served, **kw)
     responses = OpenAIServingResponses(chats)
@@ -106,6 +134,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
                          redoc_url=None)
     dashboard.add_dashboard(app, llm, api_key_required=bool(server.api_key))
     app.state.llm = llm
+    app.state.admission = admission
     app.state.metrics = metrics
     if server.api_key:
         public = {"/health", "/metrics"} if server.metrics_public else {"/health"}
@@ -153,7 +182,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     async def create_completion(req: CompletionRequest, raw_request: Request):
         try:
             request_id, engine_id = request_ids("cmpl", raw_request, req.request_id)
-            with llm.admission():  # 503 at once when too many requests wait to start
+            with admission.admit():  # 503 at once when too many requests wait to start
                 model, prompts, params = await off_loop(completions.prepare_completion, req)
         except RequestError:
             serving_kv.release_unused_kv(llm, req.kv_transfer_params)
@@ -168,7 +197,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         try:
             request_id, engine_id = request_ids("chatcmpl", raw_request, req.request_id)
-            with llm.admission():
+            with admission.admit():
                 model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
         except RequestError:
             serving_kv.release_unused_kv(llm, req.kv_transfer_params)
@@ -182,7 +211,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw_request: Request):
         response_id, engine_id = request_ids("resp", raw_request, req.request_id)
-        with llm.admission():
+        with admission.admit():
             chat_req, model, conv, prompt, params, tools = await off_loop(responses.prepare, req)
         chats.log_request(engine_id, req, [len(prompt.token_ids)], [params])
         args = (req, chat_req, response_id, model, conv, prompt, params, tools, engine_id)

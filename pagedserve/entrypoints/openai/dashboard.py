@@ -23,7 +23,7 @@ import asyncio
 import json
 import math
 import pathlib
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -68,7 +68,7 @@ async def snapshot(llm: Any, since_step: Optional[int], with_blocks: bool) -> di
     return {"steps": steps, "blocks": blocks, "stats": _stats(llm)}
 
 
-async def event_stream(llm: Any, interval: float) -> AsyncIterator[str]:
+async def event_stream(llm: Any, interval: float, draining: Callable[[], bool] = lambda: False) -> AsyncIterator[str]:
     """Server-sent events of :func:`snapshot`, forever (the response ends when the client goes
     away; Starlette cancels the generator on disconnect). An engine that dies ends the stream
     with an ``error`` event."""
@@ -76,7 +76,7 @@ async def event_stream(llm: Any, interval: float) -> AsyncIterator[str]:
 
     since: Optional[int] = None
     n = 0
-    while not getattr(llm, "draining", False):  # a shutdown ends the stream (it is no request to wait for)
+    while not draining():  # a shutdown ends the stream (it is no request to wait for)
         try:
             event = await snapshot(llm, since, n % BLOCK_MAP_EVERY == 0)
         except EngineDeadError as e:
@@ -112,5 +112,7 @@ def add_dashboard(app: FastAPI, llm: Any, api_key_required: bool) -> None:
         if llm.errored or not llm.is_running:
             return error_response("engine is not running", 503, "ServiceUnavailableError")
         interval = min(max(interval, MIN_INTERVAL_S), 10.0) if math.isfinite(interval) else 0.25
-        return StreamingResponse(event_stream(llm, interval), media_type="text/event-stream",
+        admission = getattr(app.state, "admission", None)
+        draining = (lambda: admission.draining) if admission is not None else (lambda: False)
+        return StreamingResponse(event_stream(llm, interval, draining), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -72,7 +72,7 @@ def draining_server(config: Any, loading: LoadingApp, shutdown_timeout: float) -
             self.draining_started = True
             loading.draining = True
             if loading.llm is not None:
-                loading.llm.draining = True  # ends the dashboard's streams, which are no requests
+                loading.app.state.admission.draining = True  # ends the dashboard's streams, which are no requests
             logger.info("pagedserve: SIGTERM: refusing new requests, letting running ones finish (up to %.0f s)", shutdown_timeout)
 
             def drain() -> None:

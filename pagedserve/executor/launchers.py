@@ -1,5 +1,5 @@
 """How the tensor-parallel executor starts and stops its ranks > 0: as subprocesses (``mp``) or
-as Ray actors (``ray``). Both run :func:`pagedserve.worker.tp_worker_proc.run_worker`, which
+as Ray actors (``ray``). Both run :func:`pagedserve.executor.worker_proc.run_worker`, which
 talks to rank 0 over the same ZeroMQ control socket; only the process launcher differs.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ logger = logging.getLogger("pagedserve")
 
 
 class MpLauncher:
-    """Ranks ``1..N-1`` as ``python -m pagedserve.worker.tp_worker_proc`` children of this process
+    """Ranks ``1..N-1`` as ``python -m pagedserve.executor.worker_proc`` children of this process
     (they exit when it does: they check their parent pid)."""
 
     def __init__(self, threads_per_rank: int) -> None:
@@ -25,7 +25,7 @@ class MpLauncher:
     def start(self, control_address: str, world_size: int) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
         for rank in range(1, world_size):
-            cmd = [sys.executable, "-m", "pagedserve.worker.tp_worker_proc", "--control-address", control_address,
+            cmd = [sys.executable, "-m", "pagedserve.executor.worker_proc", "--control-address", control_address,
                    "--rank", str(rank), "--world-size", str(world_size), "--parent-pid", str(os.getpid()),
                    "--log-level", logging.getLevelName(logger.getEffectiveLevel()).lower()]
             self.procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
@@ -72,7 +72,7 @@ class RayLauncher:
             kwargs = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": max(os.cpu_count() or 1, world_size - 1)}
             ray.init(include_dashboard=False, log_to_driver=True, **kwargs)
             self.owns_ray = True
-        from pagedserve.worker.tp_worker_proc import RayWorker
+        from pagedserve.executor.worker_proc import RayWorker
 
         # Ray's workers import pagedserve from where this process does (an editable checkout too).
         root = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["pagedserve"].__file__)))

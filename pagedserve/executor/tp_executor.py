@@ -2,10 +2,11 @@
 ``tensor_parallel_size`` is 1 (nothing in between), else a :class:`TPExecutor`.
 
 The TP executor hosts rank 0 in the engine core's process and starts ranks ``1..N-1`` with a
-launcher (``mp`` subprocesses or ``ray`` actors, :mod:`pagedserve.distributed.launchers`). Every
-step it sends the same :class:`SchedulerOutput` to every rank over a ZeroMQ ROUTER socket
-(msgpack, never pickle), then runs rank 0's share; the ranks meet in the model's collectives,
-rank 0 samples, returns the :class:`ModelRunnerOutput` and broadcasts the tokens to the others.
+launcher (``mp`` subprocesses or ``ray`` actors, :mod:`pagedserve.executor.launchers`). Every
+step is a collective call (vLLM's ``execute_model``): the same :class:`SchedulerOutput` goes to
+every rank over a ZeroMQ ROUTER socket (:mod:`pagedserve.messages`, never pickle), then rank 0
+runs its share; the ranks meet in the model's collectives, rank 0 samples, returns the
+:class:`ModelRunnerOutput` and broadcasts the tokens to the others.
 Start-up: ``hello`` from each rank, ``init`` (config and the torch.distributed store's address),
 the group forms, every rank loads and shards its weights and reports the KV blocks it can hold;
 rank 0 takes the smallest and every rank allocates that many. The control socket and the store
@@ -17,14 +18,18 @@ import dataclasses
 import logging
 import time
 import weakref
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
+from pagedserve import messages
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
-from pagedserve.distributed.launchers import default_threads, make_launcher
 from pagedserve.distributed.parallel_state import DEFAULT_HOST, TPGroup, create_store, remove_store
 from pagedserve.distributed.tensor_parallel import verify_tp_size
+from pagedserve.executor.launchers import default_threads, make_launcher
+from pagedserve.executor.worker_proc import device_for_rank
+from pagedserve.messages import InitCache, WorkerError, WorkerInit, WorkerMessageType as W
+from pagedserve.model import loader
 from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger("pagedserve")
@@ -54,9 +59,6 @@ class TPExecutor:
     def __init__(self, config: EngineConfig) -> None:
         import zmq
 
-        from pagedserve.model import loader
-        from pagedserve.worker.tp_worker_proc import device_for_rank
-
         n = config.tensor_parallel_size
         verify_tp_size(loader.load_config(loader.resolve_model(config.model)), n)
         if device_for_rank(config.device, 0).type == "cuda":
@@ -83,13 +85,13 @@ class TPExecutor:
         t0 = time.monotonic()
         try:
             self._launcher.start(f"tcp://{host}:{port}", n)
-            self._pids = self._wait_all("hello", START_TIMEOUT_S)
+            self._pids = {r: hello.pid for r, hello in self._wait_all(W.HELLO, START_TIMEOUT_S).items()}
             store, spec = create_store(config.distributed_host, n)
             weakref.finalize(self, remove_store, spec)
-            self._broadcast(["init", rank_config, host, spec])
+            self._broadcast(W.INIT, WorkerInit(rank_config, host, spec))
             group = TPGroup(store, 0, n, device_for_rank(config.device, 0), host)
             self.worker = Worker(rank_config, group)
-            blocks = self._wait_all("ready", None)
+            blocks = {r: ready.num_blocks for r, ready in self._wait_all(W.READY, None).items()}
             remove_store(spec)  # every rank has joined: the group needs its store no more
             num_blocks = min([self.worker.kv_spec.num_blocks, *blocks.values()])
             self.worker.kv_spec = self.worker.kv_spec_for(num_blocks)
@@ -110,7 +112,7 @@ class TPExecutor:
 
     def initialize_cache(self, config: EngineConfig) -> None:
         num_blocks = self.worker.kv_spec.num_blocks
-        self._broadcast(["init_cache", config, num_blocks])
+        self._broadcast(W.INIT_CACHE, InitCache(config, num_blocks))
         self.worker.initialize_cache(config, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -120,7 +122,7 @@ class TPExecutor:
             RuntimeError: a rank has died or failed (its error message when it sent one).
         """
         self._launcher.check_alive()
-        self._broadcast(["step", scheduler_output])
+        self._broadcast(W.STEP, scheduler_output)
         try:
             return self.worker.execute_model(scheduler_output)
         except RuntimeError as e:  # a collective failed: say which rank and why, if it told us
@@ -135,37 +137,33 @@ class TPExecutor:
         ray backend, Ray itself if this executor started it. Idempotent."""
         if self._finalizer.alive:
             try:
-                self._broadcast(["shutdown"])
+                self._broadcast(W.SHUTDOWN, None)
             except RuntimeError:
                 pass
             self._finalizer()
 
     # -- control socket -------------------------------------------------------------------
-    def _broadcast(self, msg: list) -> None:
-        from pagedserve.engine import serial
-
-        data = serial.encode(msg)
+    def _broadcast(self, kind: W, payload: object) -> None:
+        data = messages.encode((kind, payload))
         for ident in self._idents:
             try:
                 self._sock.send_multipart([ident, data], copy=False)
             except self._zmq.ZMQError as e:  # EHOSTUNREACH: the rank's socket is gone
                 raise RuntimeError(f"tensor-parallel worker {ident.decode()} is unreachable: {e}") from e
 
-    def _wait_all(self, kind: str, timeout_s: Optional[float]) -> dict[int, object]:
-        """Each rank's first ``kind`` message's value (``[kind, rank, value]``); raises the error a
-        rank sent, RuntimeError when a rank dies or the timeout passes."""
-        from pagedserve.engine import serial
-
-        got: dict[int, object] = {}
+    def _wait_all(self, kind: W, timeout_s: Optional[float]) -> dict[int, Any]:
+        """Each rank's first ``kind`` message's payload, by rank; raises the error a rank sent,
+        RuntimeError when a rank dies or the timeout passes."""
+        got: dict[int, Any] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(got) < self.world_size - 1:
             if self._sock.poll(200):
                 _, data = self._sock.recv_multipart()
-                msg = serial.decode(data)
-                if msg[0] == "error":
-                    raise _ERRORS.get(msg[2], RuntimeError)(f"tensor-parallel worker rank {msg[1]}: {msg[3]}")
-                if msg[0] == kind:
-                    got[msg[1]] = msg[2]
+                got_kind, payload = messages.check(messages.decode(data), W)
+                if isinstance(payload, WorkerError):
+                    raise _ERRORS.get(payload.kind, RuntimeError)(f"tensor-parallel worker rank {payload.rank}: {payload.message}")
+                if got_kind is kind:
+                    got[payload.rank] = payload
                 continue
             self._launcher.check_alive()
             if deadline is not None and time.monotonic() > deadline:
@@ -174,12 +172,10 @@ class TPExecutor:
         return got
 
     def _worker_error(self, wait_s: float) -> Optional[str]:
-        from pagedserve.engine import serial
-
         if self._sock.poll(int(wait_s * 1000)):
-            msg = serial.decode(self._sock.recv_multipart()[1])
-            if msg[0] == "error":
-                return f"worker rank {msg[1]}: {msg[2]}: {msg[3]}"
+            _, payload = messages.check(messages.decode(self._sock.recv_multipart()[1]), W)
+            if isinstance(payload, WorkerError):
+                return f"worker rank {payload.rank}: {payload.kind}: {payload.message}"
         try:
             self._launcher.check_alive()
         except RuntimeError as e:

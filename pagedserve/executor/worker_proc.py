@@ -1,18 +1,18 @@
-"""A tensor-parallel worker of rank > 0: ``python -m pagedserve.worker.tp_worker_proc`` (started
-by the ``mp`` executor), or :func:`run_worker` inside a Ray actor (the ``ray`` executor).
+"""A tensor-parallel worker of rank > 0: ``python -m pagedserve.executor.worker_proc`` (started
+by the ``mp`` launcher), or :func:`run_worker` inside a Ray actor (the ``ray`` launcher).
 
-It connects a DEALER socket to rank 0's control socket (ZeroMQ, msgpack through
-:mod:`pagedserve.engine.serial`; never pickle) and follows rank 0's messages:
+It connects a DEALER socket to rank 0's control socket (ZeroMQ, the typed messages of
+:mod:`pagedserve.messages`, :class:`WorkerMessageType`; never pickle) and follows rank 0:
 
-- out ``["hello", rank, pid]``; in ``["init", EngineConfig, host, store_spec]`` (``["file", path]`` or ``["tcp", host, port]``): join the
-  torch.distributed group, load and shard the model, size the KV cache; out ``["ready", rank,
-  num_blocks]`` (the most blocks this rank can hold);
-- in ``["init_cache", EngineConfig, num_blocks]``: allocate the pool rank 0 decided;
-- in ``["step", SchedulerOutput]``: run it (the collectives pair it with the other ranks'
-  step; rank 0 samples and sends the tokens);
-- in ``["shutdown"]``: exit 0.
+- out HELLO (rank, pid); in INIT (config, host, the torch.distributed store's address): join the
+  group, load and shard the model, size the KV cache; out READY (rank, the most KV blocks this
+  rank can hold);
+- in INIT_CACHE (config, num_blocks): allocate the pool rank 0 decided;
+- in STEP (a ``SchedulerOutput``): run it (the collectives pair it with the other ranks' step;
+  rank 0 samples and sends the tokens);
+- in SHUTDOWN: exit 0.
 
-Any exception is sent as ``["error", rank, type name, message]`` and the worker exits 1. While
+Any exception is sent as ERROR (rank, type name, message) and the worker exits 1. While
 idle it checks every second that its parent (the engine core) is alive and exits when not;
 under Ray the actor shares its owner's fate instead.
 """
@@ -48,7 +48,8 @@ def run_worker(control_address: str, rank: int, world_size: int, parent_pid: Opt
     0) or the death of ``parent_pid`` (0). Returns the exit status."""
     import zmq
 
-    from pagedserve.engine import serial
+    from pagedserve import messages
+    from pagedserve.messages import InitCache, WorkerError, WorkerHello, WorkerMessageType as W, WorkerReady
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -58,45 +59,49 @@ def run_worker(control_address: str, rank: int, world_size: int, parent_pid: Opt
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(control_address)
 
-    def send(msg: list) -> None:
-        sock.send(serial.encode(msg), copy=False)
+    def send(kind: W, payload: object) -> None:
+        sock.send(messages.encode((kind, payload)), copy=False)
 
-    def recv() -> Optional[list]:
-        """The next message, or None when the parent is gone."""
+    def recv() -> Optional[tuple]:
+        """The next (type, payload), or None when the parent is gone. Raises ValueError on a
+        message that is not rank 0's."""
         while not sock.poll(IDLE_POLL_MS):
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.warning("pagedserve TP worker %d: the engine core is gone; exiting", rank)
                 return None
-        return serial.decode(sock.recv(copy=False).buffer)
+        return messages.check(messages.decode(sock.recv(copy=False).buffer), W)
 
     try:
-        send(["hello", rank, os.getpid()])
+        send(W.HELLO, WorkerHello(rank, os.getpid()))
         msg = recv()
         if msg is None:
             return 0
-        if msg[0] != "init":
-            raise RuntimeError(f"expected an init message, got {msg[0]!r}")
-        _, config, host, store_spec = msg
+        kind, init = msg
+        if kind is not W.INIT:
+            raise RuntimeError(f"expected an init message, got {kind.name}")
         from pagedserve.distributed.parallel_state import TPGroup, connect_store
         from pagedserve.worker.worker import Worker
 
-        group = TPGroup(connect_store(store_spec, world_size), rank, world_size, device_for_rank(config.device, rank), host)
+        config = init.config
+        group = TPGroup(connect_store(init.store_spec, world_size), rank, world_size, device_for_rank(config.device, rank), init.host)
         worker = Worker(config, group)
-        send(["ready", rank, worker.kv_spec.num_blocks])
+        send(W.READY, WorkerReady(rank, worker.kv_spec.num_blocks))
         while True:
             msg = recv()
-            if msg is None or msg[0] == "shutdown":
+            if msg is None or msg[0] is W.SHUTDOWN:
                 return 0
-            if msg[0] == "step":
-                worker.execute_model(msg[1])
-            elif msg[0] == "init_cache":
-                worker.initialize_cache(msg[1], msg[2])
+            kind, payload = msg
+            if kind is W.STEP:
+                worker.execute_model(payload)
+            elif kind is W.INIT_CACHE:
+                assert isinstance(payload, InitCache)
+                worker.initialize_cache(payload.config, payload.num_blocks)
             else:
-                raise RuntimeError(f"unknown control message {msg[0]!r}")
+                raise RuntimeError(f"unexpected control message {kind.name}")
     except BaseException as e:
         logger.error("pagedserve TP worker %d failed:\n%s", rank, traceback.format_exc())
         try:
-            send(["error", rank, type(e).__name__, str(e)])
+            send(W.ERROR, WorkerError(rank, type(e).__name__, str(e)))
         except Exception:
             pass
         return 1
