@@ -5,6 +5,11 @@ A GGUF file is converted once into an HF-style directory in the cache
 (``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``): float32 safetensors with HF names, the
 config and the tokenizer (chat template included) read by transformers from the GGUF metadata.
 Later starts load that directory through the same path as a user's HF checkpoint.
+
+Model files are checked before use (``pagedserve.model.validation``): headers, config and
+shapes are validated against each other and the file sizes before anything is allocated from
+them, and every problem with a file is a :class:`ModelFileError` (a ValueError) whose text is
+one line naming the file.
 """
 from __future__ import annotations
 
@@ -17,6 +22,18 @@ import shutil
 from typing import Iterator, Optional
 
 import torch
+
+from pagedserve.model.validation import (
+    GGUFHeader,
+    ModelFileError,
+    TensorSpec,
+    check_config,
+    check_weights,
+    describe,
+    read_gguf_header,
+    short,
+    validate_model_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +66,19 @@ def cache_dir() -> str:
 
 def resolve_model(model: Optional[str]) -> str:
     """Return a local HF-style model directory for ``model`` (None = the default model),
-    converting a GGUF file on first use.
+    converting a GGUF file on first use. The directory's config and weight headers are
+    validated against each other (see ``validation.validate_model_dir``).
 
     Raises:
         FileNotFoundError: the path does not exist (model hub ids are not downloaded).
-        ValueError: the path is neither a directory with config.json nor a .gguf file.
+        ModelFileError (a ValueError): the path is neither a directory with config.json nor a
+            .gguf file, or a model file in it is malformed or does not match the config.
     """
     path = default_model_path() if model is None else os.path.expanduser(model)
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise ValueError(f"{path} has no config.json: not an HF model directory")
+            raise ModelFileError(path, "no config.json: not an HF model directory")
+        validate_model_dir(path)
         return path
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -67,7 +87,7 @@ def resolve_model(model: Optional[str]) -> str:
         )
     if path.endswith(".gguf"):
         return convert_gguf(path)
-    raise ValueError(f"{path}: expected an HF model directory or a .gguf file")
+    raise ModelFileError(path, "expected an HF model directory or a .gguf file")
 
 
 # llama.cpp's tensor names -> HF names (llama architecture).
@@ -90,11 +110,39 @@ _GGUF_NAMES = {
 
 
 def _gguf_hf_name(name: str) -> str:
+    """The HF name of a llama.cpp tensor name. Raises KeyError for a name with no HF twin."""
     stem, _, suffix = name.rpartition(".")  # suffix: weight / bias
+    if suffix not in ("weight", "bias"):
+        raise KeyError(name)
     if stem.startswith("blk."):
-        _, idx, part = stem.split(".", 2)
-        return f"model.layers.{idx}.{_GGUF_NAMES[part]}.{suffix}"
+        _, idx, part = (stem.split(".", 2) + ["", ""])[:3]
+        if not idx.isdigit() or not idx.isascii():
+            raise KeyError(name)
+        return f"model.layers.{int(idx)}.{_GGUF_NAMES[part]}.{suffix}"
     return f"{_GGUF_NAMES[stem]}.{suffix}"
+
+
+def _gguf_weight_names(header: GGUFHeader) -> dict[str, str]:
+    """GGUF name -> HF name for every tensor of a checked GGUF header.
+
+    Raises:
+        ModelFileError: a tensor with no HF name, or of a type that is not a weight pagedserve
+            can dequantize.
+    """
+    import gguf
+
+    dequantizable = {"F32", "F16"} | {t.name for t in gguf.quants._type_traits}
+    names: dict[str, str] = {}
+    for name, spec in header.tensors.items():
+        try:
+            names[name] = _gguf_hf_name(name)
+        except KeyError:
+            raise ModelFileError(header.path, f"tensor {short(name)} is not a llama-family weight pagedserve knows") from None
+        if spec.dtype not in dequantizable:
+            raise ModelFileError(header.path, f"tensor {short(name)} has ggml type {spec.dtype}, not a weight type pagedserve can dequantize")
+    if len(set(names.values())) != len(names):
+        raise ModelFileError(header.path, "two tensors map to the same HF weight name")
+    return names
 
 
 def _unpermute_rope(w, n_head: int):
@@ -122,10 +170,16 @@ def iterate_gguf_weights(path: str, num_heads: int, num_kv_heads: int, arch: str
 
 
 def convert_gguf(path: str) -> str:
-    """Convert a GGUF checkpoint to a cached HF directory; returns the directory."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    """Convert a GGUF checkpoint to a cached HF directory; returns the directory.
 
+    The header is checked first, then the config transformers reads from the metadata against
+    the tensor shapes, and only then is anything dequantized or written. The folder is written
+    under a temporary name and published whole with its ``.complete`` marker; a failed
+    conversion removes it, and a cached folder that no longer validates is converted again.
+
+    Raises:
+        ModelFileError: the file is not a usable GGUF checkpoint, or the cache is not writable.
+    """
     st = os.stat(path)
     # Keyed by content (size + first and last MiB), not by path: every clone or venv holding the
     # same file shares one converted copy.
@@ -137,53 +191,130 @@ def convert_gguf(path: str) -> str:
     key = h.hexdigest()[:16]
     out = os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)[:-5]}-{key}")
     if os.path.exists(os.path.join(out, ".complete")):
-        return out
+        try:
+            validate_model_dir(out)
+            return out
+        except ModelFileError as e:
+            logger.warning("The cached conversion %s is unusable (%s); converting %s again", out, e, path)
+            shutil.rmtree(out, ignore_errors=True)
+    header = read_gguf_header(path)  # nothing is allocated or written before this passes
     logger.info("Converting %s to %s (first start only)", path, out)
+    _remove_stale_tmp(out)
     tmp = out + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    try:
+        _convert_gguf_into(path, header, tmp)
+        validate_model_dir(tmp)
+        open(os.path.join(tmp, ".complete"), "w").close()
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if os.path.exists(os.path.join(out, ".complete")):  # another process published it first
+                shutil.rmtree(tmp, ignore_errors=True)
+                return out
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+    except ModelFileError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelFileError(path, f"conversion to {out} failed ({describe(e)})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    names = _gguf_weight_names(header)
     d, f = os.path.dirname(path), os.path.basename(path)
-    config = AutoConfig.from_pretrained(d, gguf_file=f)
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    try:
+        config = AutoConfig.from_pretrained(d or ".", gguf_file=f)
+    except Exception as e:
+        raise ModelFileError(path, f"transformers cannot read its metadata ({describe(e)})") from None
     arch = config.model_type
-    tensors = dict(iterate_gguf_weights(path, config.num_attention_heads, config.num_key_value_heads, arch))
-    if "lm_head.weight" not in tensors:
+    if "lm_head.weight" not in names.values():
         config.tie_word_embeddings = True
+    check_config(path, config.to_dict())
+    # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.
+    check_weights(path, config, {hf: TensorSpec(hf, "F32", tuple(reversed(header.tensors[g].shape)), path)
+                                 for g, hf in names.items()})
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(d or ".", gguf_file=f)
+    except Exception as e:
+        raise ModelFileError(path, f"transformers cannot build its tokenizer ({describe(e)})") from None
+    os.makedirs(tmp)
+    tensors = dict(iterate_gguf_weights(path, config.num_attention_heads, config.num_key_value_heads, arch))
     save_file(tensors, os.path.join(tmp, "model.safetensors"))
+    del tensors
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id).save_pretrained(tmp)
     with open(os.path.join(tmp, "source.json"), "w") as fh:
         json.dump({"gguf": os.path.abspath(path)}, fh)
-    open(os.path.join(tmp, ".complete"), "w").close()
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+
+
+def _remove_stale_tmp(out: str) -> None:
+    """Remove half-written conversions (``<out>.tmp<pid>``) whose process is gone (killed mid-way).
+    They are never trusted (no ``.complete`` under the published name), only wasted space."""
+    if not os.path.isdir("/proc/self"):
+        return
+    for tmp in glob.glob(glob.escape(out) + ".tmp*"):
+        pid = tmp.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every ``*.safetensors`` file of a folder (``resolve_model`` has
+    checked their headers against the config).
+
+    Raises:
+        ModelFileError: no weight files, or one that cannot be read (changed since it was checked).
+    """
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        raise ModelFileError(model_dir, "no *.safetensors weight files in this folder")
     for fpath in files:
-        with safe_open(fpath, framework="pt") as fh:
+        try:
+            fh = safe_open(fpath, framework="pt")
+        except Exception as e:
+            raise ModelFileError(fpath, f"cannot read it as safetensors ({describe(e)})") from None
+        with fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                try:
+                    tensor = fh.get_tensor(name)
+                except Exception as e:
+                    raise ModelFileError(fpath, f"cannot read tensor {short(name)} ({describe(e)})") from None
+                yield name, tensor
 
 
 def load_config(model_dir: str):
+    """The transformers config of a model folder. Raises ModelFileError when it cannot be read."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise ModelFileError(os.path.join(model_dir, "config.json"), f"transformers cannot read it ({describe(e)})") from None
 
 
 def load_tokenizer(model_dir: str):
+    """The tokenizer of a model folder (or of a tokenizer path). Raises ModelFileError when it
+    cannot be loaded."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise ModelFileError(model_dir, f"the tokenizer cannot be loaded ({describe(e)})") from None
 
 
 def load_eos_token_ids(model_dir: str, config, tokenizer) -> set[int]:
@@ -193,15 +324,20 @@ def load_eos_token_ids(model_dir: str, config, tokenizer) -> set[int]:
         from transformers import GenerationConfig
 
         eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
-    except (OSError, ValueError):
+    except OSError:  # no generation_config.json
         pass
+    except Exception as e:
+        logger.warning("%s: ignoring generation_config.json (%s)", model_dir, describe(e))
     if eos is None:
         eos = getattr(config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
     if eos is None:
         return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ModelFileError(os.path.join(model_dir, "generation_config.json"), f"eos_token_id {short(eos)} is not a token id or a list of them")
+    return set(ids)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
