@@ -335,7 +335,7 @@ def test_abort_waiting_running_midprefill_and_preempted_requests():
     # A preempted (waiting) request can be aborted too.
     add(s, "p1", 8, max_tokens=4)
     p2 = add(s, "p2", 8, max_tokens=4)
-    s.config.max_num_batched_tokens = 64
+    s.step_budget.max_num_batched_tokens = 64  # a larger token budget from here on
     step(s)
     step(s)  # p2 is preempted here (5 blocks: p1 takes the last one)
     assert p2.status == RequestStatus.PREEMPTED

@@ -293,7 +293,7 @@ def test_slow_decodes_leave_prefill_the_multiple_of_their_own_time():
         p = plan(step(s, step_ms=cost))
         assert all(p.get(f"d{i}") == 1 for i in range(8))
         chunks.append(p["long"])
-        targets.append(s.last_target_ms)
+        targets.append(s.step_budget.last_target_ms)
         assert cost([Scheduled("x", 0, 8 + p["long"], [], [], False)]) <= 24.0  # every step within its target
     assert targets[0] == pytest.approx(24.0)
     assert chunks == [28] * 14 + [8]
@@ -333,8 +333,8 @@ def test_target_ms_only_for_steps_that_prefill():
     cost = linear_cost(2.0, 0.5)
     add(s, "a", 6, max_tokens=50)
     add(s, "b", 6, max_tokens=50)
-    assert plan(step(s, step_ms=cost)) == {"a": 6, "b": 6} and s.last_target_ms == 5.0  # cold: max_step_ms
+    assert plan(step(s, step_ms=cost)) == {"a": 6, "b": 6} and s.step_budget.last_target_ms == 5.0  # cold: max_step_ms
     add(s, "c", 6, max_tokens=1)  # waits: max_num_seqs is full
     for _ in range(4):
         assert plan(step(s, step_ms=cost)) == {"a": 1, "b": 1}
-        assert s.last_target_ms is None  # nothing prefilled
+        assert s.step_budget.last_target_ms is None  # nothing prefilled

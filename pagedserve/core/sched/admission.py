@@ -10,25 +10,21 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Optional
-
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.request_queue import priority_key
-from pagedserve.core.sched.step_cost import StepTimeBudget
+from pagedserve.core.sched.step_budget import StepBudget
 
 
 class AdmissionMixin:
     """Needs the Scheduler's ``config``, ``waiting``, ``running``, ``stats``,
     ``kv_cache_manager``, ``connector`` and its ``_chunk`` and remote-KV methods."""
 
-    def _admit_waiting(self, budget: int, limit: Optional[StepTimeBudget], decodes_left: int,
-                       scheduled: list[tuple[Request, int, int]], new_ids: set[str]) -> int:
-        """Admit waiting requests into this step, appending ``(request, num_computed_tokens,
-        num_new_tokens)`` to ``scheduled`` and their ids to ``new_ids``; returns the token
-        budget left. ``decodes_left``: tokens kept for decodes the step-time budget counted
-        but the step has not scheduled yet."""
+    def _admit_waiting(self, step: StepBudget, scheduled: list[tuple[Request, int, int]], new_ids: set[str]) -> None:
+        """Admit waiting requests into this step while ``step`` has tokens and time, appending
+        ``(request, num_computed_tokens, num_new_tokens)`` to ``scheduled`` and their ids to
+        ``new_ids``."""
         kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             if req.request_id in kv.req_to_blocks:  # its remote KV arrived: it holds the loaded blocks
                 hit_blocks, num_hit = [], req.num_computed_tokens
@@ -41,13 +37,11 @@ class AdmissionMixin:
                             continue
                         break
             num_remaining = req.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_remaining > budget:
+            if not self.config.enable_chunked_prefill and num_remaining > step.tokens:
                 break
-            num_new = self._chunk(num_remaining, budget)
-            if limit is not None:
-                num_new = limit.prefill_chunk(min(num_new, budget - decodes_left), num_hit)
-                if num_new <= 0:
-                    break
+            num_new = step.chunk(num_remaining, num_hit)
+            if num_new <= 0:  # no time left
+                break
             if kv.allocate_slots(req, num_new, hit_blocks, num_hit - req.num_computed_tokens) is None:
                 if not self.running and self.connector is not None and self._release_loaded_waiting():
                     continue
@@ -68,7 +62,4 @@ class AdmissionMixin:
                 self.running.append(req)
             scheduled.append((req, num_hit, num_new))
             new_ids.add(req.request_id)
-            budget -= num_new
-            if limit is not None:
-                limit.add(num_new, num_hit)
-        return budget
+            step.take(num_new, num_hit)

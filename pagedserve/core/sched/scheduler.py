@@ -12,7 +12,7 @@ not separate code. When a running request cannot get a block, the running list's
 is preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new
 is admitted in that step. A decode instance's request whose prompt KV comes from a prefill
 instance waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`).
-Prefill chunks are also cut to a step-time target (see :mod:`.step_time`). Decodes may carry
+Prefill chunks are also cut to a step-time target (see :mod:`.step_budget`). Decodes may carry
 draft tokens (speculative decoding, see :mod:`.spec_decode`).
 """
 from __future__ import annotations
@@ -30,11 +30,11 @@ from pagedserve.core.sched.remote_kv import RemoteKVMixin
 from pagedserve.core.sched.request_queue import make_request_queue
 from pagedserve.core.sched.stop import check_stop
 from pagedserve.core.sched.spec_decode import SpecDecodeMixin
-from pagedserve.core.sched.step_time import StepTimeMixin
+from pagedserve.core.sched.step_budget import StepBudget
 from pagedserve.core.structured_output import StructuredOutputManager
 
 
-class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
+class Scheduler(AdmissionMixin, RemoteKVMixin, SpecDecodeMixin):
     """Decides who runs each step; owns the request queues and the KV cache manager.
 
     Args:
@@ -67,7 +67,9 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
         self.scheduled_requests: dict[str, Request] = {}
         self.num_with_deadline = 0
         self.timed_out: list[Request] = []  # finished at their deadline, reported by the next update
-        self._init_step_time()
+        self.step_budget = StepBudget(config.max_num_batched_tokens, config.long_prefill_token_threshold,
+                                      config.max_step_ms if config.enable_chunked_prefill else 0.0,
+                                      config.max_step_decode_multiple, config.block_size)
         self._init_spec_decode()
         self._init_remote_kv(kv_connector)
 
@@ -125,12 +127,6 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
         return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     # -- one step -------------------------------------------------------------------------
-    def _chunk(self, num_tokens: int, budget: int) -> int:
-        thr = self.config.long_prefill_token_threshold
-        if thr > 0:
-            num_tokens = min(num_tokens, thr)
-        return min(num_tokens, budget)
-
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
         self.num_block_ids_on_worker.pop(req.request_id, None)
@@ -159,44 +155,37 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
             now = time.monotonic()
             expired = [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]
             self.timed_out += self.finish_requests([r.request_id for r in expired], RequestStatus.FINISHED_TIMEOUT)
-        budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int, int]] = []
         new_ids: set[str] = set()
         kv = self.kv_cache_manager
-        limit = self._step_time_budget()
-        decodes_left = limit.num_decodes if limit is not None else 0  # not scheduled yet: kept from prefills
+        step = self.step_budget
+        step.start(self.running, bool(self.waiting))
 
         # 1) running requests, in list order; preempt from the back when blocks run out.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.tokens > 0:
             req = self.running[i]
-            remaining = req.num_tokens - req.num_computed_tokens
-            num_new = self._chunk(remaining, budget)
-            if limit is not None:
-                if remaining == 1:
-                    decodes_left -= 1
-                else:
-                    num_new = limit.prefill_chunk(min(num_new, budget - decodes_left), req.num_computed_tokens)
-                    if num_new <= 0:  # no time left for this chunk; the decodes behind it still run
-                        i += 1
-                        continue
+            num_computed = req.num_computed_tokens
+            decode = req.num_tokens - num_computed == 1
+            num_new = step.chunk(req.num_tokens - num_computed, num_computed, decode)
+            if num_new <= 0:  # no time left for this chunk; the decodes behind it still run
+                i += 1
+                continue
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: nothing after it is left
-            if limit is not None and remaining > 1:
-                limit.add(num_new, req.num_computed_tokens)
-            scheduled.append((req, req.num_computed_tokens, num_new))
-            budget -= num_new
+            step.take(num_new, num_computed, decode)
+            scheduled.append((req, num_computed, num_new))
             i += 1
 
         # 2) waiting requests, in the policy's order, unless this step had to preempt.
         if not out.preempted_req_ids:
-            budget = self._admit_waiting(budget, limit, decodes_left, scheduled, new_ids)
+            self._admit_waiting(step, scheduled, new_ids)
 
         # 3) draft tokens for decodes (speculative decoding), from what the budget and the free
         # blocks have left, in steps that prefill nothing under the step-time bound.
-        if limit is None and self._may_speculate():
-            budget = self._add_drafts(scheduled, new_ids, budget, out)
+        if step.time_limit is None and self._may_speculate():
+            step.tokens = self._add_drafts(scheduled, new_ids, step.tokens, out)
 
         cached = out.scheduled_cached_reqs
         self.scheduled_requests = {req.request_id: req for req, _, _ in scheduled}
@@ -218,8 +207,8 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
             self.num_block_ids_on_worker[rid] = len(block_ids)
             out.num_scheduled_tokens[rid] = num_new
             req.num_computed_tokens = num_computed + num_new
-        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
-        self._note_step_plan(scheduled, out.total_num_scheduled_tokens, limit)
+        out.total_num_scheduled_tokens = step.num_scheduled
+        step.note_plan(scheduled)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
@@ -287,6 +276,16 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, StepTimeMixin, SpecDecodeMixin):
         if runner_output.kv_connector_output is not None:
             stats.kv_transfer_seconds = list(runner_output.kv_connector_output.transfer_seconds)
         return EngineCoreOutputs(outputs, now, stats)
+
+    def record_step_time(self, duration_ms: float) -> None:
+        """Teach the step budget's cost model the measured wall time (ms) of the step the last
+        ``schedule()`` planned (``EngineCore.step`` calls this after each step)."""
+        self.step_budget.record_step_time(duration_ms)
+
+    @property
+    def step_cost(self):
+        """The step budget's cost model (None with the step-time bound off)."""
+        return self.step_budget.cost
 
     def get_stats(self) -> SchedulerStats:
         """A snapshot of the counters (a new object each call)."""
