@@ -1,4 +1,4 @@
-"""``pagedserve bench {throughput,latency,serve,memory}``, hooked into the main CLI.
+"""``pagedserve bench {throughput,latency,serve,memory,kernels}``, hooked into the main CLI.
 
 Examples::
 
@@ -8,6 +8,8 @@ Examples::
     pagedserve bench latency --input-len 512 --output-len 128
     pagedserve bench serve --base-url http://127.0.0.1:8000 --request-rates 1,2,4,inf --plot sweep.png
     pagedserve bench memory --output-json mem.json --plot mem.png    # KV memory holding tokens: paged vs static
+    pagedserve bench kernels --op matmul --rows 1,32,256                # the CPU kernels against their peers
+    pagedserve bench kernels --op all --tiny                            # every kernel benchmark in seconds (smoke)
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from pagedserve.bench.datasets import add_dataset_args
+    from pagedserve.bench.kernels import add_kernels_args, cmd_kernels
     from pagedserve.bench.latency import add_latency_args, cmd_latency
     from pagedserve.bench.memory import add_memory_args, cmd_memory
     from pagedserve.bench.serve import add_serve_args, cmd_serve_bench
@@ -68,4 +71,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_dataset_args(m)
     EngineConfig.add_cli_args(m)
     m.set_defaults(func=cmd_memory)
+
+    k = sub.add_parser(
+        "kernels",
+        help="the CPU kernels alone against their peers on this host: --op matmul|attention|fused|kv_int8|step|sampler|all",
+        formatter_class=_HelpFormatter,
+    )
+    add_kernels_args(k)
+    k.set_defaults(func=cmd_kernels)
     return bench
