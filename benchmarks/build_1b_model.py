@@ -13,7 +13,9 @@ benchmarks ignore EOS, so every request still makes exactly the tokens asked for
 
 ``--gguf`` also writes ``DIR/model-bf16.gguf`` with llama.cpp's converter
 (``benchmarks/llamacpp_setup.sh convert``). Default DIR: ~/.cache/pagedserve-bench/llama-1b-shapes.
-An existing complete DIR is reused (``--force`` rebuilds it).
+An existing complete DIR is reused (``--force`` rebuilds it). ``--tiny`` (a smoke run) builds the
+same way a 2-layer, hidden-256 model into DIR-tiny (default ~/.cache/pagedserve-bench/llama-1b-shapes-tiny),
+and with ``--gguf`` converts it only where llama.cpp's converter is already unpacked.
 """
 from __future__ import annotations
 
@@ -108,14 +110,21 @@ def convert_gguf(model_dir: str) -> str:
     return gguf
 
 
+def _converter_unpacked() -> bool:
+    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "llamacpp_setup.sh"), "status"], capture_output=True, text=True)
+    return out.returncode == 0 and "converter: present" in out.stdout
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT, help="model directory to write (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", action="store_true", help=f"also write DIR/{GGUF_NAME} with llama.cpp's converter")
     ap.add_argument("--force", action="store_true", help="rebuild even if DIR is complete")
-    ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 256 (smoke tests of the benchmark scripts only)")
+    ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 256, into DIR-tiny (smoke tests of the benchmark scripts only)")
     args = ap.parse_args()
+    if args.tiny and args.out == DEFAULT_OUT:
+        args.out = DEFAULT_OUT + "-tiny"  # never over the real model
     out = os.path.abspath(os.path.expanduser(args.out))
     if args.force or not os.path.exists(os.path.join(out, ".complete")):
         os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -123,7 +132,9 @@ def main() -> int:
         print(f"model: {out}")
     else:
         print(f"model exists: {out}")
-    if args.gguf:
+    if args.gguf and args.tiny and not _converter_unpacked():
+        print("--tiny: llama.cpp's converter is not unpacked (benchmarks/llamacpp_setup.sh build): no GGUF")
+    elif args.gguf:
         if args.force and os.path.exists(os.path.join(out, GGUF_NAME)):
             os.remove(os.path.join(out, GGUF_NAME))
         print(f"gguf: {convert_gguf(out)}")

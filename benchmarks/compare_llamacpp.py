@@ -18,7 +18,15 @@ llama-cpp-python is not a project dependency. One way to get it and a BF16 GGUF 
 With `--llama-bench PATH` it also runs llama.cpp's own `llama-bench -p 512 -n 128` (pure C,
 no sampling, and its tg128 decodes from an empty context: llama.cpp's best case), built from
 the same sources: `cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build
---target llama-bench` in the sdist's vendor/llama.cpp. Without `--gguf` only that runs.
+--target llama-bench` in the sdist's vendor/llama.cpp (`benchmarks/llamacpp_setup.sh build` does both,
+and its outputs, `$LLAMACPP_CACHE/bin/llama-bench` and `$LLAMACPP_CACHE/smollm2-bf16.gguf`, are the
+defaults of `--llama-bench` and `--gguf` when they exist). Without `--gguf` only llama-bench runs;
+with neither, pagedserve alone.
+
+    .venv/bin/python benchmarks/compare_llamacpp.py --tiny    # smoke run: a tiny random model, llama.cpp only where given
+
+`--tiny` runs llama.cpp only when `--gguf` names a GGUF of the tiny model. Appends its figures to
+benchmarks/results/compare_llamacpp.jsonl.
 
 The llama-cpp-python side runs in the interpreter given (it needs only llama_cpp); the
 pagedserve side runs `.venv/bin/pagedserve bench latency --dtype bfloat16` as a subprocess. Prompts for
@@ -37,6 +45,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMACPP_CACHE = os.environ.get("LLAMACPP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve-llamacpp"))
 
 
 def _text() -> str:
@@ -80,9 +89,11 @@ def llama_bench(path: str, gguf: str, input_len: int, output_len: int, threads: 
     return {"prefill_tok_s": by["pp"], "decode_tok_s": by["tg"]}
 
 
-def pagedserve_latency(input_len: int, output_len: int, iters: int) -> dict:
-    cmd = [os.path.join(ROOT, ".venv", "bin", "pagedserve"), "bench", "latency", "--dtype", "bfloat16",
-           "--input-len", str(input_len), "--output-len", str(output_len), "--num-iters", str(iters)]
+def pagedserve_latency(input_len: int, output_len: int, iters: int, model=None, tiny: bool = False) -> dict:
+    exe = os.path.join(ROOT, ".venv", "bin", "pagedserve")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "pagedserve.entrypoints.cli"]
+    cmd += ["bench", "latency", "--dtype", "bfloat16", "--input-len", str(input_len), "--output-len", str(output_len), "--num-iters", str(iters)]
+    cmd += (["--model", model] if model else []) + (["--num-iters-warmup", "1", "--kv-cache-memory", "32000000"] if tiny else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     pre = re.search(r"prefill \d+ tokens: TTFT ([\d.]+) ms median \(([\d.]+) tok/s", out)
     dec = re.search(r"decode \d+ tokens .*?: ([\d.]+) tok/s median", out)
@@ -92,23 +103,48 @@ def pagedserve_latency(input_len: int, output_len: int, iters: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", required=True, help="BF16 GGUF of the same model, for llama.cpp")
-    ap.add_argument("--llama-bench", default=None, help="path of a llama-bench binary: run it too")
+    ap.add_argument("--gguf", default=None, help="BF16 GGUF of the same model, for llama.cpp (default: $LLAMACPP_CACHE/smollm2-bf16.gguf if there)")
+    ap.add_argument("--llama-bench", default=None, help="path of a llama-bench binary: run it too (default: $LLAMACPP_CACHE/bin/llama-bench if there)")
     ap.add_argument("--no-python-bindings", action="store_true", help="skip llama-cpp-python (llama-bench only)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--iters", type=int, default=3, help="measured iterations per round (median)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two engines")
+    ap.add_argument("--model", default=None, help="pagedserve's model (default: SmolLM2-135M-Instruct; the GGUF must hold the same weights)")
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 32-token prompt, 8 tokens, one round")
     args = ap.parse_args()
+    if args.tiny:
+        sys.path.insert(0, ROOT)
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.input_len, args.output_len, args.iters, args.rounds = 32, 8, 1, 1
+    elif args.gguf is None and os.path.exists(os.path.join(LLAMACPP_CACHE, "smollm2-bf16.gguf")) and args.model is None:
+        args.gguf = os.path.join(LLAMACPP_CACHE, "smollm2-bf16.gguf")
+    if args.llama_bench is None and os.path.exists(os.path.join(LLAMACPP_CACHE, "bin", "llama-bench")):
+        args.llama_bench = os.path.join(LLAMACPP_CACHE, "bin", "llama-bench")
+    use_bench = bool(args.llama_bench and args.gguf)
+    use_python = bool(args.gguf and not args.no_python_bindings)
+    if use_python:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            if not args.tiny:
+                raise SystemExit("llama-cpp-python is not installed in this interpreter: see the top of this file, or --no-python-bindings")
+            use_python = False
+    if not (use_bench or use_python):
+        print("no llama.cpp side here (no --gguf, or neither llama-bench nor llama-cpp-python): pagedserve alone")
     print(f"batch 1, {args.input_len}-token prompts, {args.output_len} output tokens, {args.threads} threads, median of {args.iters}")
+    rounds = []
     for r in range(args.rounds):
         peers = {}
-        if args.llama_bench:
+        if use_bench:
             peers["llama-bench"] = llama_bench(args.llama_bench, args.gguf, args.input_len, args.output_len, args.threads)
-        if not args.no_python_bindings:
+        if use_python:
             peers["llama-cpp-python"] = llamacpp_latency(args.gguf, args.input_len, args.output_len, args.threads, args.iters)
-        ps = pagedserve_latency(args.input_len, args.output_len, args.iters)
+        ps = pagedserve_latency(args.input_len, args.output_len, args.iters, args.model, args.tiny)
+        rounds.append({"pagedserve": ps, **peers})
         bw = f"{ps['bandwidth_gb_s']:.1f} GB/s" if ps["bandwidth_gb_s"] else "n/a"
         print(f"round {r + 1} (memory read {bw}): pagedserve prefill {ps['prefill_tok_s']:.0f} tok/s, decode {ps['decode_tok_s']:.1f} tok/s")
         for name, lc in peers.items():
@@ -117,6 +153,11 @@ def main() -> int:
                 f" -> pagedserve / it: prefill {ps['prefill_tok_s'] / lc['prefill_tok_s']:.2f}x, decode {ps['decode_tok_s'] / lc['decode_tok_s']:.2f}x"
             )
         sys.stdout.flush()
+    sys.path.insert(0, ROOT)
+    from pagedserve.bench.results import record
+
+    record("compare_llamacpp", {"input_len": args.input_len, "output_len": args.output_len, "threads": args.threads, "iters": args.iters,
+                                "rounds": rounds}, tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct", "gguf": args.gguf})
     return 0
 
 

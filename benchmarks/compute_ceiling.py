@@ -19,6 +19,9 @@
 
     .venv/bin/python benchmarks/compute_ceiling.py [--model DIR] [--threads 2] [--cold-mib 256]
         [--rows 1,16,32,64,128,512] [--rounds 5]
+    .venv/bin/python benchmarks/compute_ceiling.py --tiny     # smoke run: short loops, a tiny model, seconds
+
+Appends its figures to benchmarks/results/compute_ceiling.jsonl.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import time
 import torch
 
 from pagedserve.bench.datasets import sample_random
+from pagedserve.bench.results import record
 from pagedserve.bench.flops import measure_matmul_flops, model_flops, projection_shapes
 from pagedserve.bench.throughput import load_tokenizer_and_config
 from pagedserve.model.loader import cpu_has_bf16
@@ -194,7 +198,14 @@ def main() -> None:
     ap.add_argument("--cold-mib", type=int, default=256, help="weights each timed pass of 2. reads (MiB; beyond the last-level cache)")
     ap.add_argument("--rows", default="1,16,32,64,128,512")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="smoke run: short loops, 8 MiB passes, rows 1,16, a tiny random model")
     args = ap.parse_args()
+    iters = 100_000_000
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.rows, args.rounds, args.cold_mib, iters = "1,16", 1, 8, 2_000_000
     cores = len(os.sched_getaffinity(0))
     if not 1 <= args.threads <= cores:
         ap.error(f"--threads must be 1 .. {cores} (the cores this process may use): more threads than cores understate the peak")
@@ -208,7 +219,7 @@ def main() -> None:
     if min(rows) < 1:
         ap.error("--rows must be positive")
 
-    peaks = {t: fma_peak(t) for t in sorted({1, args.threads})}
+    peaks = {t: fma_peak(t, iters) for t in sorted({1, args.threads})}
     lanes, peak = peaks[args.threads]
     print(f"1. FMA peak (float32, {lanes} lanes): " + ", ".join(f"{t} thread(s) {p:.1f} GFLOP/s" for t, (_, p) in peaks.items()))
     if cpu_has_bf16():
@@ -217,10 +228,12 @@ def main() -> None:
     _, tokenizer, cfg = load_tokenizer_and_config(args.model)
     probe = measure_matmul_flops(cfg.hidden_size, cfg.intermediate_size, torch.bfloat16, seconds=1.0) / 1e9
     print(f"2. bench's matmul probe (MFU's denominator): {probe:.1f} GFLOP/s ({probe / peak:.0%} of the FMA peak)")
+    matmul = {}
     if avx2_bf16(torch.bfloat16):
         print(f"   the engine's bf16 matmul (avx2_gemm.c), cold ({args.cold_mib} MiB a pass), {args.threads} threads, GFLOP/s and share of the FMA peak:")
         for m, (layers, head) in avx2_matmul(cfg, rows, args.rounds, args.threads, args.cold_mib << 20).items():
             print(f"   {m:5d} rows: decoder layers {layers:6.1f} ({layers / peak:5.1%}), LM head {head:6.1f} ({head / peak:5.1%})")
+            matmul[m] = {"decoder_layers_gflop_s": layers, "lm_head_gflop_s": head}
     else:
         print("   the engine's bf16 matmul here is not avx2_gemm.c (AMX, AVX512-BF16 or oneDNN): not measured")
 
@@ -231,6 +244,9 @@ def main() -> None:
     t = flops / (peak * 1e9)
     print(f"3. W1 ({len(reqs)} requests, {prompt} prompt + {out} output tokens): {flops / 1e12:.2f} TFLOP of matmuls, "
           f"{t:.1f} s at the FMA peak: at most {out / t:.0f} output tok/s with all else free (target 1: 750)")
+    record("compute_ceiling", {"threads": args.threads, "fma_lanes": lanes, "fma_peak_gflop_s": {t: p for t, (_, p) in peaks.items()},
+                               "matmul_probe_gflop_s": probe, "avx2_matmul": matmul, "w1_tflop": flops / 1e12,
+                               "w1_ceiling_output_tok_s": out / t}, tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ time to first token, output throughput (tokens/s over the run's wall time), and 
 requests split over the replicas (``request_success_total`` by engine).
 
     .venv/bin/python benchmarks/dp_routing.py                      # SmolLM2-135M, 1 thread/replica
-    .venv/bin/python benchmarks/dp_routing.py --model /tmp/tiny --systems 2 --users 2 --turns 2 \\
-        --system-words 40 --max-tokens 4                           # a smoke run
+    .venv/bin/python benchmarks/dp_routing.py --tiny               # smoke run: a tiny random model, 2 x 2 users, 2 turns
 
-Numbers need a quiet machine with at least 2T free cores; this script only measures.
+Numbers need a quiet machine with at least 2T free cores; this script only measures. Appends its
+figures to benchmarks/results/dp_routing.jsonl.
 """
 from __future__ import annotations
 
@@ -193,7 +193,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default="/tmp")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 2 system prompts x 2 users x 2 turns")
     args = ap.parse_args()
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.systems, args.users, args.turns, args.system_words, args.max_tokens = 2, 2, 2, 40, 4
+        args.kv_cache_memory = args.kv_cache_memory or 32 << 20
     convs = make_conversations(args)
     dp = ["--data-parallel-size", "2", "--threads-per-replica", str(args.threads)]
     configs = [("dp2-round-robin", dp + ["--router", "round-robin"]), ("dp2-kv-aware", dp + ["--router", "kv-aware"]),
@@ -208,6 +215,11 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
+    from pagedserve.bench.results import record
+
+    record("dp_routing", {"users": len(convs), "turns": args.turns, "systems": args.systems, "system_words": args.system_words,
+                          "max_tokens": args.max_tokens, "threads_per_replica": args.threads, "dtype": args.dtype, "configs": results},
+           tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
     return 0
 
 

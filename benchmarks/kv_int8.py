@@ -12,6 +12,10 @@ Capacity: blocks in the same KV memory. Speed, interleaved bf16 / int8 for `--ro
 at 3,000 tokens of context (128 steps; the prefill's time subtracted).
 
     PYTHONPATH=. .venv/bin/python benchmarks/kv_int8.py [--rounds 2] [--skip-speed] [--output-json F]
+    PYTHONPATH=. .venv/bin/python benchmarks/kv_int8.py --tiny     # smoke run: a tiny random model, every part, seconds
+
+The kernels alone (int8 against bf16 decode attention, the quantizing KV write):
+``pagedserve bench kernels --op kv_int8``. Appends its figures to benchmarks/results/kv_int8.jsonl.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import tempfile
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's package, and benchmarks.kv_int8 for the decode subprocess
+from pagedserve.bench.results import record  # noqa: E402
 
 
 def _text_windows(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -50,17 +56,17 @@ class _Recorder:
         return res
 
 
-def quality(n_prompts: int, out_len: int, threads: int) -> dict:
+def quality(n_prompts: int, out_len: int, threads: int, model=None) -> dict:
     from pagedserve import LLM, SamplingParams
 
-    llms = {kvd: LLM(dtype="bfloat16", kv_cache_dtype=kvd, num_threads=threads, kv_cache_memory_bytes=256 << 20,
+    llms = {kvd: LLM(model, dtype="bfloat16", kv_cache_dtype=kvd, num_threads=threads, kv_cache_memory_bytes=256 << 20,
                      max_model_len=1024, enable_prefix_caching=False) for kvd in ("auto", "int8")}
     prompts = _text_windows(llms["auto"].get_tokenizer(), n_prompts, 256)
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     answers = {kvd: [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
                for kvd, llm in llms.items()}
     common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), out_len) for x, y in zip(answers["auto"], answers["int8"])]
-    short = [min(c, 64) for c in common[:8]]
+    short = [min(c, 64) for c in common[:8]] or [0]
     kls = []
     for p in prompts:
         recs, ref = {}, None
@@ -89,11 +95,16 @@ def quality(n_prompts: int, out_len: int, threads: int) -> dict:
     }
 
 
-def throughput(kvd: str, threads: int) -> float:
+def throughput(kvd: str, threads: int, model=None, tiny: bool = False) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         path = fh.name
-    cmd = [os.path.join(os.path.dirname(sys.executable), "pagedserve"), "bench", "throughput", "--backend", "pagedserve",
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput", "--backend", "pagedserve",
            "--dtype", "bfloat16", "--kv-cache-dtype", kvd, "--num-threads", str(threads), "--output-json", path]
+    if model:
+        cmd += ["--model", model]
+    if tiny:
+        cmd += ["--num-prompts", "4", "--min-input-len", "16", "--max-input-len", "64", "--output-len", "4",
+                "--peak-measure-seconds", "0.2", "--kv-cache-memory", "32000000"]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(path) as fh:
         res = json.load(fh)
@@ -101,7 +112,7 @@ def throughput(kvd: str, threads: int) -> float:
     return float(res["results"]["pagedserve"]["output_tokens_per_s"])
 
 
-def long_decode(kvd: str, threads: int, n: int = 16, prompt_len: int = 3000, out_len: int = 128) -> float:
+def long_decode(kvd: str, threads: int, n: int = 16, prompt_len: int = 3000, out_len: int = 128, model=None) -> float:
     """Decode tok/s of ``n`` sequences at ~``prompt_len`` tokens of context: the time of
     generating ``out_len + 1`` tokens minus the time of generating 1 (the prefill), on distinct
     prompts with prefix caching off, in a subprocess so the two caches never share the cores."""
@@ -109,7 +120,7 @@ def long_decode(kvd: str, threads: int, n: int = 16, prompt_len: int = 3000, out
 import time, torch
 from pagedserve import LLM, SamplingParams
 import benchmarks.kv_int8 as b
-llm = LLM(dtype="bfloat16", kv_cache_dtype={kvd!r}, num_threads={threads}, kv_cache_memory_bytes=3 << 30,
+llm = LLM({model!r}, dtype="bfloat16", kv_cache_dtype={kvd!r}, num_threads={threads}, kv_cache_memory_bytes={3 << 30 if model is None else 64 << 20},
           max_model_len={prompt_len + out_len + 16}, enable_prefix_caching=False, max_num_seqs={n})
 ps = b._text_windows(llm.get_tokenizer(), {2 * n}, {prompt_len})
 def t(prompts, k):
@@ -137,11 +148,18 @@ def main() -> int:
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 2 prompts x 8 tokens, one small speed round")
     args = ap.parse_args()
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.prompts, args.output_len, args.rounds = 2, 8, 1
     torch.set_num_threads(args.threads)
     result: dict = {}
     if not args.skip_quality:
-        q = quality(args.prompts, args.output_len, args.threads)
+        q = quality(args.prompts, args.output_len, args.threads, args.model)
         result["quality"] = q
         print(f"quality over {q['prompts']} prompts x {q['output_len']} tokens: mean common prefix {q['mean_common_prefix']:.1f}, "
               f"identical answers {q['identical_answers']}/{q['prompts']}, mean KL {q['mean_kl_nats']:.2e} nats "
@@ -154,11 +172,17 @@ def main() -> int:
         for r in range(args.rounds):
             for name, wl in WORKLOADS.items():
                 for kvd in ("auto", "int8"):
-                    speed[name][kvd].append(throughput(kvd, args.threads) if name == "W1" else long_decode(kvd, args.threads))
+                    if name == "W1":
+                        speed[name][kvd].append(throughput(kvd, args.threads, args.model, args.tiny))
+                    elif args.tiny:
+                        speed[name][kvd].append(long_decode(kvd, args.threads, n=2, prompt_len=64, out_len=4, model=args.model))
+                    else:
+                        speed[name][kvd].append(long_decode(kvd, args.threads, model=args.model))
                 a, b = speed[name]["auto"][-1], speed[name]["int8"][-1]
                 unit = "out tok/s" if name == "W1" else "decode tok/s"
                 print(f"round {r + 1} {name}: bf16 {a:.1f} {unit}, int8 {b:.1f} ({b / a:.2f}x)", flush=True)
         result["speed"] = speed
+    record("kv_int8", result, tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
     if args.output_json:
         with open(args.output_json, "w") as fh:
             json.dump(result, fh, indent=1)

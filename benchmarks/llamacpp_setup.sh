@@ -8,6 +8,8 @@
 #   benchmarks/llamacpp_setup.sh convert HF_DIR OUT.gguf   # BF16 GGUF of an HF LlamaForCausalLM dir
 #   benchmarks/llamacpp_setup.sh smollm2 [OUT.gguf]    # BF16 GGUF of pagedserve's default model (SmolLM2)
 #   benchmarks/llamacpp_setup.sh paths                 # print where things are
+#   benchmarks/llamacpp_setup.sh status                # and which of them exist (no download, no build)
+#   benchmarks/llamacpp_setup.sh --tiny                # smoke run: the same as status
 #
 # Environment: LLAMACPP_CACHE (default ~/.cache/pagedserve-llamacpp), LLAMACPP_SDIST (a
 # llama_cpp_python-$VERSION.tar.gz already downloaded; otherwise `pip download` fetches it),
@@ -107,11 +109,22 @@ PY
   convert "$hf" "$out"
 }
 
+status() {
+  echo "cache=$CACHE"
+  local item name path
+  for item in "llama-server:$BIN/llama-server" "llama-bench:$BIN/llama-bench" "converter:$LLAMA/convert_hf_to_gguf.py" \
+              "smollm2-gguf:$CACHE/smollm2-bf16.gguf"; do
+    name=${item%%:*}; path=${item#*:}
+    if [[ -e $path ]]; then echo "$name: present $path"; else echo "$name: absent $path"; fi
+  done
+}
+
 case "${1:-build}" in
   build) build ;;
   convert) [[ $# -eq 3 ]] || { echo "usage: $0 convert HF_DIR OUT.gguf" >&2; exit 2; }; convert "$2" "$3" ;;
   smollm2) smollm2 "${2:-}" ;;
   paths) echo "cache=$CACHE"; echo "llama-server=$BIN/llama-server"; echo "llama-bench=$BIN/llama-bench";
          echo "converter=$LLAMA/convert_hf_to_gguf.py"; echo "smollm2-gguf=$CACHE/smollm2-bf16.gguf" ;;
-  *) echo "usage: $0 {build|convert HF_DIR OUT.gguf|smollm2 [OUT.gguf]|paths}" >&2; exit 2 ;;
+  status|--tiny) status ;;
+  *) echo "usage: $0 {build|convert HF_DIR OUT.gguf|smollm2 [OUT.gguf]|paths|status|--tiny}" >&2; exit 2 ;;
 esac

@@ -9,6 +9,9 @@
 
     python benchmarks/overload.py                      # SmolLM2, float32, 4x for 60 s
     python benchmarks/overload.py --duration-s 20 --max-queued 8
+    python benchmarks/overload.py --tiny                # smoke run: a tiny random model, seconds
+
+Appends its figures to benchmarks/results/overload.jsonl.
 """
 from __future__ import annotations
 
@@ -86,7 +89,14 @@ def main() -> int:
     ap.add_argument("--duration-s", type=float, default=60)
     ap.add_argument("--max-queued", type=int, default=16)
     ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 2 s probe, 3 s of at most 30 req/s")
     args = ap.parse_args()
+    warm_s, max_rate = 3.0, float("inf")
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.concurrency, args.probe_s, args.duration_s, args.max_queued, warm_s, max_rate = 4, 2.0, 3.0, 4, 0.5, 30.0
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from app_utils import kv_idle, serve, tiny_async_llm
 
@@ -98,9 +108,9 @@ def main() -> int:
     results = {}
     try:
         with serve(llm, ServerArgs(max_queued_requests=args.max_queued)) as base:
-            asyncio.run(closed_loop(base, name, args.concurrency, 3))  # warm-up
+            asyncio.run(closed_loop(base, name, args.concurrency, warm_s))  # warm-up
             capacity = asyncio.run(closed_loop(base, name, args.concurrency, args.probe_s))
-            rate = args.overload * capacity
+            rate = min(args.overload * capacity, max_rate)
             print(f"capacity {capacity:.2f} req/s at concurrency {args.concurrency}; offering {rate:.2f} req/s for {args.duration_s:.0f} s")
             results["capped"] = asyncio.run(open_loop(base, name, rate, args.duration_s, 1))
             kv_idle(llm, 120)
@@ -115,6 +125,11 @@ def main() -> int:
               f"503 p99 {r['refused_p99'] * 1000:5.1f} ms | run {r['wall_s']:.0f} s")
     c, u = results["capped"], results["uncapped"]
     print(f"uncapped / capped: p99 latency x{u['p99'] / c['p99']:.1f}, max x{u['max'] / c['max']:.1f}")
+    from pagedserve.bench.results import record
+
+    record("overload", {"concurrency": args.concurrency, "capacity_req_s": capacity, "offered_req_s": rate, "duration_s": args.duration_s,
+                        "max_queued": args.max_queued, "capped": results["capped"], "uncapped": results["uncapped"]},
+           tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
     return 0
 
 

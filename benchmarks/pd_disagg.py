@@ -18,11 +18,13 @@ What vLLM reports: disaggregation does not raise throughput; it takes prefills o
 instance, so decode ITL is flatter (p99 close to the mean) while TTFT pays for the transfer.
 
     python benchmarks/pd_disagg.py                           # SmolLM2, rates 0.5,1,2, 32 prompts
-    python benchmarks/pd_disagg.py --quick                   # smoke: 3 short prompts, one rate
+    python benchmarks/pd_disagg.py --quick                   # 3 short prompts, one rate
+    python benchmarks/pd_disagg.py --tiny                    # smoke run: --quick on a tiny random model, float32
     python benchmarks/pd_disagg.py --only pd --serve-args "--dtype float32" --result-json pd.json
 
 Every process it starts runs in its own process group and is stopped (SIGINT, then SIGKILL
-after 15 s) on exit, failure, Ctrl-C or SIGTERM. Logs go to ``--log-dir`` (a temp dir).
+after 15 s) on exit, failure, Ctrl-C or SIGTERM. Logs go to ``--log-dir`` (a temp dir). Appends
+its figures to benchmarks/results/pd_disagg.jsonl.
 """
 from __future__ import annotations
 
@@ -278,7 +280,14 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds an instance may take to answer /health")
     ap.add_argument("--log-dir", default=None, help="instance logs and bench JSONs (default: a temp dir)")
     ap.add_argument("--result-json", default=None, help="write everything measured here")
+    ap.add_argument("--tiny", action="store_true", help="smoke run: --quick on a tiny random model in float32")
     args = ap.parse_args()
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.quick = True
+        args.serve_args = args.serve_args or "--dtype float32 --kv-cache-memory 32000000"
     if args.quick:
         args.num_prompts, args.long_input_len, args.min_input_len, args.max_input_len, args.output_len = 3, 256, 16, 32, 8
         args.rates = args.rates if args.rates != ap.get_default("rates") else "4"
@@ -303,6 +312,11 @@ def main() -> int:
         with open(args.result_json, "w") as fh:
             json.dump(res, fh, indent=2)
         print(f"results written to {args.result_json}")
+    from pagedserve.bench.results import record
+
+    record("pd_disagg", {k: v for k, v in res.items() if k != "args"}, tiny=args.tiny,
+           extra={"model": args.model or "SmolLM2-135M-Instruct", "rates": args.rate_list, "num_prompts": args.num_prompts,
+                  "serve_args": args.serve_args})
     return 0
 
 

@@ -9,8 +9,10 @@ compared too.
 
     .venv/bin/python benchmarks/prefix_caching.py                # SmolLM2-135M-Instruct, bf16
     .venv/bin/python benchmarks/prefix_caching.py --threads 1 --dtype float32
+    .venv/bin/python benchmarks/prefix_caching.py --tiny       # smoke run: a tiny random model, seconds
 
-Not part of the test suite (it takes minutes on a 2-core CPU).
+It takes minutes on a 2-core CPU; tests/test_benchmark_scripts.py runs its ``--tiny`` mode.
+Appends its figures to benchmarks/results/prefix_caching.jsonl.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import time
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.bench.results import record
 
 WORDS = (
     "account order refund shipping warranty invoice delivery customer policy product return "
@@ -97,7 +100,14 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 2 x 3 requests, 4 output tokens")
     args = ap.parse_args()
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.systems, args.questions, args.system_tokens, args.question_tokens, args.output_tokens = 2, 3, 48, 8, 4
+        args.kv_cache_memory, args.max_num_seqs = 32 << 20, 8
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -137,6 +147,13 @@ def main() -> None:
         f"prefill tokens {off['computed_prefill_tokens'] / max(1, on['computed_prefill_tokens']):.2f}x; "
         f"identical greedy outputs: {same}/{len(prompts)}"
     )
+    keep = ("total_s", "mean_ttft_s", "p50_ttft_s", "first_wave_ttft_s", "prompt_tokens", "computed_prefill_tokens", "output_tokens",
+            "hit_rate", "preemptions")
+    record("prefix_caching", {
+        "requests": len(prompts), "systems": args.systems, "questions": args.questions, "output_tokens": args.output_tokens,
+        "dtype": args.dtype, "threads": torch.get_num_threads(), "caching_off": {k: off[k] for k in keep},
+        "caching_on": {k: on[k] for k in keep}, "identical_outputs": same,
+    }, tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ Splits wall time of a step into: schedule (core), prepare inputs (flat batch, sl
 attention metadata), model forward (incl. logits), sampling, and update + detokenize
 (frontend). The issue-5 target is "CPU time outside the model forward under 10 % of the step".
 
-    .venv/bin/python benchmarks/profile_step.py [--num-requests 64] [--prompt-len 256] [--steps 20]
+    .venv/bin/python benchmarks/profile_step.py [--num-requests 64] [--prompt-len 256] [--steps 20] [--model DIR]
+    .venv/bin/python benchmarks/profile_step.py --tiny      # smoke run: a tiny random model, seconds
+
+Appends its figures to benchmarks/results/profile_step.jsonl.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import time
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.bench.results import record
 
 
 def main() -> None:
@@ -23,9 +27,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 8 requests, 3 steps")
     args = ap.parse_args()
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
 
-    llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=1 << 30, max_num_seqs=args.num_requests, enable_prefix_caching=False)
+        args.model = args.model or tiny_model_dir()
+        args.num_requests, args.prompt_len, args.steps = 8, 32, 3
+
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=(32 << 20) if args.tiny else (1 << 30), max_num_seqs=args.num_requests, enable_prefix_caching=False)
     eng = llm.llm_engine
     runner = eng.core.worker.model_runner
     rng = random.Random(0)
@@ -76,6 +87,10 @@ def main() -> None:
         print(f"  {name:20s} {1e3 * v / n:8.2f} ms  {100 * v / total:5.1f} %")
     outside = total - timings["forward"]
     print(f"outside the forward  {1e3 * outside / n:8.2f} ms  {100 * outside / total:5.1f} % of the step")
+    record("profile_step", {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "steps": n, "dtype": args.dtype,
+                            "threads": torch.get_num_threads(), "step_ms": 1e3 * total / n,
+                            "parts_ms": {name: 1e3 * v / n for name, v in rows}, "outside_forward_share": outside / total},
+           tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
     eng.abort_request(list(eng.output_processor.request_states))
 
 

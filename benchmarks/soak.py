@@ -10,7 +10,10 @@ engine's answer for the same prompt ids.
     python benchmarks/soak.py --requests 3000 --concurrency 32          # SmolLM2, float32
     python benchmarks/soak.py --requests 3000 --model /path/to/model
 
-tests/test_soak.py runs the CI-sized version (a tiny random model, 300 requests).
+    python benchmarks/soak.py --tiny                                    # smoke run: a tiny random model, 24 requests
+
+tests/test_soak.py runs the CI-sized version (a tiny random model, 300 requests). Appends its
+figures to benchmarks/results/soak.jsonl.
 """
 from __future__ import annotations
 
@@ -256,7 +259,14 @@ def main() -> int:
     ap.add_argument("--max-prompt-words", type=int, default=200)
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=6, help="split the requests into rounds; figures printed after each")
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 24 requests at 8 clients, one round")
     args = ap.parse_args()
+    warm = 100
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.requests, args.concurrency, args.rounds, args.max_tokens, args.max_prompt_words, warm = 24, 8, 1, 8, 40, 8
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from app_utils import kv_idle, serve, tiny_async_llm
 
@@ -266,7 +276,7 @@ def main() -> int:
     name = llm.served_model_names[0]
     try:
         with serve(llm) as base:
-            warm_figs, _ = asyncio.run(run_soak(base, name, 100, args.concurrency, args.seed + 1, args.max_prompt_words, args.max_tokens))
+            warm_figs, _ = asyncio.run(run_soak(base, name, warm, args.concurrency, args.seed + 1, args.max_prompt_words, args.max_tokens))
             kv_idle(llm, 60)
             before = process_figures()
             t0 = time.monotonic()
@@ -300,6 +310,14 @@ def main() -> int:
         print("  NEAR-TIE", m[:400])
     for m in figs.greedy_mismatched[:5]:
         print("  MISMATCH", m)
+    from pagedserve.bench.results import record
+
+    record("soak", {"requests": figs.sent, "concurrency": args.concurrency, "wall_s": wall, "completed": figs.completed,
+                    "aborted": figs.aborted, "disconnected": figs.disconnected, "timeouts": figs.timeouts,
+                    "statuses": {str(k): v for k, v in dict(figs.statuses).items()},
+                    "blocks_free": [stats.num_free_blocks, stats.num_total_blocks], "before": before, "after": after,
+                    "greedy_checked": figs.greedy_checked, "greedy_near_ties": ties, "greedy_mismatched": len(figs.greedy_mismatched)},
+           tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
     return 1 if figs.greedy_mismatched or stats.num_free_blocks != stats.num_total_blocks else 0
 
 

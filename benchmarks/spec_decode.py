@@ -14,6 +14,9 @@ tokens per second, the ratio, the share of drafts kept and the tokens per verifi
 
     .venv/bin/python benchmarks/spec_decode.py [--k 4] [--rounds 2] [--requests 8] [--batch 8] [--threads 2]
         [--workloads edit,w1] [--disable-by-batch-size N] [--logprobs K] [--repetition-penalty R] [--frequency-penalty F]
+    .venv/bin/python benchmarks/spec_decode.py --tiny     # smoke run: a tiny random model, every workload, seconds
+
+Appends its figures to benchmarks/results/spec_decode.jsonl.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import statistics
 import time
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.bench.results import record
 
 EDIT_FUNCTIONS = ["textwrap.dedent", "shlex.quote", "shlex.join", "colorsys.hls_to_rgb", "textwrap.indent",
                   "heapq.nsmallest", "string.capwords", "json.dumps", "colorsys.rgb_to_hls", "base64.b64encode",
@@ -95,29 +99,42 @@ def main() -> None:
     ap.add_argument("--logprobs", type=int, default=None, help="logprobs of every request (top-k per token)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 2 requests of 12 tokens per workload")
     args = ap.parse_args()
+    out_len = {"edit": 384, "json": 256, "w1": 128}
+    engine_kw: dict = {}
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.rounds, args.requests, args.batch = 1, 2, 2
+        out_len = {k: 12 for k in out_len}
+        engine_kw = {"kv_cache_memory_bytes": 32 << 20}
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min,
             "disable_by_batch_size": args.disable_by_batch_size}
-    engines = {"no drafts": LLM(num_threads=args.threads), "ngram": LLM(num_threads=args.threads, speculative_config=spec)}
+    engines = {"no drafts": LLM(args.model, num_threads=args.threads, **engine_kw),
+               "ngram": LLM(args.model, num_threads=args.threads, speculative_config=spec, **engine_kw)}
+    figures = []
     extra = {"logprobs": args.logprobs, "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty}
     print(f"speculative_config {spec}, {args.threads} threads, {args.rounds} rounds alternating, greedy with {extra}")
     for workload in args.workloads.split(","):
         if workload == "edit":
             requests = edit_requests(args.requests)
-            params = [SamplingParams(temperature=0, max_tokens=384, **extra)] * len(requests)
+            params = [SamplingParams(temperature=0, max_tokens=out_len["edit"], **extra)] * len(requests)
         elif workload == "json":
             from pagedserve.sampling_params import StructuredOutputsParams
 
             requests = json_requests(args.requests)
-            params = [SamplingParams(temperature=0, max_tokens=256, structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA),
+            params = [SamplingParams(temperature=0, max_tokens=out_len["json"], structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA),
                                      **extra)] * len(requests)
         else:
             from pagedserve.bench.datasets import sample_random
 
             tok = engines["no drafts"].get_tokenizer()
-            reqs = sample_random(tok, args.requests, (64, 512), (128, 128), seed=0)
+            reqs = sample_random(tok, args.requests, (64, 512), (out_len["w1"], out_len["w1"]), seed=0)
             requests = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-            params = [SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, **extra)] * len(requests)
+            params = [SamplingParams(temperature=0, max_tokens=out_len["w1"], ignore_eos=True, **extra)] * len(requests)
         run(engines["ngram"], workload, requests[:1], params[:1], 1)  # warm-up
         run(engines["no drafts"], workload, requests[:1], params[:1], 1)
         for batch in (1, args.batch):
@@ -138,6 +155,11 @@ def main() -> None:
             print(f"{workload:5s} batch {batch:2d}: no drafts {base:6.1f} tok/s, ngram {ngram:6.1f} tok/s (per round: {ratios}); "
                   f"drafts kept {kept}/{drafts} ({kept / max(drafts, 1):.0%}), {(kept + steps) / max(steps, 1):.2f} tokens per "
                   f"verified decode; outputs identical: {outputs['no drafts'] == outputs['ngram']}")
+            figures.append({"workload": workload, "batch": batch, "no_drafts_tok_s": base, "ngram_tok_s": ngram,
+                            "ratios": [b / a for a, b in zip(rates["no drafts"], rates["ngram"])], "drafts": drafts, "kept": kept,
+                            "verified_decodes": steps, "identical": outputs["no drafts"] == outputs["ngram"]})
+    record("spec_decode", {"speculative_config": spec, "threads": args.threads, "rounds": args.rounds, "requests": args.requests,
+                           "sampling": extra, "runs": figures}, tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
 
 
 if __name__ == "__main__":

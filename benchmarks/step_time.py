@@ -18,10 +18,12 @@ own process, as ``pagedserve serve`` runs it) and, in this order:
     .venv/bin/python benchmarks/step_time.py                      # fixed budget vs 200 ms
     .venv/bin/python benchmarks/step_time.py --targets 0,100,200,400
     .venv/bin/python benchmarks/step_time.py --targets 0,200:0,200:4 --model DIR   # ms:decode multiple
+    .venv/bin/python benchmarks/step_time.py --tiny                    # smoke run: a tiny random model, short scenarios
 
 Every prompt is fresh random token ids (no prefix-cache hits). The engine runs with default
 flags but ``max_step_ms`` (0 = off: the fixed 2,048-token budget), ``max_step_decode_multiple``
-(after a colon; default 4) and a 1 GiB KV cache.
+(after a colon; default 4) and a 1 GiB KV cache. Appends its figures to
+benchmarks/results/step_time.jsonl.
 """
 from __future__ import annotations
 
@@ -103,7 +105,8 @@ async def disconnect_scenario(base: str, model: str, rng: random.Random, llm: An
         for _ in range(args.rounds):
             try:
                 await asyncio.wait_for(stream(client, model, rand_ids(rng, args.disconnect_len), 16), 0.3)
-                raise RuntimeError("the long prompt finished within 0.3 s: make --disconnect-len longer")
+                if not args.tiny:
+                    raise RuntimeError("the long prompt finished within 0.3 s: make --disconnect-len longer")
             except asyncio.TimeoutError:
                 pass  # the client went away mid-prefill
             sent = time.perf_counter()
@@ -126,7 +129,7 @@ def run_setting(target: float, multiple: float, args: argparse.Namespace) -> dic
     from pagedserve.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM(EngineConfig(model=args.model, max_step_ms=target, max_step_decode_multiple=multiple,
-                                kv_cache_memory_bytes=1 << 30), engine_process=True)
+                                kv_cache_memory_bytes=(64 << 20) if args.tiny else (1 << 30)), engine_process=True)
     rng = random.Random(args.seed)
     try:
         with serve(llm) as base:
@@ -135,7 +138,7 @@ def run_setting(target: float, multiple: float, args: argparse.Namespace) -> dic
             # model (when on) have seen both kinds of step.
             async def warm() -> None:
                 async with httpx.AsyncClient(base_url=base, timeout=600) as client:
-                    await asyncio.gather(*(stream(client, model, rand_ids(rng, 64), 32) for _ in range(8)),
+                    await asyncio.gather(*(stream(client, model, rand_ids(rng, 64), 32) for _ in range(2 if args.tiny else 8)),
                                          stream(client, model, rand_ids(rng, args.long_len), 2))
             asyncio.run(warm())
             res: dict[str, Any] = asyncio.run(itl_scenario(base, model, rng, args))
@@ -158,7 +161,13 @@ def main() -> None:
     ap.add_argument("--disconnect-len", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, 4 streams, one 200-token prompt, one round")
     args = ap.parse_args()
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.streams, args.output_len, args.long_len, args.num_long, args.disconnect_len, args.rounds = 4, 12, 200, 1, 3000, 1
     results = {}
     for item in args.targets.split(","):
         ms, _, mult = item.partition(":")
@@ -177,6 +186,11 @@ def main() -> None:
                       f"x{r['out_tok_s'] / f['out_tok_s']:.3f}, prefill tok/s beside decodes x{r['prefill_tok_s'] / f['prefill_tok_s']:.3f}, "
                       f"alone x{f['alone_ttft_s'] / r['alone_ttft_s']:.3f}, worst short request after a disconnect "
                       f"{max(r['disconnect_s']):.2f} s vs {max(f['disconnect_s']):.2f} s")
+    from pagedserve.bench.results import record
+
+    record("step_time", {"streams": args.streams, "output_len": args.output_len, "long_len": args.long_len, "num_long": args.num_long,
+                         "disconnect_len": args.disconnect_len, "by_target": {str(k): v for k, v in results.items()}},
+           tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ loopback gloo); see the README's "Tensor parallelism" section.
 
     .venv/bin/python benchmarks/tp_step_time.py
     .venv/bin/python benchmarks/tp_step_time.py --sizes 1,3 --dtype float32
-    .venv/bin/python benchmarks/tp_step_time.py --model /tmp/tiny --sizes 1,2 --prefill-len 32 --decode-steps 3 --rounds 1
+    .venv/bin/python benchmarks/tp_step_time.py --tiny     # smoke run: a tiny random model, TP 1 and 2, a few steps
+
+Appends its figures to benchmarks/results/tp_step_time.jsonl.
 """
 from __future__ import annotations
 
@@ -85,7 +87,13 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model, TP 1,2, batch 2, 3 decode steps, a 32-token prefill")
     args = ap.parse_args()
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.model = args.model or tiny_model_dir()
+        args.sizes, args.batch, args.decode_steps, args.prefill_len, args.rounds = "1,2", 2, 3, 32, 1
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = {}
     for tp in sizes:
@@ -103,6 +111,11 @@ def main() -> None:
         rd = f"{dec / base[0]:.2f}" if base else "-"
         rp = f"{pre / base[1]:.2f}" if base else "-"
         print(f"{tp:>3} | {dec:>18.2f} | {rd:>6} | {pre:>18.2f} | {rp:>6}")
+    from pagedserve.bench.results import record
+
+    record("tp_step_time", {"dtype": args.dtype, "threads_per_rank": args.threads_per_rank, "batch": args.batch,
+                            "prefill_len": args.prefill_len, "by_tp": {tp: {"decode_ms": d, "prefill_ms": p} for tp, (d, p) in rows.items()}},
+           tiny=args.tiny, extra={"model": args.model or "SmolLM2-135M-Instruct"})
 
 
 if __name__ == "__main__":

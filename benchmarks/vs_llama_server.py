@@ -31,6 +31,11 @@ time / the matmul peak (the offline run's for w1-http; measured here, 1 s, betwe
     .venv/bin/python benchmarks/vs_llama_server.py --scenario w1-http [--rounds 3] [--output-json F]
     .venv/bin/python benchmarks/build_1b_model.py --gguf
     .venv/bin/python benchmarks/vs_llama_server.py --scenario 1b [--rounds 3] [--output-json F]
+    .venv/bin/python benchmarks/vs_llama_server.py --tiny       # smoke run: w1-http on a tiny random model, 4 requests
+
+``--tiny`` runs the llama-server side only when llama-server is built and ``--gguf`` names the
+tiny model's GGUF; otherwise it says so and measures pagedserve alone. Appends its figures to
+benchmarks/results/vs_llama_server.jsonl.
 """
 from __future__ import annotations
 
@@ -84,7 +89,7 @@ def pagedserve_server(args: argparse.Namespace, model: Optional[str], log_dir: s
     cmd = CLI + ["serve"] + ([model] if model else []) + [
         "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--num-threads", str(args.threads),
         "--max-num-seqs", str(max(64, args.concurrency)), "--uvicorn-log-level", "warning",
-    ] + shlex.split(args.pagedserve_args)
+    ] + (["--kv-cache-memory", "32000000"] if args.tiny else []) + shlex.split(args.pagedserve_args)
     return Server("pagedserve", cmd, port, log_dir, env=_env(), cwd=ROOT)
 
 
@@ -130,10 +135,16 @@ def run_rounds(args: argparse.Namespace) -> dict:
     one_b = args.scenario == "1b"
     model = args.model or (MODEL_1B if one_b else None)
     gguf = args.gguf or (os.path.join(MODEL_1B, "model-bf16.gguf") if one_b else os.path.join(LLAMACPP_CACHE, "smollm2-bf16.gguf"))
-    for path, hint in ((gguf, "benchmarks/llamacpp_setup.sh smollm2 (or build_1b_model.py --gguf)"),
-                       (os.path.join(args.llama_bin, "llama-server"), "benchmarks/llamacpp_setup.sh build")):
-        if not os.path.exists(path):
+    if args.tiny and not args.gguf:
+        gguf = None
+    missing = [(path, hint) for path, hint in ((gguf, "benchmarks/llamacpp_setup.sh smollm2 (or build_1b_model.py --gguf)"),
+                                              (os.path.join(args.llama_bin, "llama-server"), "benchmarks/llamacpp_setup.sh build"))
+               if path is None or not os.path.exists(path)]
+    with_llama = not missing
+    for path, hint in missing:
+        if not args.tiny:
             raise SystemExit(f"{path} not found: run {hint}")
+        print(f"--tiny: no llama.cpp side ({path or 'no --gguf'} not found: {hint}); pagedserve alone")
     model_dir = loader.resolve_model(model)
     tok, cfg = loader.load_tokenizer(model_dir), loader.load_config(model_dir)
     flops = model_flops(cfg)
@@ -163,6 +174,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
                          "--num-prompts", str(args.num_prompts), "--min-input-len", str(args.min_input_len),
                          "--max-input-len", str(args.max_input_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
             cmd += (["--model", model] if model else [])
+            cmd += (["--kv-cache-memory", "32000000", "--peak-measure-seconds", "0.2"] if args.tiny else [])
             off = _run_json(cmd, os.path.join(log_dir, f"offline-{i + 1}.json"), os.path.join(log_dir, f"offline-{i + 1}.log"))
             if off["total_prompt_tokens"] != sum(q.prompt_len for q in w1):
                 raise RuntimeError(f"offline run built other requests ({off['total_prompt_tokens']} prompt tokens, expected {sum(q.prompt_len for q in w1)})")
@@ -172,7 +184,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
         # pagedserve's HTTP run sits next to both its peers, and the order turns round every other
         # round, so that a steady drift of the host favours each side equally over pairs of rounds.
         servers = {"pagedserve_http": lambda: pagedserve_server(args, model, log_dir), "llama_server_http": lambda: llama_server(args, gguf, log_dir)}
-        order = ([] if one_b or args.no_offline else ["pagedserve_offline"]) + ["pagedserve_http", "llama_server_http"]
+        order = ([] if one_b or args.no_offline else ["pagedserve_offline"]) + ["pagedserve_http"] + (["llama_server_http"] if with_llama else [])
         r["order"] = order = order if i % 2 == 0 else order[::-1]
         for k in order:
             r["probe_gflops"][k] = cpu_probe_gflops()
@@ -182,7 +194,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
                 r[k] = measure_http(servers[k](), prompts, args)
         if one_b:
             peak = peak_flops_for(cfg, resolve_dtype(args.dtype, torch.device("cpu")), "cpu", 1.0)
-            if not args.no_batch1:
+            if not args.no_batch1 and with_llama:
                 cmd = CLI + ["bench", "latency", "--dtype", args.dtype, "--num-threads", str(args.threads), "--input-len", str(args.batch1_input_len),
                              "--output-len", str(args.output_len), "--num-iters", str(args.iters)] + (["--model", model] if model else [])
                 lat = _run_json(cmd, os.path.join(log_dir, f"latency-{i + 1}.json"), os.path.join(log_dir, f"latency-{i + 1}.log"))
@@ -190,7 +202,8 @@ def run_rounds(args: argparse.Namespace) -> dict:
                 r["llama_bench"] = llama_bench(args, gguf)
         r["peak_flops_per_s"] = peak
         for k in ("pagedserve_http", "llama_server_http"):
-            r[k]["mfu"] = http_mfu(r[k], flops, peak)
+            if k in r:
+                r[k]["mfu"] = http_mfu(r[k], flops, peak)
         _print_round(r, sent_prompt_tokens)
         rounds.append(r)
         out["summary"] = _summary(rounds)
@@ -201,14 +214,17 @@ def run_rounds(args: argparse.Namespace) -> dict:
 
 
 def _print_round(r: dict, sent: int) -> None:
-    ps, ll = r["pagedserve_http"], r["llama_server_http"]
+    ps, ll = r["pagedserve_http"], r.get("llama_server_http")
     label = {"pagedserve_offline": "offline", "pagedserve_http": "serve", "llama_server_http": "llama-server"}
     probe = ", ".join(f"{label[k]} {v:.1f}" for k, v in r["probe_gflops"].items())
     print(f"round {r['round']} (load {r['loadavg_1min_before']:.2f} before; in this order, the host's speed just before each: {probe} GFLOP/s):")
     for name, x in (("pagedserve serve", ps), ("llama-server", ll)):
+        if x is None:
+            continue
         note = "" if x["total_prompt_tokens"] == sent else f" (server counted {x['total_prompt_tokens']} prompt tokens, {sent} sent)"
         print(f"    {name:17s} HTTP {x['output_tokens_per_s']:8.1f} output tok/s ({x['elapsed_s']:.2f} s, MFU {_pct(x['mfu'])}){note}")
-    print(f"    pagedserve / llama-server (HTTP): {ps['output_tokens_per_s'] / ll['output_tokens_per_s']:.2f}x")
+    if ll is not None:
+        print(f"    pagedserve / llama-server (HTTP): {ps['output_tokens_per_s'] / ll['output_tokens_per_s']:.2f}x")
     off = r.get("pagedserve_offline")
     if off:
         print(f"    pagedserve offline  {off['output_tokens_per_s']:8.1f} output tok/s ({off['elapsed_s']:.2f} s, MFU {_pct(off.get('mfu'))});"
@@ -227,8 +243,10 @@ def _print_round(r: dict, sent: int) -> None:
 
 def _summary(rounds: list[dict]) -> dict:
     ps = [r["pagedserve_http"]["output_tokens_per_s"] for r in rounds]
-    ll = [r["llama_server_http"]["output_tokens_per_s"] for r in rounds]
-    out: dict[str, Any] = {"pagedserve_http_tok_s": ps, "llama_server_http_tok_s": ll, "ratio_http": [a / b for a, b in zip(ps, ll)]}
+    out: dict[str, Any] = {"pagedserve_http_tok_s": ps}
+    if all("llama_server_http" in r for r in rounds):
+        ll = [r["llama_server_http"]["output_tokens_per_s"] for r in rounds]
+        out.update(llama_server_http_tok_s=ll, ratio_http=[a / b for a, b in zip(ps, ll)])
     if all("pagedserve_offline" in r for r in rounds):
         off = [r["pagedserve_offline"]["output_tokens_per_s"] for r in rounds]
         out.update(pagedserve_offline_tok_s=off, ratio_http_over_offline=[a / b for a, b in zip(ps, off)])
@@ -248,7 +266,7 @@ def main() -> int:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
         signal.signal(signal.SIGINT, _terminate)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", required=True, choices=["w1-http", "1b"])
+    ap.add_argument("--scenario", choices=["w1-http", "1b"], default=None, help="required; --tiny: w1-http")
     ap.add_argument("--model", default=None, help="pagedserve model (default: SmolLM2 for w1-http, ~/.cache/pagedserve-bench/llama-1b-shapes for 1b)")
     ap.add_argument("--gguf", default=None, help="the same weights as a GGUF (default: the setup script's / build_1b_model.py's)")
     ap.add_argument("--llama-bin", default=os.path.join(LLAMACPP_CACHE, "bin"), help="folder of llama-server and llama-bench (default: %(default)s)")
@@ -273,7 +291,17 @@ def main() -> int:
     ap.add_argument("--llama-server-args", default="", help="extra flags of llama-server")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--tiny", action="store_true", help="smoke run: w1-http on a tiny random model, 4 requests of 4 tokens, one round")
     args = ap.parse_args()
+    if args.tiny:
+        from pagedserve.bench.tiny import tiny_model_dir
+
+        args.scenario = args.scenario or "w1-http"
+        args.model = args.model or tiny_model_dir()
+        args.rounds, args.num_prompts, args.min_input_len, args.max_input_len, args.output_len = 1, 4, 16, 64, 4
+        args.start_timeout = min(args.start_timeout, 300.0)
+    if args.scenario is None:
+        ap.error("--scenario is required (w1-http or 1b)")
     if args.num_requests is None:
         args.num_requests = min(16, args.num_prompts) if args.scenario == "1b" else args.num_prompts
     if not 1 <= args.num_requests <= args.num_prompts:
@@ -288,6 +316,9 @@ def main() -> int:
     print("median over rounds: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items() if v is not None) + f" ({time.time() - t0:.0f} s in all)")
     if args.output_json:
         print(f"results: {args.output_json}")
+    from pagedserve.bench.results import record
+
+    record("vs_llama_server", {k: v for k, v in out.items() if k not in ("log_dir",)}, tiny=args.tiny)
     return 0
 
 
