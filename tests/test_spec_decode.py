@@ -195,7 +195,7 @@ def test_which_requests_get_drafts_and_batch_size():
     s.add_request(make_request("a", prompt, max_tokens=20))
     req = s.requests["a"]
     req.append_output_token_ids([11])
-    assert s._draft_tokens(req, 3) == [12, 13, 14]
+    assert s.drafter.draft_tokens(req, 3) == [12, 13, 14]
 
 
     class Grammar:  # accepts the first 2 of any drafts and never completes
@@ -215,9 +215,9 @@ def test_which_requests_get_drafts_and_batch_size():
             return False
 
     req.grammar = Grammar()
-    assert s._draft_tokens(req, 3) == [12, 13]
+    assert s.drafter.draft_tokens(req, 3) == [12, 13]
     req.in_reasoning = True
-    assert s._draft_tokens(req, 3) == []
+    assert s.drafter.draft_tokens(req, 3) == []
     s = make_scheduler(spec=dict(NGRAM, disable_by_batch_size=2))
     for rid in "ab":
         s.add_request(make_request(rid, prompt, max_tokens=20))

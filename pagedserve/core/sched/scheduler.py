@@ -29,12 +29,12 @@ from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
 from pagedserve.core.sched.remote_kv import RemoteKVMixin
 from pagedserve.core.sched.request_queue import make_request_queue
 from pagedserve.core.sched.stop import check_stop
-from pagedserve.core.sched.spec_decode import SpecDecodeMixin
+from pagedserve.core.sched.spec_decode import Drafter
 from pagedserve.core.sched.step_budget import StepBudget
 from pagedserve.core.structured_output import StructuredOutputManager
 
 
-class Scheduler(AdmissionMixin, RemoteKVMixin, SpecDecodeMixin):
+class Scheduler(AdmissionMixin, RemoteKVMixin):
     """Decides who runs each step; owns the request queues and the KV cache manager.
 
     Args:
@@ -70,7 +70,8 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, SpecDecodeMixin):
         self.step_budget = StepBudget(config.max_num_batched_tokens, config.long_prefill_token_threshold,
                                       config.max_step_ms if config.enable_chunked_prefill else 0.0,
                                       config.max_step_decode_multiple, config.block_size)
-        self._init_spec_decode()
+        self.drafter = (Drafter(config.speculative, kv_cache_manager, config.max_model_len, self.stats)
+                        if config.speculative is not None else None)
         self._init_remote_kv(kv_connector)
 
     # -- queue management ------------------------------------------------------------------
@@ -184,8 +185,8 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, SpecDecodeMixin):
 
         # 3) draft tokens for decodes (speculative decoding), from what the budget and the free
         # blocks have left, in steps that prefill nothing under the step-time bound.
-        if step.time_limit is None and self._may_speculate():
-            step.tokens = self._add_drafts(scheduled, new_ids, step.tokens, out)
+        if step.time_limit is None and self.drafter is not None and self.drafter.may_speculate(len(self.running)):
+            step.tokens = self.drafter.add_drafts(scheduled, new_ids, step.tokens, out)
 
         cached = out.scheduled_cached_reqs
         self.scheduled_requests = {req.request_id: req for req, _, _ in scheduled}
@@ -249,7 +250,7 @@ class Scheduler(AdmissionMixin, RemoteKVMixin, SpecDecodeMixin):
             if req is None or req.is_finished():  # aborted between schedule and update
                 continue
             drafts = drafts_of.get(rid)
-            tokens = self._accept_drafts(req, drafts, runner_output.num_accepted_tokens.get(rid, 0), tok) if drafts else [tok]
+            tokens = self.drafter.accept(req, drafts, runner_output.num_accepted_tokens.get(rid, 0), tok) if drafts else [tok]
             if req.first_token_time is None:
                 req.first_token_time = now
                 self.stats.num_prompt_tokens += req.num_prompt_tokens

@@ -1,5 +1,5 @@
-"""The scheduler's part in speculative decoding (a mixin of :class:`Scheduler`), and the n-gram
-proposer. Torch-free.
+"""The scheduler's part in speculative decoding (:class:`Drafter`), and the n-gram proposer.
+Torch-free.
 
 A decode whose request may speculate is scheduled as ``1 + k`` tokens: its last sampled token
 and ``k`` drafts (``SchedulerOutput.scheduled_spec_decode_tokens``), with blocks for all of
@@ -13,10 +13,10 @@ accepted tokens are). After vLLM v1's scheduler (``spec_token_ids``, ``num_rejec
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.outputs import SchedulerStats
 from pagedserve.core.request import Request
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.core.structured_output import StructuredOutputManager
@@ -56,22 +56,30 @@ def propose_ngram(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list
     return token_ids[j + 1: j + 1 + k].tolist()
 
 
-class SpecDecodeMixin:
-    """Needs ``self.config``, ``self.running``, ``self.stats`` and ``self.kv_cache_manager`` of the
-    Scheduler.
+class Drafter:
+    """Proposes the draft tokens of a step's decodes and accounts for what the worker accepted.
 
-    ``spec`` is the parsed config (None: no speculative decoding)."""
+    Args:
+        spec: the parsed speculative config (``EngineConfig.speculative``).
+        kv_cache_manager: the block tables (drafts take free blocks, never preempt).
+        max_model_len: no drafts past it.
+        stats: the scheduler's counters; ``spec_decode_*`` are counted here.
+    """
 
-    def _init_spec_decode(self) -> None:
-        self.spec: Optional[SpeculativeConfig] = self.config.speculative
+    def __init__(self, spec: SpeculativeConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 stats: SchedulerStats) -> None:
+        self.spec = spec
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.stats = stats
 
-    def _may_speculate(self) -> bool:
-        """Whether this step proposes drafts at all (on, and the batch below
-        ``disable_by_batch_size``)."""
-        s = self.spec
-        return s is not None and (s.disable_by_batch_size is None or len(self.running) < s.disable_by_batch_size)
+    def may_speculate(self, num_running: int) -> bool:
+        """Whether a step over ``num_running`` requests proposes drafts at all (the batch is
+        below ``disable_by_batch_size``)."""
+        off_at = self.spec.disable_by_batch_size
+        return off_at is None or num_running < off_at
 
-    def _draft_tokens(self, req: Request, max_drafts: int) -> list[int]:
+    def draft_tokens(self, req: Request, max_drafts: int) -> list[int]:
         """Drafts for a decode of ``req`` (at most ``max_drafts``; none past ``max_tokens`` or
         ``max_model_len``; with a grammar, only the leading drafts it accepts, and none while
         the request is still thinking). Penalties, bad words, min_tokens and logprobs are
@@ -79,7 +87,7 @@ class SpecDecodeMixin:
         if req.grammar is not None and req.in_reasoning:
             return []
         k = min(self.spec.num_speculative_tokens, max_drafts, req.max_tokens - req.num_output_tokens - 1,
-                self.config.max_model_len - req.num_tokens - 1)
+                self.max_model_len - req.num_tokens - 1)
         if k < 1:
             return []
         tokens = np.fromiter(req.all_token_ids, dtype=np.int64, count=req.num_tokens)
@@ -88,8 +96,8 @@ class SpecDecodeMixin:
             drafts = drafts[: StructuredOutputManager.valid_draft_prefix(req.grammar, drafts)]
         return drafts
 
-    def _add_drafts(self, scheduled: list[tuple[Request, int, int]], new_ids: set[str], budget: int,
-                    out: SchedulerOutput) -> int:
+    def add_drafts(self, scheduled: list[tuple[Request, int, int]], new_ids: set[str], budget: int,
+                   out: SchedulerOutput) -> int:
         """Extend this step's decodes of requests that were already running (``scheduled``
         entries ``(request, num_computed_tokens, 1)``) with drafts, in order, while ``budget``
         tokens and the free blocks last (so drafts never preempt anyone); returns the budget
@@ -101,14 +109,14 @@ class SpecDecodeMixin:
             if num_new != 1 or num_computed != req.num_tokens - 1 or not req.output_token_ids or req.request_id in new_ids:
                 continue
             room = (len(kv.req_to_blocks[req.request_id]) + kv.num_free_blocks) * kv.block_size - req.num_tokens
-            drafts = self._draft_tokens(req, min(budget, room))
+            drafts = self.draft_tokens(req, min(budget, room))
             if drafts and kv.allocate_slots(req, 1 + len(drafts)) is not None:
                 scheduled[i] = (req, num_computed, 1 + len(drafts))
                 out.scheduled_spec_decode_tokens[req.request_id] = drafts
                 budget -= len(drafts)
         return budget
 
-    def _accept_drafts(self, req: Request, drafts: list[int], num_accepted: int, token: int) -> list[int]:
+    def accept(self, req: Request, drafts: list[int], num_accepted: int, token: int) -> list[int]:
         """The tokens a verified decode adds (the accepted drafts, then ``token``), with the
         rejected drafts taken off ``num_computed_tokens`` and counted."""
         num_accepted = max(0, min(num_accepted, len(drafts)))
