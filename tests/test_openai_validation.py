@@ -331,3 +331,24 @@ def test_docs_page_assets_come_from_the_server_not_a_cdn(app_client):
         r = client.get(asset)
         assert r.status_code == 200 and len(r.content) > 10_000, asset
     assert client.get("/redoc").status_code == 404  # not served: ReDoc fetches its logo from a CDN
+
+
+def test_openapi_schema_says_what_is_accepted(app_client):
+    """Issue 46: schemathesis found the schema looser than the validation (any role, no content,
+    an empty prompt or messages, Responses without input were schema-valid, then refused)."""
+    client, _ = app_client
+    schema = client.get("/openapi.json").json()
+    defs = schema["components"]["schemas"]
+
+    def model(name):
+        return next(v for k, v in defs.items() if k.split("-")[0] == name)
+
+    messages = model("ChatCompletionRequest")["properties"]["messages"]
+    assert messages["minItems"] == 1
+    assert sorted(messages["items"]["discriminator"]["mapping"]) == ["assistant", "developer", "system", "tool", "user"]
+    assert model("ToolMessage")["required"] == ["role", "content", "tool_call_id"]
+    assert model("UserMessage")["required"] == ["role", "content"] and model("AssistantMessage")["required"] == ["role"]
+    prompt = model("CompletionRequest")["properties"]["prompt"]["anyOf"]
+    assert all(p.get("minItems") == 1 or p.get("minLength") == 1 for p in prompt)
+    responses = model("ResponsesRequest")
+    assert "input" in responses["required"] and {"type": "null"} not in responses["properties"]["input"]["anyOf"]

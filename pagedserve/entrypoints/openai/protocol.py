@@ -30,6 +30,16 @@ class OpenAIBaseModel(BaseModel):
         return data
 
 
+def schema_only(**constraints: Any) -> Any:
+    """JSON-schema constraints that only the OpenAPI schema states, so that it says what is
+    accepted; the request's own checks refuse the same values with their messages."""
+    return Field(json_schema_extra=constraints)
+
+
+NonEmptyStr = Annotated[str, schema_only(minLength=1)]
+TokenId = Annotated[StrictInt, schema_only(minimum=0)]
+
+
 # -- errors -----------------------------------------------------------------------------------
 class ErrorInfo(BaseModel):
     message: str
@@ -95,7 +105,7 @@ class _SamplingFields(SamplingExtras):
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
+    guided_choice: Optional[Annotated[list[NonEmptyStr], schema_only(minItems=1)]] = None
     guided_grammar: Optional[str] = None
 
     def constraint_fields(self) -> list[str]:
@@ -188,7 +198,8 @@ class _SamplingFields(SamplingExtras):
 
 # -- /v1/completions --------------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
-    prompt: Union[list[StrictInt], list[list[StrictInt]], str, list[str]]
+    prompt: Union[Annotated[list[TokenId], schema_only(minItems=1)], Annotated[list[Annotated[list[TokenId], schema_only(minItems=1)]], schema_only(minItems=1)],
+                  NonEmptyStr, Annotated[list[NonEmptyStr], schema_only(minItems=1)]]
     max_tokens: Optional[StrictInt] = 16  # as OpenAI's legacy API and vLLM
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
@@ -257,7 +268,7 @@ ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, Tool
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], schema_only(minItems=1)]
     max_tokens: Optional[StrictInt] = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = False
@@ -293,7 +304,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[Annotated[list[ChatMessage], schema_only(minItems=1)]] = None
     add_special_tokens: Optional[StrictBool] = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import StrictBool, StrictInt, ValidationError
+from pydantic import ConfigDict, StrictBool, StrictInt, ValidationError
 
 from pagedserve.engine.input_processor import RequestError
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingExtras
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingExtras, schema_only
 from pagedserve.entrypoints.openai.serving_common import check_extra_fields, log_ignored
 from pagedserve.entrypoints.openai.tool_messages import check_answers_a_call
 
@@ -40,8 +40,18 @@ _CHAT_ONLY = {"max_tokens": ("is chat's name; use max_output_tokens", (None,)),
               "kv_transfer_params": ("is not supported here", (None,))}
 
 
+def _input_required(schema: dict[str, Any]) -> None:
+    """In the schema ``input`` is required and not null: this server refuses both, with a hint."""
+    schema.setdefault("required", []).append("input")
+    prop = schema["properties"]["input"]
+    prop["anyOf"] = [t for t in prop["anyOf"] if t != {"type": "null"}]
+    prop.pop("default", None)
+
+
 class ResponsesRequest(SamplingExtras):  # vLLM's sampling extras, as on chat completions
-    input: Optional[Union[str, list[dict[str, Any]]]] = None
+    model_config = ConfigDict(json_schema_extra=_input_required)
+
+    input: Optional[Union[str, Annotated[list[dict[str, Any]], schema_only(minItems=1)]]] = None
     model: Optional[str] = None
     instructions: Optional[str] = None
     max_output_tokens: Optional[StrictInt] = None
