@@ -55,7 +55,7 @@ def run(cores, until, timeout=20.0):
 
 def idle(core):
     s = core.scheduler
-    return (not s.requests and not s.waiting_for_remote and not s.held_for_transfer and not s.kv_cache_manager.req_to_blocks
+    return (not s.requests and not s.remote_kv.waiting_for_remote and not s.remote_kv.held_for_transfer and not s.kv_cache_manager.req_to_blocks
             and s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_total_blocks)
 
 
@@ -64,7 +64,7 @@ def prefill(P, D, rid):
     outs = run([P, D], lambda: not P.scheduler.requests)[id(P)]
     final = [o for o in outs if o.finish_reason][-1]
     assert final.kv_transfer_params["remote_num_tokens"] == 64
-    assert rid in P.scheduler.held_for_transfer  # kept for the reader
+    assert rid in P.scheduler.remote_kv.held_for_transfer  # kept for the reader
     return final.kv_transfer_params
 
 
@@ -73,7 +73,7 @@ def test_load_then_decode_and_hold_released(pair):
     params = prefill(P, D, "p0")
     add(D, "d0", 4, params)
     D.step()
-    assert D.scheduler.waiting_for_remote["d0"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert D.scheduler.remote_kv.waiting_for_remote["d0"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert D.get_stats().num_waiting == 1
     outs = run([P, D], lambda: idle(P) and idle(D))[id(D)]
     assert sum(len(o.new_token_ids) for o in outs if o.request_id == "d0") == 4
@@ -86,7 +86,7 @@ def test_abort_while_loading_frees_after_the_load_reports(pair):
     add(D, "d1", 4, params)
     D.step()
     D.abort_requests(["d1"])
-    assert "d1" in D.scheduler.waiting_for_remote  # blocks kept: the cancelled load may still write them
+    assert "d1" in D.scheduler.remote_kv.waiting_for_remote  # blocks kept: the cancelled load may still write them
     with pytest.raises(ValueError, match="in use"):
         add(D, "d1", 4, None)
     run([P, D], lambda: idle(P) and idle(D))

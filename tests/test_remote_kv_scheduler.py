@@ -66,7 +66,7 @@ def test_failed_load_recomputes_and_siblings_wait_for_one_load():
         s.add_request(r)
     so, _ = step(s)
     assert [x.req_id for x in loads(so)] == ["a#0"]  # the sibling waits on the same load
-    assert set(s.waiting_for_remote) == {"a#0", "a#1"}
+    assert set(s.remote_kv.waiting_for_remote) == {"a#0", "a#1"}
     step(s, KVConnectorOutput(failed_recving={"a#0": "timeout"}, failures={"timeout": 1}))
     so, _ = step(s)
     # a#0 computes its prompt; its sibling hits the blocks a#0 fills in this same step.
@@ -125,7 +125,7 @@ def test_producer_holds_until_finished_sending():
     _, outs = step(s)
     (o,) = outs.outputs
     assert o.finish_reason == "length" and o.kv_transfer_params["remote_block_ids"] == s.kv_cache_manager.get_block_ids("p")[:4]
-    assert len(o.kv_transfer_params["remote_block_ids"]) == 4 and "p" in s.held_for_transfer
+    assert len(o.kv_transfer_params["remote_block_ids"]) == 4 and "p" in s.remote_kv.held_for_transfer
     so, _ = step(s)
     (hold,) = so.kv_connector_metadata.holds
     assert hold.transfer_id == o.kv_transfer_params["remote_request_id"] and len(hold.block_hashes) == 4
@@ -137,7 +137,7 @@ def test_producer_holds_until_finished_sending():
     aborted.kv_transfer_params = {"do_remote_decode": True}
     s.add_request(aborted)
     s.finish_requests(["q"], RequestStatus.FINISHED_ABORTED)
-    assert not s.held_for_transfer  # nothing is kept for an aborted request
+    assert not s.remote_kv.held_for_transfer  # nothing is kept for an aborted request
     assert_scheduler_idle(s)
 
 
@@ -148,5 +148,5 @@ def test_config_roles():
     r.kv_transfer_params = remote(4)
     s.add_request(r)
     so, _ = step(s)
-    assert so.num_scheduled_tokens == {"a": 17} and not s.waiting_for_remote
+    assert so.num_scheduled_tokens == {"a": 17} and not s.remote_kv.waiting_for_remote
     assert isinstance(ModelRunnerOutput().kv_connector_output, type(None))

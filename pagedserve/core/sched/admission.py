@@ -30,12 +30,13 @@ class AdmissionMixin:
                 hit_blocks, num_hit = [], req.num_computed_tokens
             else:
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
-                if self.connector is not None and req.kv_transfer_params is not None:
-                    remote = self._try_remote_admission(req, hit_blocks, num_hit)
-                    if remote is not None:
-                        if remote:
-                            continue
+                if self.remote_kv is not None and req.kv_transfer_params is not None:
+                    remote = self.remote_kv.try_admit(req, hit_blocks, num_hit)
+                    if remote is False:  # no blocks for it now
                         break
+                    if remote:  # it waits for its KV now
+                        self.waiting.pop()
+                        continue
             num_remaining = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_remaining > step.tokens:
                 break
@@ -43,7 +44,7 @@ class AdmissionMixin:
             if num_new <= 0:  # no time left
                 break
             if kv.allocate_slots(req, num_new, hit_blocks, num_hit - req.num_computed_tokens) is None:
-                if not self.running and self.connector is not None and self._release_loaded_waiting():
+                if not self.running and self.remote_kv is not None and self.remote_kv.release_loaded(list(self.waiting)[1:]):
                     continue
                 break
             self.waiting.pop()

@@ -1,4 +1,4 @@
-"""The scheduler's part in prefill/decode disaggregation (a mixin of :class:`Scheduler`).
+"""The scheduler's part in prefill/decode disaggregation (:class:`RemoteKVWaiter`).
 
 A decode instance's request whose prompt KV can come from a prefill instance is admitted in
 two stages: first its blocks are allocated (after its local prefix-cache hit) and it waits in
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Iterable, Optional
 
-from pagedserve.core.outputs import EngineCoreOutput, KVConnectorOutput
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.outputs import KVConnectorOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 
 logger = logging.getLogger("pagedserve")
@@ -25,23 +26,44 @@ KV_LOAD_POLL_S = 0.002  # how often an otherwise idle core checks for finished l
 KV_HOLD_POLL_S = 0.05  # ... and for holds the decode side released
 
 
-class RemoteKVMixin:
-    """Needs ``self.connector``, ``self.kv_cache_manager``, ``self.waiting``, ``self.requests``,
-    ``self.stats``, ``self.config`` and ``self._free`` / ``self._release`` of the Scheduler."""
+class RemoteKVWaiter:
+    """Requests of a decode instance that wait for their prompt KV from a prefill instance, and
+    finished requests of a prefill instance whose blocks are held for a decode instance.
 
-    def _init_remote_kv(self, connector) -> None:
+    The scheduler keeps the queues: it pops a request that starts waiting here, puts the ones
+    whose load ended back at the front of its waiting queue, and does the bookkeeping of the
+    ones that finish (this object frees or holds their blocks).
+
+    Args:
+        connector: the scheduler side of the KV connector
+            (``pagedserve.distributed.kv_transfer.scheduler_side``).
+        kv_cache_manager: the block tables and prefix cache.
+        block_size: tokens per block.
+        stats: the scheduler's counters; the prefix-cache counters of requests admitted to wait,
+            and ``kv_transfer_*``, are counted here.
+
+    Attributes:
+        waiting_for_remote: request id -> request in ``WAITING_FOR_REMOTE_KVS`` (an aborted one
+            stays until its load reports, as its blocks may still be written).
+        held_for_transfer: request id -> finished request whose blocks a decode instance reads.
+    """
+
+    def __init__(self, connector, kv_cache_manager: KVCacheManager, block_size: int, stats: SchedulerStats) -> None:
         self.connector = connector
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = block_size
+        self.stats = stats
         self.waiting_for_remote: dict[str, Request] = {}
         self.held_for_transfer: dict[str, Request] = {}
-        self.kv_failed: list[Request] = []  # failed with kv_load_failure_policy "fail" (reported at once)
 
-    def _id_in_use_remotely(self, request_id: str) -> bool:
+    def in_use(self, request_id: str) -> bool:
+        """Whether ``request_id`` is still taken here (waiting, or its blocks held)."""
         return request_id in self.waiting_for_remote or request_id in self.held_for_transfer
 
-    def _try_remote_admission(self, req: Request, hit_blocks: list, num_hit: int) -> Optional[bool]:
-        """For the request at the head of the waiting queue: None = no remote KV (admit it as
-        usual); True = it now waits for remote KV (popped from the queue); False = no blocks
-        for it now (stop admitting this step)."""
+    def try_admit(self, req: Request, hit_blocks: list, num_hit: int) -> Optional[bool]:
+        """For the request at the head of the waiting queue, after its local prefix-cache hit:
+        None = no remote KV (admit it as usual); True = it now waits for remote KV (the caller
+        pops it from the queue); False = no blocks for it now (stop admitting this step)."""
         from pagedserve.core.kv_connector import WAIT_FOR_OTHER_LOAD
 
         num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
@@ -60,29 +82,25 @@ class RemoteKVMixin:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_hit, num_external)
-        self.waiting.pop()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[req.request_id] = req
         return True
 
-    def _finish_waiting_for_remote(self, req: Request, status: RequestStatus) -> None:
-        """Abort/timeout of a request that waits for remote KV."""
+    def abort(self, req: Request) -> bool:
+        """A waiting request finishes (abort, timeout; its status is set). True when its load
+        may still write its blocks: it keeps them until the load reports (the worker side
+        cancels the load once the request id reaches it as finished); False when it waited on a
+        sibling's load and holds nothing."""
         rid = req.request_id
-        req.status = status
-        if rid in self.kv_cache_manager.req_to_blocks:  # its load may still write the blocks: free them when it reports
-            req.finished_time = time.monotonic()
-            if req.deadline is not None:
-                self.num_with_deadline -= 1
-            del self.requests[rid]
-            self.finished_req_ids.append(rid)  # the worker side cancels the load
-        else:  # waited on a sibling's load: holds nothing
-            del self.waiting_for_remote[rid]
-            self.connector.request_dropped(rid)
-            self._free(req)
+        if rid in self.kv_cache_manager.req_to_blocks:
+            return True
+        del self.waiting_for_remote[rid]
+        self.connector.request_dropped(rid)
+        return False
 
-    def _hold_or_free(self, req: Request) -> None:
+    def release_blocks(self, req: Request) -> None:
         """A finished request's blocks: kept for a remote reader, or freed now."""
-        if self.connector is not None and req.kv_transfer_params is not None:
+        if req.kv_transfer_params is not None:
             delay, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(req.request_id))
             if delay:
                 self.held_for_transfer[req.request_id] = req
@@ -90,16 +108,21 @@ class RemoteKVMixin:
                 return
         self.kv_cache_manager.free(req)
 
-    def _update_from_kv_output(self, kvo: Optional[KVConnectorOutput]) -> list[EngineCoreOutput]:
-        """Apply what the worker side finished; outputs of requests that failed for good."""
-        if kvo is None:
-            return []
+    def update(self, kvo: KVConnectorOutput) -> tuple[list[Request], list[Request]]:
+        """Apply what the worker side finished.
+
+        Returns:
+            the requests to put back at the front of the waiting queue, in order (loaded, or
+            to recompute after a failed load under ``kv_load_failure_policy`` "recompute"), and
+            the requests that failed for good (status ``FINISHED_ERROR``, blocks freed).
+        """
         kv = self.kv_cache_manager
         for rid in kvo.finished_sending:
             req = self.held_for_transfer.pop(rid, None)
             if req is not None:
                 kv.free(req)
         resumed: list[Request] = []
+        failed_for_good: list[Request] = []
         failed = dict(kvo.failed_recving)
         for rid in list(kvo.finished_recving) + list(failed):
             req = self.waiting_for_remote.pop(rid, None)
@@ -110,7 +133,7 @@ class RemoteKVMixin:
                 kv.free(req)
                 self.connector.request_dropped(rid)
             elif rid not in failed:
-                req.num_computed_tokens = len(kv.req_to_blocks[rid]) * self.config.block_size
+                req.num_computed_tokens = len(kv.req_to_blocks[rid]) * self.block_size
                 kv.cache_loaded_blocks(req, req.num_computed_tokens)  # siblings and later requests hit them
                 req.status = RequestStatus.WAITING
                 resumed.append(req)
@@ -123,41 +146,34 @@ class RemoteKVMixin:
             else:
                 req.status = RequestStatus.FINISHED_ERROR
                 req.error = f"KV transfer from the prefill instance failed ({failed[rid]})"
-                self._free(req)
-                self.kv_failed.append(req)
+                self.release_blocks(req)
+                failed_for_good.append(req)
             for w in waiters:
                 w.status = RequestStatus.WAITING
                 resumed.append(w)
-        for req in reversed(resumed):
-            self.waiting.prepend(req)
         s = self.stats
         s.kv_transfer_sent_tokens += kvo.sent_tokens
         s.kv_transfer_received_tokens += kvo.received_tokens
         for reason, n in kvo.failures.items():
             s.kv_transfer_failures[reason] = s.kv_transfer_failures.get(reason, 0) + n
-        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error, num_cached_tokens=max(0, r.num_cached_tokens),
-                                    first_scheduled_time=r.first_scheduled_time) for r in self.kv_failed]
-        self.kv_failed = []
-        return outputs
+        return resumed, failed_for_good
 
-    def _release_loaded_waiting(self) -> bool:
-        """Nothing runs and the head of the waiting queue cannot get blocks: the waiting
-        requests behind it that hold loaded KV give their blocks back (they stay in the prefix
-        cache, so those requests usually hit them again). True when any did."""
+    def release_loaded(self, requests: Iterable[Request]) -> bool:
+        """Nothing runs and the head of the waiting queue cannot get blocks: these waiting
+        requests (the ones behind it) that hold loaded KV give their blocks back (they stay in
+        the prefix cache, so those requests usually hit them again). True when any did."""
         kv = self.kv_cache_manager
         freed = False
-        for req in list(self.waiting)[1:]:
+        for req in requests:
             if req.request_id in kv.req_to_blocks:
                 kv.free(req)
                 req.num_computed_tokens = 0
                 freed = True
         return freed
 
-    def kv_poll_interval(self) -> Optional[float]:
+    def poll_interval(self) -> Optional[float]:
         """Seconds between checks for KV transfers that finished while nothing else runs, or
         None when none is outstanding."""
-        if self.connector is None:
-            return None
         if self.waiting_for_remote or self.connector.has_pending_meta():
             return KV_LOAD_POLL_S
         return KV_HOLD_POLL_S if self.held_for_transfer else None

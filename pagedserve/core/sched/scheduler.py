@@ -22,11 +22,11 @@ from typing import Iterable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
+from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, KVConnectorOutput, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.admission import AdmissionMixin
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
-from pagedserve.core.sched.remote_kv import RemoteKVMixin
+from pagedserve.core.sched.remote_kv import RemoteKVWaiter
 from pagedserve.core.sched.request_queue import make_request_queue
 from pagedserve.core.sched.stop import check_stop
 from pagedserve.core.sched.spec_decode import Drafter
@@ -34,7 +34,7 @@ from pagedserve.core.sched.step_budget import StepBudget
 from pagedserve.core.structured_output import StructuredOutputManager
 
 
-class Scheduler(AdmissionMixin, RemoteKVMixin):
+class Scheduler(AdmissionMixin):
     """Decides who runs each step; owns the request queues and the KV cache manager.
 
     Args:
@@ -72,13 +72,15 @@ class Scheduler(AdmissionMixin, RemoteKVMixin):
                                       config.max_step_decode_multiple, config.block_size)
         self.drafter = (Drafter(config.speculative, kv_cache_manager, config.max_model_len, self.stats)
                         if config.speculative is not None else None)
-        self._init_remote_kv(kv_connector)
+        self.connector = kv_connector
+        self.remote_kv = (RemoteKVWaiter(kv_connector, kv_cache_manager, config.block_size, self.stats)
+                          if kv_connector is not None else None)
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError when its id is already in use or its structured
         output constraint does not compile."""
-        if request.request_id in self.requests or self._id_in_use_remotely(request.request_id):
+        if request.request_id in self.requests or (self.remote_kv is not None and self.remote_kv.in_use(request.request_id)):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
@@ -100,7 +102,8 @@ class Scheduler(AdmissionMixin, RemoteKVMixin):
             if req is None or req.is_finished():
                 continue
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self._finish_waiting_for_remote(req, status)
+                req.status = status
+                self._free(req, free_blocks=not self.remote_kv.abort(req))
                 done.append(req)
                 continue
             if req.status == RequestStatus.RUNNING:
@@ -112,20 +115,36 @@ class Scheduler(AdmissionMixin, RemoteKVMixin):
             done.append(req)
         return done
 
-    def _free(self, req: Request) -> None:
+    def _free(self, req: Request, free_blocks: bool = True) -> None:
+        """Forget a finished request; its blocks are freed, or held for a remote reader
+        (``free_blocks`` False: the remote-KV waiter has freed them, or frees them when the
+        request's load reports)."""
         req.finished_time = time.monotonic()
         if req.deadline is not None:
             self.num_with_deadline -= 1
-        self._hold_or_free(req)
+        if free_blocks and self.remote_kv is not None:
+            self.remote_kv.release_blocks(req)
+        elif free_blocks:
+            self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.num_block_ids_on_worker.pop(req.request_id, None)
         self.finished_req_ids.append(req.request_id)
 
+    @property
+    def num_waiting_for_remote(self) -> int:
+        """Requests waiting for their prompt KV from a prefill instance."""
+        return len(self.remote_kv.waiting_for_remote) if self.remote_kv is not None else 0
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_remote)
+        return bool(self.waiting or self.running or self.num_waiting_for_remote)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
+        return len(self.waiting) + len(self.running) + self.num_waiting_for_remote
+
+    def kv_poll_interval(self) -> Optional[float]:
+        """Seconds between checks for KV transfers that finished while nothing else runs, or
+        None when none is outstanding."""
+        return self.remote_kv.poll_interval() if self.remote_kv is not None else None
 
     # -- one step -------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
@@ -237,7 +256,7 @@ class Scheduler(AdmissionMixin, RemoteKVMixin):
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason="timeout", num_cached_tokens=max(0, r.num_cached_tokens),
                                     first_scheduled_time=r.first_scheduled_time) for r in self.timed_out]
         self.timed_out = []
-        if self.connector is not None:
+        if self.remote_kv is not None and runner_output.kv_connector_output is not None:
             outputs += self._update_from_kv_output(runner_output.kv_connector_output)
         logprobs = runner_output.logprobs
         for rid, chunk in runner_output.prompt_logprobs.items():
@@ -288,11 +307,22 @@ class Scheduler(AdmissionMixin, RemoteKVMixin):
         """The step budget's cost model (None with the step-time bound off)."""
         return self.step_budget.cost
 
+    def _update_from_kv_output(self, kvo: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Apply the KV transfers the worker side finished: loaded (or to-recompute) requests
+        go back to the front of the waiting queue; outputs of requests that failed for good."""
+        resumed, failed = self.remote_kv.update(kvo)
+        for req in failed:
+            self._free(req, free_blocks=False)
+        for req in reversed(resumed):
+            self.waiting.prepend(req)
+        return [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error, num_cached_tokens=max(0, r.num_cached_tokens),
+                                 first_scheduled_time=r.first_scheduled_time) for r in failed]
+
     def get_stats(self) -> SchedulerStats:
         """A snapshot of the counters (a new object each call)."""
         s = self.stats
         s.num_running = len(self.running)
-        s.num_waiting = len(self.waiting) + len(self.waiting_for_remote)
+        s.num_waiting = len(self.waiting) + self.num_waiting_for_remote
         s.num_free_blocks = self.kv_cache_manager.num_free_blocks
         snap = SchedulerStats(**vars(s))
         snap.kv_transfer_failures = dict(s.kv_transfer_failures)
