@@ -4,7 +4,7 @@ token bitmask per constrained request per step (vLLM v1's ``StructuredOutputMana
 The grammar library is llguidance (Microsoft's guidance backend, Rust, no dependencies): JSON
 schemas, regular expressions and Lark-style context-free grammars, compiled against the
 model's tokenizer. Measured on this project's 2-core CPU with SmolLM2's 49,152-token vocabulary
-(benchmarks/README.md): a schema compiles in 1-2 ms and a mask takes 13-26 us (median) per
+(docs/perf-history.md, "Issue 13: structured output"): a schema compiles in 1-2 ms and a mask takes 13-26 us (median) per
 token; xgrammar's masks are faster (1-2 us) but it depends on torch and triton, and both costs
 are under 0.1 % of a decode step.
 

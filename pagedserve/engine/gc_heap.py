@@ -3,7 +3,7 @@
 After start-up a process holds a few hundred thousand long-lived objects (modules, torch
 modules, the tokenizer). Python's full collection walks every one of them: during a W1 run over
 HTTP it paused the engine core for 217 ms in the middle of a step and the server's front for
-194 ms (benchmarks/README.md, "The collector's pauses"). ``gc.freeze()`` moves what is alive to a
+194 ms (docs/perf-history.md, "the collector's pauses"). ``gc.freeze()`` moves what is alive to a
 permanent generation that collections skip, so a later full collection walks only what was
 made since. vLLM does the same once a server has started (``freeze_gc_heap`` in
 ``vllm/utils/gc_utils.py``).

@@ -5,7 +5,7 @@ it once at load time (the same thing torch.compile's CPU "freezing" pass does) m
 matmuls faster: measured here, [32 x 576] @ [576 x 3072] 0.190 -> 0.145 ms and batch-1 matmuls
 about 2x. Results are bit-identical to ``F.linear`` in bfloat16. In float32, ``F.linear`` goes to
 MKL, which runs far below the AVX2 peak on AMD CPUs; oneDNN's kernels were 1.3-1.6x faster on a
-Zen 3 (benchmarks/README.md, "AVX2").
+Zen 3 (docs/perf-history.md, "AVX2: a CPU without AVX-512").
 
 oneDNN (through ideep) builds and caches one primitive per input shape, and process memory grew
 by GBs when every step brought a new row count M (a cached primitive for a few rows holds ~0.6
@@ -230,7 +230,7 @@ def _padded_linear(rows: torch.Tensor, packed: torch.Tensor, bias: Optional[torc
     thread (in inference mode, as the engine runs; otherwise a padded copy is made); its padding
     rows hold zeros or the rows of an earlier call. Either way they change no output row
     (padding is used only where rows are independent), and no fresh padded input is made per
-    call (1.02x for the matmuls of a ~140-row step: benchmarks/README.md, "Padding without a
+    call (1.02x for the matmuls of a ~140-row step: docs/perf-history.md, "Padding without a
     fresh tensor")."""
     n, k = rows.shape
     padded = onednn_rows(n)

@@ -107,7 +107,7 @@ class Sampler(torch.nn.Module):
         """
         copied = False
         if metadata.banned_mask is not None:
-            # torch.where, not masked_fill: much faster when most entries are banned (benchmarks/README.md)
+            # torch.where, not masked_fill: much faster when most entries are banned (docs/perf-history.md, "Sampling bans")
             logits = torch.where(metadata.banned_mask, float("-inf"), logits)
             copied = True
         if metadata.min_tokens_rows is not None:

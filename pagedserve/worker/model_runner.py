@@ -75,7 +75,7 @@ class ModelRunner:
             shape = (cfg.num_hidden_layers, 2, num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
             kv_dtype = dtype
         # Zero-filled: stale block-table entries read slots that are masked out, and masking
-        # needs them finite. (2 MiB pages for the pool: slower, see benchmarks/README.md.)
+        # needs them finite. (2 MiB pages for the pool: no faster on W1, see docs/perf-history.md, "Issue 15, round three".)
         self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(model.backend.argmax)

@@ -4,7 +4,7 @@ On cores the engine saturates, each wake-up of a front thread (HTTP, tokenizing,
 the output thread) preempted one of the engine core's OpenMP threads mid step, and its partner
 then waited for it at the next barrier: W1 over HTTP on 2 cores ran ~8 % slower steps than
 offline although the front used ~0.3 s of CPU in 13 s. At nice 10 the scheduler lets the front
-run when a compute thread yields instead (benchmarks/README.md, "the front yields to the
+run when a compute thread yields instead (docs/perf-history.md, "the front yields to the
 engine": 1.02-1.11x in 7 of 8 pairs). Where a core is free, a nice value has no effect.
 
 Processes the front forks afterwards inherit the value: call this after the engine's processes

@@ -53,7 +53,7 @@ def cpu_kernels_usable(hidden_size: int, num_heads: int, num_kv_heads: int, head
 
 
 # Steps with prefill tokens take the one-call C step up to this many tokens. Measured on a Zen 4
-# (AVX512-BF16, small-M kernel; benchmarks/c_step_paths.py), SmolLM2-135M, C step against the
+# (AVX512-BF16, small-M kernel; `pagedserve bench kernels --op step`), SmolLM2-135M, C step against the
 # layer-by-layer path: 1.25x at 64 + 8 decodes, 1.11x at 232 + 24, 1.07x at 512, 0.98x at 1,024
 # and 0.92x at 2,048 prompt tokens.
 C_STEP_MAX_PREFILL_ROWS = 512

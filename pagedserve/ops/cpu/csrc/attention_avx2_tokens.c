@@ -3,7 +3,7 @@
  * chunk's tokens (tile_avx2, bf16 cache), longest first, when token_tasks_preferred holds
  * (attention_token_tasks.c). Each block's K and V are then read as one contiguous stream of
  * num_kv_heads * block_size * head_dim values instead of one head's 2 KiB slice per task
- * (benchmarks/README.md, "Issue 15 on an AVX2-only Zen 1"). */
+ * (docs/perf-history.md, "Issue 15 on an AVX2-only Zen 1"). */
 
 /* Tokens a tile takes for this call: within the token tasks' score budget, at most
  * AVX2_TILE_MAX_ROWS, and few enough that every thread gets 4 tasks; 1 (no tiles) for decodes

@@ -37,7 +37,8 @@ static inline float reduce_add16(__m512 a) {
  * (decode_task_bf16), or per query token with all KV heads of a block in turn
  * (decode_token_bf16), which reads each block's K and V for all heads as one contiguous stream
  * (num_kv_heads * block_size * head_dim values) instead of one head's slice of it: on AMD
- * Zen 4, 1.8x the read rate of the scattered slices (benchmarks/README.md). */
+ * Zen 4, 1.8x the read rate of the scattered slices (docs/perf-history.md, "AVX-512 BF16
+ * without AMX"). */
 
 static inline __attribute__((always_inline)) void zero_rows(__m512 (*acc)[8], const int G, const int NV) {
     for (int g = 0; g < G; g++)

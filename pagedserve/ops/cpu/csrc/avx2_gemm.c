@@ -26,7 +26,7 @@
  * panel's later row tiles read it from L1 (K x 32 bytes). Widening each panel once into a float32
  * buffer for all row tiles instead (twice the bytes, over L1 for K = 576) was slower at 8-64
  * rows and tied at 96-256 on a Zen 1, and 1.00-1.10x slower at 64-2,048 rows on a Zen 3
- * (benchmarks/README.md, "Issue 15 on an AVX2-only Zen 1" and "the hardware ceiling").
+ * (docs/perf-history.md, "Issue 15 on an AVX2-only Zen 1" and "the hardware ceiling").
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -4,7 +4,8 @@
  * matmuls and element-wise ops; issued one by one from Python, their dispatch (~10 us each,
  * ~9 per layer) costs as much as a third of the step. In a step that prefills beside decodes
  * the layer-by-layer path paid ~25 ms of Python, dispatch and allocation a step, with the
- * other OpenMP thread waiting (benchmarks/README.md). This loop runs the
+ * other OpenMP thread waiting (docs/perf-history.md, "steps that prefill run in the one-call C
+ * step"). This loop runs the
  * same ops in the same order as `DecoderLayer.forward_fused` (the same C functions:
  * add_rms_norm, rope_write_kv and silu_mul from fused_ops.c, the matmuls of amx_gemm.c,
  * avx2_gemm.c or small_gemm.c, and the paged attention kernel through a function pointer, since that library

@@ -61,7 +61,9 @@ static inline __m512 rnd16(__m512 v) {
 #endif
 
 #define MAX_DIM 16384
-#define PAR_MIN_ELEMS 16384 /* below this a row loop is cheaper than waking the thread pool (benchmarks/README.md) */
+/* Below this many elements a row loop is cheaper than waking the thread pool
+ * (docs/perf-history.md, "AVX2 rows for the element-wise ops"). */
+#define PAR_MIN_ELEMS 16384
 
 /* x, residual, out: [rows, dim]; weight: [dim]. residual may be NULL (first layer: the
  * residual is x itself and is written to residual_out if that is not NULL). */

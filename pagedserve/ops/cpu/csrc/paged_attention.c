@@ -52,7 +52,8 @@
  * the TLB so the prefetches land. Into L1 (_MM_HINT_T0) the prefetches fill the miss buffers the
  * current block's loads need. Decode attention over scattered blocks 1.5x, over W1's layout 1.4x;
  * the AVX2 path (built with -mno-avx512f on that Zen 4, not measured on an AVX2-only CPU)
- * 1.4-1.5x scattered, 1.75-2.0x in order (benchmarks/README.md). */
+ * 1.4-1.5x scattered, 1.75-2.0x in order (docs/perf-history.md, "decode attention fills the
+ * TLB"). */
 static inline void prefetch_block(const void* p, int64_t bytes) {
     const uintptr_t a0 = (uintptr_t)p, a1 = a0 + (uintptr_t)bytes - 1;
     for (uintptr_t page = a0 & ~(uintptr_t)4095; page <= a1; page += 4096)

@@ -12,7 +12,8 @@
  * Rows are taken 4 at a time (accumulators in registers). Up to 4 rows make one pass over each
  * block; more rows take the block 64 k pairs (16 KiB) at a time, every group of 4 rows passing
  * over that chunk from L1 while the next chunk is prefetched, so streaming the weights overlaps
- * the arithmetic. Measured on AMD Zen 4 against oneDNN (benchmarks/README.md): SmolLM2's
+ * the arithmetic. Measured on AMD Zen 4 against oneDNN (docs/perf-history.md, "AVX-512 BF16
+ * without AMX"): SmolLM2's
  * matmuls 2.1x at 1 row, 1.9x at 16, 1.15x at 64; Llama-3.2-1B's shapes 1.8x at 1 row, 1.5x at
  * 16, 1.1x at 64.
  *
@@ -143,7 +144,8 @@ static inline __attribute__((always_inline)) void sg_chunk(const uint16_t* x, in
  * passes over that chunk while the next one is prefetched into L2, so the weights stream from
  * memory during the arithmetic. (Before, one group streamed a whole block, K * 128 bytes, 1 MiB
  * for K = 8192, with the arithmetic waiting on memory, and the others reread it from L2 with the
- * memory idle: 1.4-1.5x slower at 16-32 rows, benchmarks/README.md.) */
+ * memory idle: 1.4-1.5x slower at 16-32 rows: docs/perf-history.md, "the small-M kernel
+ * streams while it computes".) */
 static void sg_range(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                      int64_t N, int64_t b0, int64_t b1, int64_t chain, int64_t body) {
     if (M <= SG_ROW_GROUP) {
