@@ -28,6 +28,7 @@ from pagedserve.model.validation import (
     ModelFileError,
     TensorSpec,
     check_config,
+    check_gguf_metadata,
     check_weights,
     describe,
     read_gguf_header,
@@ -231,6 +232,7 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     names = _gguf_weight_names(header)
+    check_gguf_metadata(header)
     d, f = os.path.dirname(path), os.path.basename(path)
     try:
         config = AutoConfig.from_pretrained(d or ".", gguf_file=f)
@@ -343,7 +345,7 @@ def load_eos_token_ids(model_dir: str, config, tokenizer) -> set[int]:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 on CUDA, on CPUs with AVX-512 BF16 (or AMX), and on CPUs with AVX2 +
     FMA where pagedserve's AVX2 bf16 matmul runs (bf16 weights, float32 arithmetic: faster than
-    float32 there, see benchmarks/README.md "AVX2"); else float32.
+    float32 there, see docs/perf-history.md, "AVX2: a CPU without AVX-512"); else float32.
 
     Raises:
         ValueError: an unknown dtype name.

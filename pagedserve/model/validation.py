@@ -14,7 +14,8 @@ tensors later):
   cover the data exactly) and bounded (header at most 100 MB, dims at most ``MAX_DIM``).
 - :func:`read_gguf_header`: a GGUF file's metadata and tensor table (known ggml type, at most 4
   dims, data aligned and inside the file, no two tensors overlapping).
-- :func:`check_config`: config.json fields with the right types and sane ranges.
+- :func:`check_config`: config.json fields with the right types and sane ranges
+  (:func:`check_gguf_metadata`: the same for the GGUF metadata transformers makes a config of).
 - :func:`check_weights`: each checkpoint tensor has a float dtype, and its name and shape are
   exactly what the config describes (the model's own ``load_weights`` runs on meta tensors, so
   the rule is the one the real load applies, with nothing allocated).
@@ -450,6 +451,50 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
     if max_pos is not None and head_dim is not None and max_pos * head_dim > MAX_ROPE_TABLE:
         raise ModelFileError(path, f"config max_position_embeddings={max_pos} x head_dim={head_dim} is over {MAX_ROPE_TABLE} "
                                    "(the RoPE table would not fit in memory)")
+
+
+# GGUF metadata (after "<architecture>.") -> the config field transformers makes of it.
+GGUF_CONFIG_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "vocab_size": "vocab_size",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+}
+
+
+def check_gguf_metadata(header: GGUFHeader) -> None:
+    """The model metadata of a GGUF file, checked as :func:`check_config` checks config.json,
+    before transformers builds a config from it.
+
+    Raises:
+        ModelFileError: an unsupported architecture, or a field of the wrong type or range.
+    """
+    from pagedserve.model.llama import SUPPORTED_MODEL_TYPES
+
+    arch = header.metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFileError(header.path, f"GGUF general.architecture {short(arch)} is missing or not a string")
+    if arch not in SUPPORTED_MODEL_TYPES:
+        raise ModelFileError(header.path, f"GGUF architecture {short(arch)} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    fields: dict[str, Any] = {"model_type": arch}
+    for suffix, field in GGUF_CONFIG_KEYS.items():
+        key = f"{arch}.{suffix}"
+        if key in header.metadata:
+            fields[field] = header.metadata[key]
+            try:
+                check_config(header.path, {"model_type": arch, field: fields[field]})
+            except ModelFileError as e:
+                raise ModelFileError(header.path, f"GGUF metadata {key}: {e.what}") from None
+    try:
+        check_config(header.path, fields)
+    except ModelFileError as e:
+        raise ModelFileError(header.path, f"GGUF metadata: {e.what}") from None
 
 
 # -- checkpoint vs config ---------------------------------------------------------------------------
