@@ -181,14 +181,17 @@ def convert_gguf(path: str) -> str:
     Raises:
         ModelFileError: the file is not a usable GGUF checkpoint, or the cache is not writable.
     """
-    st = os.stat(path)
     # Keyed by content (size + first and last MiB), not by path: every clone or venv holding the
     # same file shares one converted copy.
-    h = hashlib.sha256(f"{os.path.basename(path)}|{st.st_size}|v1".encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(1 << 20))
-        fh.seek(max(0, st.st_size - (1 << 20)))
-        h.update(fh.read(1 << 20))
+    try:
+        size = os.path.getsize(path)
+        h = hashlib.sha256(f"{os.path.basename(path)}|{size}|v1".encode())
+        with open(path, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    except OSError as e:
+        raise ModelFileError(path, f"cannot read: {e.strerror or e}") from None
     key = h.hexdigest()[:16]
     out = os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)[:-5]}-{key}")
     if os.path.exists(os.path.join(out, ".complete")):

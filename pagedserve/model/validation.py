@@ -45,6 +45,11 @@ MAX_HEADS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
 MAX_POSITIONS = 1 << 24
 MAX_ROPE_TABLE = 1 << 30  # max_position_embeddings x head_dim (the RoPE table is 8 bytes each)
+# GGUF entries walked one by one in Python: real files have ~1000 tensors, ~50 metadata keys and
+# string arrays of at most a few 100k items (vocabulary, merges).
+MAX_GGUF_TENSORS = 1 << 20
+MAX_GGUF_KV = 1 << 16
+MAX_GGUF_STRINGS = 1 << 24
 
 # Weights pagedserve loads (copied into float parameters); other dtypes are not a weight.
 FLOAT_WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -257,6 +262,8 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str) -> Any:
         cur.need(count * struct.calcsize(_GGUF_SCALARS[itype]), f"{count} array items of {short(key)}")
         cur.pos += count * struct.calcsize(_GGUF_SCALARS[itype])
     elif itype == _GGUF_STRING:
+        if count > MAX_GGUF_STRINGS:
+            raise ModelFileError(cur.path, f"GGUF metadata {short(key)} claims {count} strings (limit {MAX_GGUF_STRINGS})")
         cur.need(count * 8, f"{count} array strings of {short(key)}")  # each is at least its length
         for _ in range(count):
             cur.string(f"array item of {short(key)}", keep=False)
@@ -292,8 +299,9 @@ def read_gguf_header(path: str) -> GGUFHeader:
         n_tensors = cur.unpack("<Q", "tensor count")
         n_kv = cur.unpack("<Q", "metadata count")
         # Each entry takes at least 13 (metadata) / 24 (tensor) bytes: a count past that is a lie.
-        if n_kv * 13 > size - cur.pos or n_tensors * 24 > size - cur.pos:
-            raise ModelFileError(path, f"GGUF header counts ({n_kv} metadata entries, {n_tensors} tensors) do not fit in a {size} byte file")
+        if n_kv * 13 > size - cur.pos or n_tensors * 24 > size - cur.pos or n_kv > MAX_GGUF_KV or n_tensors > MAX_GGUF_TENSORS:
+            raise ModelFileError(path, f"GGUF header counts ({n_kv} metadata entries, {n_tensors} tensors) do not fit in a {size} byte file "
+                                       f"(or are over the limits of {MAX_GGUF_KV} and {MAX_GGUF_TENSORS})")
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string("metadata key", limit=MAX_NAME_BYTES)
