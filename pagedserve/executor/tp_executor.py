@@ -36,7 +36,7 @@ logger = logging.getLogger("pagedserve")
 
 START_TIMEOUT_S = 180.0  # for every rank's hello (process start and imports, or Ray placement)
 STOP_TIMEOUT_S = 5.0
-_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+_ERRORS = {"ValueError": ValueError, "ModelFileError": ValueError, "FileNotFoundError": FileNotFoundError}
 
 
 def create_executor(config: EngineConfig) -> Union[Worker, "TPExecutor"]:
