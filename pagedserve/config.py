@@ -19,9 +19,9 @@ from pagedserve.kv_transfer_config import KVTransferConfig  # noqa: F401  (part 
 from pagedserve.spec_decode_config import SpeculativeConfig
 
 DEFAULT_TOKEN_BUDGET = 2048
-# Step-time target (ms): see benchmarks/README.md, "Issue 15: bounded step time", for the choice.
+# Step-time target (ms): see docs/perf-history.md, "Issue 15: bounded step time", for the choice.
 SERVING_MAX_STEP_MS = 200.0  # the server's default; offline engines default to off (as vLLM's usage-context defaults)
-# A prefilling step may also last this many times its decodes alone (benchmarks/README.md,
+# A prefilling step may also last this many times its decodes alone (docs/perf-history.md,
 # "Issue 15: a step target relative to the decodes").
 DEFAULT_MAX_STEP_DECODE_MULTIPLE = 4.0
 
