@@ -55,7 +55,8 @@ def run(cores, until, timeout=20.0):
 
 def idle(core):
     s = core.scheduler
-    return (not s.requests and not s.remote_kv.waiting_for_remote and not s.remote_kv.held_for_transfer and not s.kv_cache_manager.req_to_blocks
+    remote = s.remote_kv  # None without a KV connector
+    return (not s.requests and (remote is None or not (remote.waiting_for_remote or remote.held_for_transfer)) and not s.kv_cache_manager.req_to_blocks
             and s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_total_blocks)
 
 

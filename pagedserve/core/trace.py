@@ -131,14 +131,15 @@ class StepTracer:
             if o.finish_reason is not None:
                 finished.append({"request_id": o.request_id, "finish_reason": o.finish_reason})
         free = pool.num_free_blocks
+        step_budget = getattr(scheduler, "step_budget", None)
         rec = {
             "step": self.next_step,
             "time": start,
             "duration_ms": 1000.0 * (now - start),
             "token_budget": scheduler.config.max_num_batched_tokens,
             "num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
-            "predicted_ms": scheduler.step_budget.last_predicted_ms,
-            "target_ms": scheduler.step_budget.last_target_ms,
+            "predicted_ms": getattr(step_budget, "last_predicted_ms", None),
+            "target_ms": getattr(step_budget, "last_target_ms", None),
             "scheduled": scheduled,
             "preempted": list(scheduler_output.preempted_req_ids),
             "finished": finished,

@@ -5,36 +5,58 @@ and a sequence limit (``max_num_seqs``), following vLLM v1's unified scheduler: 
 prefill or decode phase, every request just tries to bring ``num_computed_tokens`` up to
 ``num_tokens``. RUNNING requests go first (a decode costs one token, a mid-prefill request takes
 what the budget leaves), then WAITING requests in the order of the scheduling policy (arrival,
-or ``priority`` then arrival: see :mod:`.request_queue`), each after its prefix-cache hit
-(:mod:`.admission`). Chunked prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule,
-not separate code. When a running request cannot get a block, the running list's last request
-(the most recently admitted; under the priority policy the one with the largest priority value)
-is preempted (its blocks freed, recomputed later: vLLM's recompute preemption) and nothing new
-is admitted in that step. A decode instance's request whose prompt KV comes from a prefill
-instance waits for it holding its blocks (``WAITING_FOR_REMOTE_KVS``, see :mod:`.remote_kv`).
-Prefill chunks are also cut to a step-time target (see :mod:`.step_budget`). Decodes may carry
-draft tokens (speculative decoding, see :mod:`.spec_decode`).
+or ``priority`` then arrival: see :mod:`.request_queue`), each after its prefix-cache hit, its
+first chunk cut to the budget, and only if its blocks can be allocated without preempting
+anyone (the first one that cannot waits, and everything behind it: no overtaking). Chunked
+prefill (Agrawal et al., "Sarathi-Serve", OSDI 2024) is that rule, not separate code. When a
+running request cannot get a block, the running list's last request (the most recently
+admitted; under the priority policy the one with the largest priority value) is preempted (its
+blocks freed, recomputed later: vLLM's recompute preemption) and nothing new is admitted in
+that step. After the step, :meth:`Scheduler.update_from_output` appends the sampled tokens and
+finishes the requests that stop (:func:`check_stop`).
+
+Shape (vLLM v1's ``Scheduler``; mini-sglang's ``scheduler/{prefill,decode,cache}.py``): this
+class owns the queues (``waiting``, ``running``, ``requests``) and reads top to bottom,
+``schedule()`` then ``update_from_output()``; it holds three collaborators, each built with what
+it needs as constructor arguments and none sharing the scheduler's ``self``:
+
+- ``step_budget`` (:class:`.step_budget.StepBudget`): the step's tokens left, the long-prefill
+  cap and the step-time target with its learnt cost model; ``schedule()`` asks it how many
+  tokens each chunk gets and tells it what it took.
+- ``drafter`` (:class:`.spec_decode.Drafter`; None without speculative decoding): the draft
+  tokens of a step's decodes, and the accepted ones after it.
+- ``remote_kv`` (:class:`.remote_kv.RemoteKVWaiter`; None without a KV connector): requests
+  that wait for their prompt KV from a prefill instance (``WAITING_FOR_REMOTE_KVS``), and
+  finished requests whose blocks a decode instance reads.
+
+Admission (the waiting-queue half of ``schedule()``, :meth:`Scheduler._admit_waiting`) stays in
+this class: it is the scheduler's core rule, and all it does is move requests between the
+queues this class owns (pop ``waiting``, insert into ``running`` in the policy's order) and set
+their scheduling state. As an object of its own it would need every queue, the stats and the
+other three collaborators: the scheduler again under another name, or a class sharing its state.
 """
 from __future__ import annotations
 
+import bisect
 import time
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, KVConnectorOutput, ModelRunnerOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sched.admission import AdmissionMixin
 from pagedserve.core.sched.output import NewRequestData, SchedulerOutput
 from pagedserve.core.sched.remote_kv import RemoteKVWaiter
-from pagedserve.core.sched.request_queue import make_request_queue
-from pagedserve.core.sched.stop import check_stop
+from pagedserve.core.sched.request_queue import make_request_queue, priority_key
 from pagedserve.core.sched.spec_decode import Drafter
 from pagedserve.core.sched.step_budget import StepBudget
 from pagedserve.core.structured_output import StructuredOutputManager
 
+if TYPE_CHECKING:
+    from pagedserve.core.sched.step_cost import StepCostModel
 
-class Scheduler(AdmissionMixin):
+
+class Scheduler:
     """Decides who runs each step; owns the request queues and the KV cache manager.
 
     Args:
@@ -147,26 +169,6 @@ class Scheduler(AdmissionMixin):
         return self.remote_kv.poll_interval() if self.remote_kv is not None else None
 
     # -- one step -------------------------------------------------------------------------
-    def _preempt(self, req: Request) -> None:
-        self.kv_cache_manager.free(req)
-        self.num_block_ids_on_worker.pop(req.request_id, None)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        self.waiting.prepend(req)
-
-    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate ``num_new`` slots for a running request, preempting from the back of the
-        running list until they fit; False when ``req`` itself had to go."""
-        while self.kv_cache_manager.allocate_slots(req, num_new) is None:
-            victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted_req_ids.append(victim.request_id)
-            if victim is req:
-                return False
-        return True
-
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and tokens, allocate their blocks, advance their
         ``num_computed_tokens`` as if the step succeeds (the model runs every scheduled token),
@@ -243,6 +245,75 @@ class Scheduler(AdmissionMixin):
                 constrained[i].error = "the grammar is too slow to follow: a token's mask took over 0.1 s"
         return out
 
+    def _admit_waiting(self, step: StepBudget, scheduled: list[tuple[Request, int, int]], new_ids: set[str]) -> None:
+        """Admit waiting requests into this step while ``step`` has tokens and time, in the
+        queue's order, appending ``(request, num_computed_tokens, num_new_tokens)`` to
+        ``scheduled`` and their ids to ``new_ids``: each after its prefix-cache hit (or with the
+        blocks its remote KV was loaded into), and only if its blocks can be allocated without
+        preempting anyone (the first one that cannot waits, and everything behind it)."""
+        kv = self.kv_cache_manager
+        while self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            if req.request_id in kv.req_to_blocks:  # its remote KV arrived: it holds the loaded blocks
+                hit_blocks, num_hit = [], req.num_computed_tokens
+            else:
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                if self.remote_kv is not None and req.kv_transfer_params is not None:
+                    remote = self.remote_kv.try_admit(req, hit_blocks, num_hit)
+                    if remote is False:  # no blocks for it now
+                        break
+                    if remote:  # it waits for its KV now
+                        self.waiting.pop()
+                        continue
+            num_remaining = req.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_remaining > step.tokens:
+                break
+            num_new = step.chunk(num_remaining, num_hit)
+            if num_new <= 0:  # no time left
+                break
+            if kv.allocate_slots(req, num_new, hit_blocks, num_hit - req.num_computed_tokens) is None:
+                if not self.running and self.remote_kv is not None and self.remote_kv.release_loaded(list(self.waiting)[1:]):
+                    continue
+                break
+            self.waiting.pop()
+            if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
+                req.num_cached_tokens = num_hit
+                if req.sampling_params.prompt_logprobs is None:  # else no lookup was made (as vLLM counts)
+                    self.stats.prefix_cache_queries += req.num_tokens
+                    self.stats.prefix_cache_hits += num_hit
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            if self.config.scheduling_policy == "priority":  # the back is preempted first
+                bisect.insort(self.running, req, key=priority_key)
+            else:
+                self.running.append(req)
+            scheduled.append((req, num_hit, num_new))
+            new_ids.add(req.request_id)
+            step.take(num_new, num_hit)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate ``num_new`` slots for a running request, preempting from the back of the
+        running list until they fit; False when ``req`` itself had to go."""
+        while self.kv_cache_manager.allocate_slots(req, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_req_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self.num_block_ids_on_worker.pop(req.request_id, None)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.prepend(req)
+
+    # -- after the step --------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append each sampled token and finish requests that hit EOS, a stop token, max_tokens
         or max_model_len; their blocks are freed in this same call.
@@ -297,16 +368,6 @@ class Scheduler(AdmissionMixin):
             stats.kv_transfer_seconds = list(runner_output.kv_connector_output.transfer_seconds)
         return EngineCoreOutputs(outputs, now, stats)
 
-    def record_step_time(self, duration_ms: float) -> None:
-        """Teach the step budget's cost model the measured wall time (ms) of the step the last
-        ``schedule()`` planned (``EngineCore.step`` calls this after each step)."""
-        self.step_budget.record_step_time(duration_ms)
-
-    @property
-    def step_cost(self):
-        """The step budget's cost model (None with the step-time bound off)."""
-        return self.step_budget.cost
-
     def _update_from_kv_output(self, kvo: KVConnectorOutput) -> list[EngineCoreOutput]:
         """Apply the KV transfers the worker side finished: loaded (or to-recompute) requests
         go back to the front of the waiting queue; outputs of requests that failed for good."""
@@ -318,6 +379,17 @@ class Scheduler(AdmissionMixin):
         return [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error, num_cached_tokens=max(0, r.num_cached_tokens),
                                  first_scheduled_time=r.first_scheduled_time) for r in failed]
 
+    # -- for the engine ----------------------------------------------------------------------
+    def record_step_time(self, duration_ms: float) -> None:
+        """Teach the step budget's cost model the measured wall time (ms) of the step the last
+        ``schedule()`` planned (``EngineCore.step`` calls this after each step)."""
+        self.step_budget.record_step_time(duration_ms)
+
+    @property
+    def step_cost(self) -> Optional[StepCostModel]:
+        """The step budget's cost model (None with the step-time bound off)."""
+        return self.step_budget.cost
+
     def get_stats(self) -> SchedulerStats:
         """A snapshot of the counters (a new object each call)."""
         s = self.stats
@@ -328,3 +400,32 @@ class Scheduler(AdmissionMixin):
         snap.kv_transfer_failures = dict(s.kv_transfer_failures)
         snap.spec_decode_num_accepted_tokens_per_pos = dict(s.spec_decode_num_accepted_tokens_per_pos)
         return snap
+
+
+def check_stop(req: Request, tok: int, max_model_len: int, grammars: Optional[StructuredOutputManager]) -> bool:
+    """After ``tok`` was appended to ``req``: set its finished status and return True when it
+    ends here (its grammar, which starts after a thinking request's end-of-thinking token,
+    completed or failed, EOS unless ``ignore_eos`` once ``min_tokens``
+    are out, a stop token id, ``max_tokens``, or ``max_model_len``)."""
+    params = req.sampling_params
+    if req.in_reasoning:  # unconstrained until it stops thinking; the end token is not the grammar's
+        req.in_reasoning = tok != params._reasoning_end_token_id
+    elif req.grammar is not None:
+        state = grammars.accept_token(req.grammar, tok)
+        if state is not None and state != "done":
+            req.error = f"structured output failed: {state}"
+        if req.error is not None:
+            req.status = RequestStatus.FINISHED_ERROR
+            return True
+        if state == "done":
+            req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+            return True
+    if req.num_output_tokens >= params.min_tokens:
+        if (not params.ignore_eos and tok in req.eos_token_ids) or tok in params.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = tok if tok in params.stop_token_ids else None
+            return True
+    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
