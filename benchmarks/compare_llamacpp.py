@@ -1,7 +1,7 @@
 """Batch-1 prefill and decode of llama.cpp and pagedserve in the same minutes, alternating.
 
 This box's memory bandwidth swings by 2x from minute to minute (see "Batch-1 decode and the
-bandwidth ceiling" in benchmarks/README.md), so a peer's number from another day says little;
+bandwidth ceiling" in docs/perf-history.md), so a peer's number from another day says little;
 this script measures llama.cpp (through llama-cpp-python) next to `pagedserve bench latency`
 on the same weights in bf16, and prints the memory read bandwidth of each round.
 

@@ -1,7 +1,7 @@
 """pagedserve vs llama.cpp's llama-server on the same requests, in interleaved rounds (issue 15).
 
 This box's speed drifts from minute to minute (see "Batch-1 decode and the bandwidth ceiling"
-in benchmarks/README.md), so every figure here is measured next to its peer: each round runs
+in docs/perf-history.md), so every figure here is measured next to its peer: each round runs
 the offline pagedserve run, `pagedserve serve`, then llama-server (the reverse every other round:
 a steady drift then favours neither side over two rounds), then for 1b the batch-1 figures, one
 process at a time (each server is started, warmed up with N short requests at once, measured,
