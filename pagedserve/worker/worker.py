@@ -20,6 +20,7 @@ from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.distributed.parallel_state import TPGroup
 from pagedserve.distributed.tensor_parallel import shard_checkpoint, shard_shapes
+from pagedserve import platform
 from pagedserve.model import loader
 from pagedserve.model.backends import select_backend
 from pagedserve.model.layers import RotaryEmbedding
@@ -34,14 +35,8 @@ DEFAULT_CPU_KV_MAX_BYTES = 4 << 30
 
 
 def available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    """Available memory (bytes), 8 GiB when unknown."""
+    return platform.available_memory_bytes() or 8 << 30
 
 
 def sliding_window(hf_config) -> Optional[int]:
@@ -66,6 +61,22 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}, but this torch build has no CUDA device available")
     return dev
+
+
+def _prepare_cpu_kernels() -> None:
+    """Compile (first start only: a C compiler run per library, minutes in all on a small
+    machine) or load the CPU kernels before the model needs them, saying so in the log."""
+    import os
+
+    from pagedserve.ops.cpu.build import get_decode_lib, get_fused_lib, get_lib
+
+    if not platform.switch_on("PAGEDSERVE_CPU_KERNELS"):
+        return
+    where = os.path.join(platform.cache_dir(), "kernels")
+    logger.info("pagedserve worker: preparing the CPU kernels (compiled on the first start only: minutes on a small machine; cached in %s)", where)
+    t0 = time.monotonic()
+    libs = [get_lib(), get_fused_lib(), get_decode_lib()]
+    logger.info("pagedserve worker: CPU kernels %s in %.1fs", "ready" if all(libs) else "partly unavailable (see above)", time.monotonic() - t0)
 
 
 @dataclass
@@ -109,6 +120,9 @@ class Worker:
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.max_positions = self._max_positions()
+        if self.device.type == "cpu" and (tp is None or tp.rank == 0):
+            _prepare_cpu_kernels()
+        logger.info("pagedserve worker: loading the weights from %s", self.model_dir)
         self.model = self._load_model(config.max_model_len or self.max_positions)
         self.kv_spec = self._size_kv_cache()
         self.model_runner: Optional[ModelRunner] = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 from pagedserve.entrypoints.openai.http_common import error_response
@@ -108,6 +109,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def engine_pids(llm: Any) -> str:
+    """Where the engine runs, for the start-up log: its core's pid, or with data parallelism
+    every replica's (and its node when not this host)."""
+    replicas = llm.replica_status()
+    if not replicas:
+        return f"engine core pid {llm.engine_pid}"
+    where = [f"{r['engine']}: pid {r['pid']}" + (f" on {r['node']}" if r.get("node") not in (None, "localhost") else "") for r in replicas]
+    return f"{len(replicas)} engine replicas, " + ", ".join(where)
+
+
 def run_server(args: Any) -> int:
     """Entry point of ``pagedserve serve``. Returns 1 when the engine core died.
 
@@ -121,6 +132,7 @@ def run_server(args: Any) -> int:
     from pagedserve.engine.gc_heap import freeze_gc_heap
     from pagedserve.entrypoints.openai.api_server import build_app
     from pagedserve.entrypoints.openai.front_priority import lower_thread_priority
+    from pagedserve.model.loader import resolve_model
 
     config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
     server_args = ServerArgs.from_cli_args(args)
@@ -147,6 +159,12 @@ def run_server(args: Any) -> int:
 
     def load() -> None:
         try:
+            t0 = time.monotonic()
+            model_dir = resolve_model(config.model)  # a GGUF file is converted into the cache on first use (the loader logs it)
+            if (config.model is None or str(config.model).endswith(".gguf")) and time.monotonic() - t0 > 1.0:
+                logger.info("pagedserve: model ready in %.0fs: %s", time.monotonic() - t0, model_dir)
+            logger.info("pagedserve: starting the engine core%s: CPU kernels (compiled on the first start only, which takes minutes), "
+                        "weights, KV cache", f" ({config.data_parallel_size} replicas)" if config.data_parallel_size > 1 else "")
             llm = AsyncLLM(config, on_engine_dead=on_engine_dead, log_level=log_level)
             try:
                 app = build_app(llm, server_args)
@@ -157,8 +175,8 @@ def run_server(args: Any) -> int:
             if lower_thread_priority(server_args.frontend_nice):  # after the engine's processes forked
                 logger.info("pagedserve: the front's threads run at nice %d (--frontend-nice)", server_args.frontend_nice)
             loading.ready(app, llm)
-            logger.info("pagedserve: serving %s on http://%s:%d%s (engine core pid %d)", ", ".join(llm.served_model_names),
-                        server_args.host, server_args.port, " (API key required)" if server_args.api_key else "", llm.engine_pid)
+            logger.info("pagedserve: serving %s on http://%s:%d%s (%s)", ", ".join(llm.served_model_names),
+                        server_args.host, server_args.port, " (API key required)" if server_args.api_key else "", engine_pids(llm))
         except BaseException as e:
             failure.append(e)
             uv.should_exit = True
