@@ -26,9 +26,17 @@ SERVING_MAX_STEP_MS = 200.0  # the server's default; offline engines default to 
 DEFAULT_MAX_STEP_DECODE_MULTIPLE = 4.0
 
 
-def _flag(help: str, *names: str, **argparse_kwargs: Any) -> Any:
-    """Field metadata: the CLI flag names (default ``--field-name``), help and argparse extras."""
-    return {"help": help, "names": names, "argparse": argparse_kwargs}
+# Which commands a field's flag applies to (``_flag(..., only=...)``): every engine command, or
+# only ``serve`` (the server's front: data parallelism, disaggregation, the API's model names),
+# which the offline engine (generate, chat, bench throughput|latency|memory) has no use for.
+CLI_USAGES = ("offline", "serve")
+
+
+def _flag(help: str, *names: str, only: Optional[str] = None, **argparse_kwargs: Any) -> Any:
+    """Field metadata: the CLI flag names (default ``--field-name``), help, argparse extras, and
+    ``only``: the one usage of :data:`CLI_USAGES` the flag belongs to (None = all)."""
+    assert only is None or only in CLI_USAGES, only
+    return {"help": help, "names": names, "argparse": argparse_kwargs, "only": only}
 
 
 @dataclass
@@ -145,14 +153,14 @@ class EngineConfig:
         "(the step target is the larger of the two; 0 = --max-step-ms alone)"))
     seed: int = field(default=0, metadata=_flag("global sampling seed"))
     device: str = field(default="auto", metadata=_flag("auto, cpu or cuda"))
-    served_model_name: Optional[list[str]] = field(default=None, metadata=_flag("model name(s) the API answers to (the first is reported)", nargs="+"))
+    served_model_name: Optional[list[str]] = field(default=None, metadata=_flag("model name(s) the API answers to (the first is reported)", nargs="+", only="serve"))
     tokenizer: Optional[str] = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
     num_threads: Optional[int] = field(default=None, metadata=_flag("torch CPU threads of the engine (default: one per core)"))
     trace_buffer_steps: int = field(default=1024, metadata=_flag("step records kept for get_step_trace (0 = off)"))
     trace_file: Optional[str] = field(default=None, metadata=_flag("write one JSON line per engine step to this file"))
     kv_transfer_config: Optional[dict] = field(default=None, metadata=_flag(
         "prefill/decode disaggregation, as JSON: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., "
-        "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}"))
+        "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}", only="serve"))
     speculative_config: Optional[dict] = field(default=None, metadata=_flag(
         "speculative decoding by n-gram lookup, as JSON, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; num_speculative_tokens (1-16) is required; prompt_lookup_max/min "
@@ -163,17 +171,17 @@ class EngineConfig:
     distributed_host: Optional[str] = field(default=None, metadata=_flag(
         "address the tensor-parallel rendezvous and control sockets bind to (default 127.0.0.1)"))
     # -- data parallelism (the server's front reads these; each replica runs with size 1) --
-    data_parallel_size: int = field(default=1, metadata=_flag("engine replicas behind the server", "--data-parallel-size", "-dp"))
+    data_parallel_size: int = field(default=1, metadata=_flag("engine replicas behind the server", "--data-parallel-size", "-dp", only="serve"))
     data_parallel_backend: str = field(default="mp", metadata=_flag(
-        "where replicas run: mp (processes on this host) or ray (Ray actors, across a Ray cluster's nodes)", choices=["mp", "ray"]))
+        "where replicas run: mp (processes on this host) or ray (Ray actors, across a Ray cluster's nodes)", choices=["mp", "ray"], only="serve"))
     ray_address: Optional[str] = field(default=None, metadata=_flag(
-        "Ray cluster to join (auto, or head host:port); default: start a local Ray head for the server's lifetime"))
+        "Ray cluster to join (auto, or head host:port); default: start a local Ray head for the server's lifetime", only="serve"))
     threads_per_replica: Optional[int] = field(default=None, metadata=_flag(
-        "torch threads of each replica (default: --num-threads, else usable cores / replicas)"))
-    pin_replica_cores: bool = field(default=True, metadata=_flag("mp backend: pin each replica to its own cores when they fit"))
+        "torch threads of each replica (default: --num-threads, else usable cores / replicas)", only="serve"))
+    pin_replica_cores: bool = field(default=True, metadata=_flag("mp backend: pin each replica to its own cores when they fit", only="serve"))
     router: str = field(default="kv-aware", metadata=_flag(
         "how requests pick a replica: kv-aware (longest cached prefix, balanced against queue length), least-loaded or round-robin",
-        choices=["kv-aware", "least-loaded", "round-robin"]))
+        choices=["kv-aware", "least-loaded", "round-robin"], only="serve"))
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -279,18 +287,30 @@ class EngineConfig:
         return dataclasses.replace(self, max_step_ms=SERVING_MAX_STEP_MS)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
-        """Add every field as a flag (``--max-num-seqs``, ``--[no-]enable-prefix-caching``, ...)
-        in an "engine" group. ``model_flag=False`` leaves ``--model`` out (``serve`` takes the
-        model as a positional argument and also accepts ``--model``, added by the caller)."""
+    def add_cli_args(parser: argparse.ArgumentParser, model_flag: bool = True, usage: Optional[str] = "offline") -> None:
+        """Add the fields of ``usage`` as flags (``--max-num-seqs``, ``--[no-]enable-prefix-caching``,
+        ...) in an "engine" group. ``usage``: "offline" (the default: an engine in this process,
+        as generate, chat and bench run), "serve" (every field, the server's own included) or
+        None (every field, no check). A flag of another usage is left out of ``--help`` and, given
+        anyway, is a one-line argparse error naming the command it belongs to.
+        ``model_flag=False`` leaves ``--model`` out (``serve`` takes the model as a positional
+        argument and also accepts ``--model``, added by the caller)."""
+        assert usage is None or usage in CLI_USAGES, usage
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(EngineConfig):
             if f.name == "model" and not model_flag:
                 continue
             meta = f.metadata
             names = list(meta["names"]) or ["--" + f.name.replace("_", "-")]
+            is_bool = f.type in ("bool", bool)
+            if usage is not None and meta["only"] not in (None, usage):
+                if is_bool:
+                    names += ["--no-" + n[2:] for n in names if n.startswith("--")]
+                parser.add_argument(*names, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                                    nargs=0 if is_bool else "?", action=_OtherUsageFlag, usage=meta["only"])
+                continue
             kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=meta["help"], **meta["argparse"])
-            if f.type in ("bool", bool):
+            if is_bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif "choices" not in kwargs:
                 kwargs["type"] = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(str(f.type), str)
@@ -302,3 +322,16 @@ class EngineConfig:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+class _OtherUsageFlag(argparse.Action):
+    """A flag of another command (``EngineConfig.add_cli_args``): hidden from ``--help``; given,
+    a one-line argparse error (exit status 2) that names the command it belongs to."""
+
+    def __init__(self, option_strings: list[str], dest: str, usage: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.usage = usage
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Optional[str] = None) -> None:
+        why = {"serve": "this command runs one engine in this process"}[self.usage]
+        parser.error(f"{option_string} is a flag of `pagedserve {self.usage}` only: {why}")

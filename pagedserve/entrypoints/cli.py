@@ -1,4 +1,4 @@
-"""The ``pagedserve`` command: generate, chat, serve, proxy, bench, explain."""
+"""The ``pagedserve`` command: generate, chat, serve, proxy, bench, cache, explain."""
 from __future__ import annotations
 
 import argparse
@@ -62,8 +62,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args) or 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line (the usage of an engine command is dozens of lines); subcommand
+    parsers take this class too (argparse's ``add_subparsers`` default)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM inference and serving")
+    parser = _Parser(prog="pagedserve", description="pagedserve: paged-KV LLM inference and serving")
     parser.add_argument("--log-level", default="info")
     # --log-level after the subcommand too (pagedserve serve --log-level debug), as vLLM takes it.
     common = argparse.ArgumentParser(add_help=False)
@@ -88,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct; --model works too)")
     ServerArgs.add_cli_args(s)
-    EngineConfig.add_cli_args(s)
+    EngineConfig.add_cli_args(s, usage="serve")
     s.set_defaults(func=cmd_serve)
 
     from pagedserve.entrypoints.proxy import add_proxy_args, cmd_proxy
@@ -100,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from pagedserve.entrypoints.cache_cli import add_cache_parser
+
+    add_cache_parser(sub)
 
     from pagedserve.entrypoints.explain import add_explain_parser
 
