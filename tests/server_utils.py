@@ -29,6 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_PIDS: dict[str, int] = {}  # the session server's front process, by base URL
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     port = _free_port()
@@ -45,6 +48,7 @@ def server(tmp_path_factory):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
+    SERVER_PIDS[base] = proc.pid
     deadline = time.monotonic() + 180
     try:
         while True:

@@ -31,7 +31,7 @@ gguf = pytest.importorskip("gguf")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pagedserve.model import loader, validation  # noqa: E402
+from pagedserve.model import files as model_files, loader, validation  # noqa: E402
 from pagedserve.model.validation import ModelFileError  # noqa: E402
 
 EXAMPLES = int(os.environ.get("PAGEDSERVE_MODEL_FUZZ_EXAMPLES", "150"))
@@ -262,7 +262,7 @@ def test_valid_files_load(files):
     assert load_chain(files["gguf"]) == model_dir  # the cached copy, validated again
     # The real default model's header (92 MB, 272 Q4_1/Q8_0/F32 tensors, 49152-token vocab).
     header = validation.read_gguf_header(loader.default_model_path())
-    assert len(header.tensors) == 272 and len(loader._gguf_weight_names(header)) == 272
+    assert len(header.tensors) == 272 and len(model_files._gguf_weight_names(header)) == 272
 
 
 # -- hand-made bad files: each named case of the issue ------------------------------------------
@@ -396,18 +396,18 @@ def test_failed_conversion_leaves_nothing_and_a_broken_cache_is_redone(files, mo
     path = gguf_case(files, files["gguf_bytes"])
     gguf_cache = os.path.join(loader.cache_dir(), "gguf")
     stem = os.path.basename(path)[:-5]
-    real = loader.iterate_gguf_weights
+    real = model_files.iterate_gguf_arrays
 
     def dies_midway(*a, **k):
         it = real(*a, **k)
         yield next(it)
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(loader, "iterate_gguf_weights", dies_midway)
+    monkeypatch.setattr(model_files, "iterate_gguf_arrays", dies_midway)
     err = assert_clean(path)
     assert err is not None and "conversion to" in str(err) and "RuntimeError: disk on fire" in str(err), err
     assert not glob.glob(os.path.join(gguf_cache, stem + "-*")), os.listdir(gguf_cache)
-    monkeypatch.setattr(loader, "iterate_gguf_weights", real)
+    monkeypatch.setattr(model_files, "iterate_gguf_arrays", real)
     out = load_chain(path)
     assert os.path.exists(os.path.join(out, ".complete"))
     # A crash mid-conversion (kill -9) leaves <out>.tmp<pid>: removed by the next conversion.
@@ -683,7 +683,7 @@ def test_fuzz_real_gguf_header(files):
     shutil.copyfile(real, path)
 
     def check(p):
-        loader._gguf_weight_names(validation.read_gguf_header(p))
+        model_files._gguf_weight_names(validation.read_gguf_header(p))
 
     @_fuzz_settings(EXAMPLES, derandomize=False)
     @given(flips=st.lists(st.tuples(st.integers(0, data_offset - 1), st.integers(0, 255)), min_size=1, max_size=6),
@@ -704,3 +704,34 @@ def test_fuzz_real_gguf_header(files):
                 shutil.copyfile(real, path)
 
     run()
+
+
+def test_front_without_torch_converts_in_a_child_and_checks_headers(files, tmp_path):
+    """A server front blocks torch: it resolves a GGUF file by converting it in a child process
+    (with torch, the full checks), checks an HF folder's headers and config itself, and still
+    refuses a bad file with one line; torch never loads in it."""
+    good = gguf_case(files, files["gguf_bytes"])
+    bad = gguf_case(files, files["gguf_bytes"][: len(files["gguf_bytes"]) // 2])
+    code = (
+        "import sys\n"
+        "from pagedserve import platform\n"
+        "platform.block_torch_import()\n"
+        "from pagedserve.model import files\n"
+        "from pagedserve.model.validation import ModelFileError\n"
+        f"out = files.resolve_model({good!r})\n"
+        "tok = files.load_tokenizer(out); cfg = files.load_config(out)\n"
+        f"assert files.resolve_model({files['hf']!r}) == {files['hf']!r}\n"
+        "try:\n"
+        f"    files.resolve_model({bad!r})\n"
+        "except ModelFileError as e:\n"
+        "    print('refused:', e)\n"
+        "assert sys.modules.get('torch') is None, 'torch loaded'\n"
+        "print(out)\n"
+    )
+    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert os.path.exists(os.path.join(lines[-1], ".complete")) and lines[-1].startswith(str(tmp_path / "cache"))
+    refused = [line for line in lines if line.startswith("refused: ")]
+    assert len(refused) == 1 and bad in refused[0] and "\n" not in refused[0]

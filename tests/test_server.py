@@ -945,3 +945,19 @@ def test_front_flags_and_health_503_while_loading(tiny_model_factory, tmp_path):
             proc.wait(10)
     text = log_path.read_text()
     assert "request chatcmpl-" in text and "default sampling parameters" in text
+
+
+def test_front_process_has_no_torch(server, client):
+    """The server's front (HTTP, tokenizing, detokenizing, grammars) runs without torch: only the
+    engine core process loads it. Checked after the requests of this file (chat, tools,
+    logprobs, structured output, streams) went through it; its memory stays small."""
+    from server_utils import SERVER_PIDS
+
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2)
+    pid = SERVER_PIDS[server]
+    with open(f"/proc/{pid}/maps") as fh:
+        torch_libs = sorted({line.split()[-1] for line in fh if "libtorch" in line})
+    assert torch_libs == []
+    with open(f"/proc/{pid}/status") as fh:
+        rss_kib = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+    assert rss_kib < 300 * 1024, f"front RSS {rss_kib // 1024} MiB"  # ~220 MiB measured; torch alone adds more

@@ -60,9 +60,11 @@ import statistics
 import subprocess
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch  # imported where used: the CLI parser (and a server front) must not load torch
+
 
 OPS = ("matmul", "attention", "fused", "kv_int8", "step", "sampler")
 MATMUL_SHAPES = {  # (out, in) of qkv, o, gate_up, down; layers
@@ -151,7 +153,7 @@ def build_variant(lib: str, flags: list[str], tmp: str, tag: str, csrc: Optional
     as the engine's own builds are (a build of the attention kernel takes ~30 s of CPU)."""
     import hashlib
 
-    from pagedserve.model.loader import cache_dir
+    from pagedserve.platform import cache_dir
     from pagedserve.ops.cpu import build
 
     src_dir = csrc or build._CSRC
@@ -188,6 +190,7 @@ def _cpu_class() -> str:
 
 # -- matmul ----------------------------------------------------------------------------------
 def op_matmul(args: argparse.Namespace, tmp: str) -> list[dict]:
+    import torch
     import torch.nn.functional as F
 
     from pagedserve.model.packed_linear import PackedLinear, attach_small_gemm, onednn_packs, pack_weight, packed_linear
@@ -326,6 +329,7 @@ def op_attention(args: argparse.Namespace, tmp: str) -> list[dict]:
 
 
 def _decode_rows(seqs: int, seed: int = 1) -> tuple[torch.Tensor, list[int]]:
+    import torch
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(148, 561, (seqs,), generator=g)
     return lens, [math.ceil(int(n) / BLOCK) for n in lens]
@@ -334,6 +338,7 @@ def _decode_rows(seqs: int, seed: int = 1) -> tuple[torch.Tensor, list[int]]:
 def _layouts(nblocks: list[int], pool: int, g: torch.Generator, tiny: bool) -> dict[str, torch.Tensor]:
     """Block ids in use per layout: in order (as after a prefill), W1's (prompt blocks in order,
     the last 8 of each sequence interleaved with the others', as decodes append them), scattered."""
+    import torch
     seqs = len(nblocks)
     prompt_blocks = [max(nb - 8, 0) for nb in nblocks]
     starts = [sum(prompt_blocks[:i]) for i in range(seqs)]
@@ -346,6 +351,7 @@ def _layouts(nblocks: list[int], pool: int, g: torch.Generator, tiny: bool) -> d
 
 
 def _tables(nblocks: list[int], ids: torch.Tensor) -> torch.Tensor:
+    import torch
     tables = torch.zeros(len(nblocks), max(nblocks), dtype=torch.int64)
     at = 0
     for i, nb in enumerate(nblocks):
@@ -355,6 +361,7 @@ def _tables(nblocks: list[int], ids: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_decode(args, tmp, heads, kv_heads) -> list[dict]:
+    import torch
     seqs, layers = (4, 2) if args.tiny else (32, 30)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     fns = _attention_sides(args, tmp, "decode")
@@ -393,6 +400,7 @@ def _attention_decode(args, tmp, heads, kv_heads) -> list[dict]:
 
 def _check_decode(q, cache, tables, lens, nblocks, got) -> None:
     """The engine's output against softmax(QK^T)V in float32 over the last layer."""
+    import torch
     seqs, heads, d = q.shape
     kv_heads = cache.shape[2]
     want = torch.empty(q.shape)
@@ -407,6 +415,7 @@ def _check_decode(q, cache, tables, lens, nblocks, got) -> None:
 def _prefill_case(prompt_len: int, step_tokens: int, heads: int, kv_heads: int, seed: int = 0):
     """Cache, block tables, queries, token_seq and token_lens of one prefill step. The values span
     2^-8..2^8 around a large shared term, so that a change in the order of any sum shows."""
+    import torch
     g = torch.Generator().manual_seed(seed)
     seqs = max(1, step_tokens // prompt_len)
     per_seq = -(-prompt_len // BLOCK)
@@ -423,6 +432,7 @@ def _prefill_case(prompt_len: int, step_tokens: int, heads: int, kv_heads: int, 
 
 
 def _attention_prefill(args, tmp, heads, kv_heads) -> list[dict]:
+    import torch
     import torch.nn.functional as F
 
     if args.dtype != "bfloat16":
@@ -465,6 +475,7 @@ def _attention_prefill(args, tmp, heads, kv_heads) -> list[dict]:
 
 # -- fused element-wise ops ---------------------------------------------------------------------
 def op_fused(args: argparse.Namespace, tmp: str) -> list[dict]:
+    import torch
     import torch.nn.functional as F
 
     from pagedserve.ops.cpu import kernels as k
@@ -541,6 +552,7 @@ def op_fused(args: argparse.Namespace, tmp: str) -> list[dict]:
 
 # -- int8 KV cache -------------------------------------------------------------------------------
 def op_kv_int8(args: argparse.Namespace, tmp: str) -> list[dict]:
+    import torch
     from pagedserve.ops import kv_int8 as q8
     from pagedserve.ops.cpu import kernels as k
 
@@ -594,6 +606,7 @@ def op_kv_int8(args: argparse.Namespace, tmp: str) -> list[dict]:
 def _step_inputs(prefill: int, decodes: int, context: int, block_size: int, vocab: int, g: torch.Generator):
     """(input_ids, positions, metadata) of a step: ``decodes`` sequences at position ``context``
     (blocks 0..), then one prompt of ``prefill`` tokens from position 0 (the next blocks)."""
+    import torch
     from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 
     groups, slots, positions, start, block = [], [], [], 0, 0
@@ -614,6 +627,7 @@ def _step_inputs(prefill: int, decodes: int, context: int, block_size: int, voca
 
 
 def op_step(args: argparse.Namespace, tmp: str) -> list[dict]:
+    import torch
     from pagedserve import LLM
 
     model_path = args.model
@@ -669,6 +683,7 @@ def op_step(args: argparse.Namespace, tmp: str) -> list[dict]:
 
 # -- sampling with bans ------------------------------------------------------------------------
 def op_sampler(args: argparse.Namespace, tmp: str) -> list[dict]:
+    import torch
     import numpy as np
 
     try:
@@ -747,6 +762,7 @@ _RUN = {"matmul": op_matmul, "attention": op_attention, "fused": op_fused, "kv_i
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
+    import torch
     from pagedserve.bench.results import host_info, record
 
     ops = list(OPS) if args.op == "all" else [o.strip() for o in args.op.split(",") if o.strip()]

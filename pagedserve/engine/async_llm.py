@@ -62,7 +62,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, *, engine_process: bool = True, metrics: Any = None,
                  on_engine_dead: Optional[Callable[[], None]] = None, log_level: str = "info") -> None:
         from pagedserve.engine.core_client import MPClient, ThreadClient
-        from pagedserve.model.loader import resolve_model
+        from pagedserve.model.files import resolve_model
 
         resolve_model(config.model)  # convert a GGUF file once, here, before the core starts
         config = config.with_serving_defaults()  # e.g. the bounded step time: latency matters online

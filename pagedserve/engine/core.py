@@ -44,7 +44,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedserve.model.loader import load_eos_token_ids, load_tokenizer
+        from pagedserve.model.files import load_eos_token_ids, load_tokenizer
         from pagedserve.executor.tp_executor import create_executor  # the only torch import of the core path
 
         t0 = time.monotonic()

@@ -28,7 +28,7 @@ def served_model_names(config: EngineConfig) -> list[str]:
     if config.served_model_name:
         return list(config.served_model_name)
     if config.model is None:
-        from pagedserve.model.loader import DEFAULT_MODEL_NAME
+        from pagedserve.model.files import DEFAULT_MODEL_NAME
 
         return [DEFAULT_MODEL_NAME]
     return [os.path.basename(os.path.normpath(config.model))]
@@ -38,7 +38,7 @@ def make_processors(info, model_dir: str) -> tuple[InputProcessor, OutputProcess
     """The frontend's processors for a core described by ``info`` (tokenizer from
     ``info.config.tokenizer`` or else ``model_dir``); returns (input processor, output
     processor, tokenizer)."""
-    from pagedserve.model import loader
+    from pagedserve.model import files as loader
 
     tokenizer = loader.load_tokenizer(info.config.tokenizer or model_dir)
     hf_config = loader.load_config(model_dir)

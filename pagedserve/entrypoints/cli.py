@@ -70,13 +70,31 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: list[str]) -> Optional[str]:
+    """The subcommand named in ``argv`` (the first word that is no option or --log-level's value)."""
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--log-level":
+            skip = True
+        elif not a.startswith("-"):
+            return a
+    return None
+
+
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The CLI's parser; ``only="serve"`` builds that command alone (a server's front then
+    never imports the benchmark modules, which bring torch)."""
     parser = _Parser(prog="pagedserve", description="pagedserve: paged-KV LLM inference and serving")
     parser.add_argument("--log-level", default="info")
     # --log-level after the subcommand too (pagedserve serve --log-level debug), as vLLM takes it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error")
     sub = parser.add_subparsers(dest="command", required=True)
+    if only == "serve":
+        _add_serve_parser(sub, common)
+        return parser
 
     g = sub.add_parser("generate", parents=[common], help="answer one prompt (through the chat template unless --raw)")
     g.add_argument("--prompt", required=True)
@@ -93,11 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(c)
     c.set_defaults(func=cmd_chat)
 
-    s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server")
-    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct; --model works too)")
-    ServerArgs.add_cli_args(s)
-    EngineConfig.add_cli_args(s, usage="serve")
-    s.set_defaults(func=cmd_serve)
+    _add_serve_parser(sub, common)
 
     from pagedserve.entrypoints.proxy import add_proxy_args, cmd_proxy
 
@@ -119,10 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
+    s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct; --model works too)")
+    ServerArgs.add_cli_args(s)
+    EngineConfig.add_cli_args(s, usage="serve")
+    s.set_defaults(func=cmd_serve)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
+    words = argv if argv is not None else sys.argv[1:]
+    command = _command_of(words)
+    if command == "serve":  # the engine core runs in its own process: this front needs no torch
+        from pagedserve import platform
+
+        platform.block_torch_import()
+    parser = build_parser(only="serve" if command == "serve" else None)
     args = parser.parse_args(argv)
-    explicit = any(a == "--log-level" or a.startswith("--log-level=") for a in (argv if argv is not None else sys.argv[1:]))
+    explicit = any(a == "--log-level" or a.startswith("--log-level=") for a in words)
     # Keep the conversation, and explain's step table, clean.
     level = "warning" if args.command in ("chat", "explain") and not explicit else args.log_level
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format="%(levelname)s %(asctime)s %(name)s: %(message)s")

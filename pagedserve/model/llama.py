@@ -11,7 +11,7 @@ carried between layers beside the hidden states (vLLM's layout: each layer start
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from torch import nn
 from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.backends import TorchBackend
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
+from pagedserve.model.validation import SUPPORTED_MODEL_TYPES, ModelFileError, TensorSpec, describe
 from pagedserve.model.packed_linear import PackedLinear, attach_small_gemm, pack_linears
 
 
@@ -86,7 +87,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, backend), residual
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -232,3 +232,32 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def check_checkpoint(config_path: str, hf_config, tensors: Mapping[str, TensorSpec]) -> None:
+    """Names and shapes of a checkpoint's tensors against ``hf_config``: the model is built on
+    the meta device (nothing allocated) and its own ``load_weights`` runs over meta tensors of
+    the checkpoint's shapes (``pagedserve.model.validation.check_weights`` calls this).
+
+    Raises:
+        ModelFileError: naming the weight file (an unexpected name, a shape that differs from the
+            config's) or the config (one the model cannot be built from, missing weights).
+    """
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(hf_config, 1)
+    except Exception as e:  # the config's values (already range-checked) that the model cannot take
+        raise ModelFileError(config_path, f"the model cannot be built from this config ({describe(e)})") from None
+    current: list[TensorSpec] = []
+
+    def meta_weights() -> Iterable[tuple[str, torch.Tensor]]:
+        for spec in tensors.values():
+            current[:] = [spec]
+            yield spec.name, torch.empty(spec.shape, dtype=torch.float32, device="meta")
+        current.clear()
+
+    try:
+        model.load_weights(meta_weights())
+    except ValueError as e:
+        where = current[0].path if current else config_path
+        raise ModelFileError(where, f"{e} (config: {config_path})" if where != config_path else str(e)) from None

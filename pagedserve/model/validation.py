@@ -62,6 +62,10 @@ SAFETENSORS_BITS = {
 }
 
 
+# The model types pagedserve's model implementation runs (pagedserve.model.llama).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 class ModelFileError(ValueError):
     """A model file that is unreadable, malformed, or does not match its config.
 
@@ -394,8 +398,6 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
         ModelFileError: a field of the wrong type or out of range, an unsupported model_type or
             activation, heads that do not divide, a quantized checkpoint.
     """
-    from pagedserve.model.llama import SUPPORTED_MODEL_TYPES
-
     if not isinstance(cfg, Mapping):
         raise ModelFileError(path, f"config is a JSON {type(cfg).__name__}, not an object")
 
@@ -483,8 +485,6 @@ def check_gguf_metadata(header: GGUFHeader) -> None:
     Raises:
         ModelFileError: an unsupported architecture, or a field of the wrong type or range.
     """
-    from pagedserve.model.llama import SUPPORTED_MODEL_TYPES
-
     arch = header.metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(header.path, f"GGUF general.architecture {short(arch)} is missing or not a string")
@@ -507,22 +507,20 @@ def check_gguf_metadata(header: GGUFHeader) -> None:
 
 # -- checkpoint vs config ---------------------------------------------------------------------------
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+# (config_path, hf_config, tensors) -> None, raising ModelFileError: the model's own name and shape check.
+ShapeCheck = Callable[[str, Any, Mapping[str, "TensorSpec"]], None]
 
 
-def check_weights(config_path: str, hf_config, tensors: Mapping[str, TensorSpec]) -> None:
-    """Every tensor is a float weight, and names and shapes are exactly what ``hf_config``
-    describes: pagedserve's model is built on the meta device (nothing allocated) and its own
-    ``load_weights`` runs over meta tensors of the checkpoint's shapes. ``config_path`` names
-    the config in errors about it.
+def check_weights(config_path: str, hf_config, tensors: Mapping[str, TensorSpec], shape_check: Optional[ShapeCheck] = None) -> None:
+    """Every tensor is a float weight and there are weights for exactly the config's layers;
+    then ``shape_check`` (``pagedserve.model.llama.check_checkpoint``: the model built on torch's
+    meta device, its own ``load_weights`` over meta tensors of these shapes) checks every name
+    and shape against the config, where given. ``config_path`` names the config in errors.
 
     Raises:
         ModelFileError: naming the weight file (a wrong dtype, an unexpected name, a shape that
             differs from the config's) or the config (layer count, missing weights).
     """
-    import torch
-
-    from pagedserve.model.llama import LlamaForCausalLM
-
     for spec in tensors.values():
         if spec.dtype not in FLOAT_WEIGHT_DTYPES:
             raise ModelFileError(spec.path, f"tensor {short(spec.name)} has dtype {spec.dtype}; weights must be one of "
@@ -534,28 +532,12 @@ def check_weights(config_path: str, hf_config, tensors: Mapping[str, TensorSpec]
                                           f"weights for {n_layers} layers")
     # Dimensions the RoPE table (built on the CPU even under the meta device) needs bounded.
     check_config(config_path, {k: getattr(hf_config, k, None) for k in ("model_type", "hidden_size", "num_attention_heads", "head_dim")})
-    try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, 1)
-    except Exception as e:  # the config's values (already range-checked) that the model cannot take
-        raise ModelFileError(config_path, f"the model cannot be built from this config ({describe(e)})") from None
-    current: list[TensorSpec] = []
-
-    def meta_weights() -> Iterable[tuple[str, torch.Tensor]]:
-        for spec in tensors.values():
-            current[:] = [spec]
-            yield spec.name, torch.empty(spec.shape, dtype=torch.float32, device="meta")
-        current.clear()
-
-    try:
-        model.load_weights(meta_weights())
-    except ValueError as e:
-        where = current[0].path if current else config_path
-        raise ModelFileError(where, f"{e} (config: {config_path})" if where != config_path else str(e)) from None
+    if shape_check is not None:
+        shape_check(config_path, hf_config, tensors)
 
 
 # -- an HF folder -----------------------------------------------------------------------------------
-_validated: dict[str, tuple] = {}
+_validated: dict[tuple, tuple] = {}
 
 
 def _state(paths: Iterable[str]) -> tuple:
@@ -569,12 +551,17 @@ def _state(paths: Iterable[str]) -> tuple:
     return tuple(out)
 
 
-def validate_model_dir(model_dir: str, load_config: Optional[Callable[[str], Any]] = None) -> None:
+def validate_model_dir(model_dir: str, load_config: Optional[Callable[[str], Any]] = None,
+                       shape_check: Optional[ShapeCheck] = None) -> None:
     """Check an HF model folder's config.json and weight headers against each other before
-    anything is allocated from them; remembered until one of those files changes.
+    anything is allocated from them; remembered until one of those files changes. Without
+    ``shape_check`` (a process without torch: a server front) the names and shapes against the
+    config are left to the engine core, which checks them before loading.
 
     Args:
         load_config: ``model_dir -> transformers config`` (default: AutoConfig, local files only).
+        shape_check: the model's name and shape check (see :func:`check_weights`), or None.
+
     Raises:
         ModelFileError: naming the file and what is wrong with it.
     """
@@ -582,7 +569,7 @@ def validate_model_dir(model_dir: str, load_config: Optional[Callable[[str], Any
 
     cfg_path = os.path.join(model_dir, "config.json")
     files = sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))
-    key = os.path.abspath(model_dir)
+    key = (os.path.abspath(model_dir), shape_check is not None)
     state = _state([cfg_path, *files])
     if _validated.get(key) == state:
         return
@@ -606,7 +593,7 @@ def validate_model_dir(model_dir: str, load_config: Optional[Callable[[str], Any
             if name in tensors:
                 raise ModelFileError(f, f"tensor {short(name)} is also in {tensors[name].path}")
             tensors[name] = spec
-    check_weights(cfg_path, hf_config, tensors)
+    check_weights(cfg_path, hf_config, tensors, shape_check)
     if len(_validated) > 64:
         _validated.clear()
     _validated[key] = state

@@ -127,21 +127,23 @@ def run_server(args: Any) -> int:
     """
     import uvicorn
 
+    from pagedserve import platform
+
+    platform.block_torch_import()  # the engine core (its own process) has torch; this front needs none
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.gc_heap import freeze_gc_heap
     from pagedserve.entrypoints.openai.api_server import build_app
     from pagedserve.entrypoints.openai.front_priority import lower_thread_priority
-    from pagedserve.model.loader import resolve_model
+    from pagedserve.model.files import load_tokenizer, resolve_model
 
     config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
     server_args = ServerArgs.from_cli_args(args)
     server_args.chat_template_text()  # a missing template file fails now, not at the first request
     if server_args.reasoning_parser:  # a tokenizer without think tokens fails now, not after the engine loaded
         from pagedserve.entrypoints.openai.reasoning import ReasoningParser
-        from pagedserve.model import loader
 
-        ReasoningParser.load(server_args.reasoning_parser, loader.load_tokenizer(config.tokenizer or loader.resolve_model(config.model)))
+        ReasoningParser.load(server_args.reasoning_parser, load_tokenizer(config.tokenizer or resolve_model(config.model)))
     log_level = str(getattr(args, "log_level", "info")).lower()
     sock = bind(server_args.host, server_args.port)
     loading = LoadingApp()

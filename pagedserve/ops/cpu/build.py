@@ -52,7 +52,7 @@ def _cpu_identity() -> bytes:
 
 
 def _compile(name: str) -> ctypes.CDLL:
-    from pagedserve.model.loader import cache_dir
+    from pagedserve.platform import cache_dir
 
     src_name, extra = _LIBS[name]
     src_path = os.path.join(_CSRC, src_name)
