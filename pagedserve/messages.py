@@ -170,10 +170,11 @@ def check(msg: Any, kind: type) -> tuple[enum.Enum, Any]:
     enum ``kind``, with the payload its type carries. Raises ValueError otherwise."""
     if not isinstance(msg, (list, tuple)) or len(msg) != 2 or not isinstance(msg[0], kind):
         raise ValueError(f"not a {kind.__name__} message: {type(msg).__name__}")
-    want = PAYLOADS[msg[0]]
+    tag: enum.Enum = msg[0]
+    want = PAYLOADS[tag]
     if (msg[1] is not None) if want is None else not isinstance(msg[1], want):
-        raise ValueError(f"{msg[0].name}: expected {want.__name__ if want else 'no payload'}, got {type(msg[1]).__name__}")
-    return msg[0], msg[1]
+        raise ValueError(f"{tag.name}: expected {want.__name__ if want else 'no payload'}, got {type(msg[1]).__name__}")
+    return tag, msg[1]
 
 
 # -- the codec ---------------------------------------------------------------------------------
@@ -250,6 +251,6 @@ def encode(msg: Any) -> bytes:
     return _packb(msg)
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes | memoryview) -> Any:
     """The message ``encode`` made. Raises ValueError / TypeError on anything else."""
     return _unpackb(data)

@@ -72,7 +72,7 @@ class AsyncLLM:
                 raise ValueError("data_parallel_size > 1 needs engine processes (engine_process=True)")
             from pagedserve.engine.dp_client import DPClient
 
-            self.client = DPClient(config, log_level)
+            self.client: Any = DPClient(config, log_level)
         else:
             self.client = MPClient(config, log_level) if engine_process else ThreadClient(config)
         info = self.client.info

@@ -81,7 +81,7 @@ class TPExecutor:
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self._finalizer = weakref.finalize(self, _stop, self._launcher, self._sock, self._ctx)
         self._idents = [f"rank{r}".encode() for r in range(1, n)]
-        self.worker: Optional[Worker] = None
+        self.worker: Worker = None  # type: ignore[assignment]  # set below, or the constructor raises
         t0 = time.monotonic()
         try:
             self._launcher.start(f"tcp://{host}:{port}", n)

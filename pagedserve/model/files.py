@@ -24,7 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from pagedserve.platform import cache_dir
 from pagedserve.model.validation import (
@@ -170,7 +170,7 @@ def _unpermute_rope(w, n_head: int):
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def iterate_gguf_arrays(path: str, num_heads: int, num_kv_heads: int, arch: str) -> Iterator[tuple[str, "object"]]:
+def iterate_gguf_arrays(path: str, num_heads: int, num_kv_heads: int, arch: str) -> Iterator[tuple[str, Any]]:
     """Dequantized float32 numpy arrays of a GGUF file, with HF names and layouts (C order)."""
     import gguf
     import numpy as np
