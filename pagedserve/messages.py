@@ -170,7 +170,7 @@ def check(msg: Any, kind: type) -> tuple[enum.Enum, Any]:
     enum ``kind``, with the payload its type carries. Raises ValueError otherwise."""
     if not isinstance(msg, (list, tuple)) or len(msg) != 2 or not isinstance(msg[0], kind):
         raise ValueError(f"not a {kind.__name__} message: {type(msg).__name__}")
-    tag: enum.Enum = msg[0]
+    tag: enum.Enum = msg[0]  # type: ignore[assignment]  # checked above
     want = PAYLOADS[tag]
     if (msg[1] is not None) if want is None else not isinstance(msg[1], want):
         raise ValueError(f"{tag.name}: expected {want.__name__ if want else 'no payload'}, got {type(msg[1]).__name__}")
@@ -238,7 +238,7 @@ def _packb(obj: Any) -> bytes:
     return msgpack.packb(obj, default=_default, use_bin_type=True)
 
 
-def _unpackb(data: bytes) -> Any:
+def _unpackb(data: bytes | memoryview) -> Any:
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 
