@@ -11,9 +11,9 @@ rank ever holds the whole model):
   untied) vocabulary matrix, zero-padded at the end; a lookup is the local rows' embedding
   (zero for other ranks' ids) all-reduced; logits are the local columns gathered on rank 0.
 
-Two steps: :func:`shard_shapes` on the model built on the meta device (per-rank shapes and head
-counts, so the KV cache each rank allocates holds its own KV heads only), then
-:func:`shard_checkpoint` slices each checkpoint tensor as it streams into ``load_weights``.
+Two steps: :func:`shard_shapes` on the model built on the meta device with its group (``tp=``):
+per-rank shapes and head counts, so the KV cache each rank allocates holds its own KV heads only;
+then :func:`shard_checkpoint` slices each checkpoint tensor as it streams into ``load_weights``.
 Packing for oneDNN (``pack_for_cpu``) comes after, on the sharded weights.
 """
 from __future__ import annotations
@@ -81,14 +81,18 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(out)
 
 
-def shard_shapes(model: nn.Module, group: TPGroup) -> None:
-    """Give ``model`` (a :class:`pagedserve.model.llama.LlamaForCausalLM` just built, on the meta
-    device) rank ``group.rank``'s parameter shapes and head counts, the all-reduce hooks, and
-    ``model.tp = group``. Load it with :func:`shard_checkpoint`'s tensors.
+def shard_shapes(model: nn.Module) -> None:
+    """Give ``model`` (a :class:`pagedserve.model.llama.LlamaForCausalLM` just built on the meta
+    device with ``tp=group``) rank ``group.rank``'s parameter shapes and head counts and the
+    all-reduce hooks. Load it with :func:`shard_checkpoint`'s tensors.
 
     Raises:
-        ValueError: the head counts or MLP width do not divide by the group size.
+        ValueError: the model was built without a group, or the head counts or MLP width do not
+            divide by the group size.
     """
+    group: Optional[TPGroup] = model.tp
+    if group is None:
+        raise ValueError("shard_shapes needs a model built with its tensor-parallel group (tp=...)")
     n, keep_row_bias = group.world_size, group.rank == 0
     verify_tp_size(model.config, n)
     for layer in model.layers:
@@ -107,7 +111,6 @@ def shard_shapes(model: nn.Module, group: TPGroup) -> None:
     model.embed_tokens = VocabParallelEmbedding(vocab, hidden, group)
     if not model.tie_word_embeddings:
         _resize(model.lm_head, out_features=model.embed_tokens.shard)
-    model.tp = group
 
 
 def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, group: TPGroup) -> Iterator[tuple[str, torch.Tensor]]:

@@ -95,17 +95,22 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: a transformers ``PretrainedConfig`` of a supported ``model_type``.
         max_positions: size of the RoPE table (tokens), at least max_model_len.
+        tp: this rank's tensor-parallel group (a ``pagedserve.distributed.parallel_state.TPGroup``)
+            when the weights are sharded, else None. A model built with a group is then shaped
+            for its rank by ``pagedserve.distributed.tensor_parallel.shard_shapes``.
     Attributes:
         backend: the ops backend, PyTorch until the loader sets another (``select_backend``).
+        tp: the ``tp`` argument.
     Raises:
         ValueError: for an unsupported model_type.
     """
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp=None) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
         self.config = config
+        self.tp = tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -137,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits ``[n, vocab_size]`` for the selected hidden states ``[n, hidden_size]``. Under
-        tensor parallelism (``tp`` set by ``pagedserve.distributed.tensor_parallel``) every rank
+        tensor parallelism (``tp`` given to the constructor) every rank
         must call it; rank 0 gets the logits, the other ranks None."""
         if self._logits_linear is not None:
             logits = self._logits_linear(hidden)
@@ -149,7 +154,6 @@ class LlamaForCausalLM(nn.Module):
         full = self.tp.gather_last_dim(logits)  # vocab shards are zero-padded: drop the padding
         return None if full is None else full[:, : self.config.vocab_size]
 
-    tp = None  # a pagedserve.distributed.parallel_state.TPGroup when the weights are sharded
     def pack_for_cpu(self) -> None:
         """Pre-pack every projection (and the logits weight) for the CPU matmuls (bf16 or float32
         on CPU), after the weights are loaded. See :mod:`pagedserve.model.packed_linear`.

@@ -160,9 +160,9 @@ class Worker:
 
     def _load_model(self, max_positions: int) -> LlamaForCausalLM:
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, max_positions)
+            model = LlamaForCausalLM(self.hf_config, max_positions, tp=self.tp)
             if self.tp is not None:  # this rank's shapes: it never holds the whole model
-                shard_shapes(model, self.tp)
+                shard_shapes(model)
         model = model.to_empty(device=self.device)
         weights = loader.iterate_safetensors_weights(self.model_dir)
         if self.tp is not None:
