@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
-from pagedserve.kv_transfer_config import KVTransferConfig  # noqa: F401  (part of the engine's config)
+from pagedserve.kv_transfer_config import KVTransferConfig
 from pagedserve.spec_decode_config import SpeculativeConfig
 
 DEFAULT_TOKEN_BUDGET = 2048
@@ -24,6 +25,33 @@ SERVING_MAX_STEP_MS = 200.0  # the server's default; offline engines default to 
 # A prefilling step may also last this many times its decodes alone (docs/perf-history.md,
 # "Issue 15: a step target relative to the decodes").
 DEFAULT_MAX_STEP_DECODE_MULTIPLE = 4.0
+
+T = TypeVar("T")
+
+
+def dataclass_from_value(cls: type[T], value: Any, name: str) -> T:
+    """``cls`` (a config dataclass such as :class:`KVTransferConfig` or :class:`SpeculativeConfig`)
+    from an instance of it, a dict or a JSON object's text (``--kv-transfer-config``,
+    ``--speculative-config``); ``name`` is the field the errors name, in vLLM's style.
+
+    Raises:
+        ValueError: invalid JSON, not an object, or a key ``cls`` does not have (and whatever
+            ``cls`` raises for its values).
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**value)
 
 
 # Which commands a field's flag applies to (``_flag(..., only=...)``): every engine command, or
@@ -230,9 +258,9 @@ class EngineConfig:
             raise ValueError(f"max_step_decode_multiple must be 0 (max_step_ms alone) or a number >= 1, got {m!r}")
         self.max_step_decode_multiple = float(m)
         if self.kv_transfer_config is not None:
-            self.kv_transfer_config = dataclasses.asdict(KVTransferConfig.from_value(self.kv_transfer_config))
+            self.kv_transfer_config = dataclasses.asdict(dataclass_from_value(KVTransferConfig, self.kv_transfer_config, "kv_transfer_config"))
         if self.speculative_config is not None:
-            self.speculative_config = dataclasses.asdict(SpeculativeConfig.from_value(self.speculative_config))
+            self.speculative_config = dataclasses.asdict(dataclass_from_value(SpeculativeConfig, self.speculative_config, "speculative_config"))
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config together with tensor_parallel_size > 1 is not supported")
         if self.long_prefill_token_threshold < 0:

@@ -1,13 +1,12 @@
 """KVTransferConfig: prefill/decode disaggregation's part of :class:`pagedserve.config.EngineConfig`
-(its ``kv_transfer_config`` field, ``--kv-transfer-config`` JSON), in vLLM's shape. Torch-free."""
+(its ``kv_transfer_config`` field, ``--kv-transfer-config`` JSON, parsed by
+:func:`pagedserve.config.dataclass_from_value`), in vLLM's shape. Torch-free."""
 from __future__ import annotations
 
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
-
-from pagedserve.json_config import dataclass_from_value
+from typing import Optional
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -85,9 +84,3 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
-
-    @classmethod
-    def from_value(cls, value: Any) -> "KVTransferConfig":
-        """From a dict, its JSON text or a KVTransferConfig. Raises ValueError for anything else or
-        unknown keys."""
-        return dataclass_from_value(cls, value, "kv_transfer_config")

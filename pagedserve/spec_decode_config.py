@@ -1,11 +1,10 @@
 """SpeculativeConfig: speculative decoding's part of :class:`pagedserve.config.EngineConfig`
-(its ``speculative_config`` field, ``--speculative-config`` JSON), in vLLM's shape. Torch-free."""
+(its ``speculative_config`` field, ``--speculative-config`` JSON, parsed by
+:func:`pagedserve.config.dataclass_from_value`), in vLLM's shape. Torch-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
-
-from pagedserve.json_config import dataclass_from_value
+from typing import Optional
 
 # The most draft tokens a step may verify per request: each one costs a token of compute.
 MAX_SPECULATIVE_TOKENS = 16
@@ -70,9 +69,3 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
-
-    @classmethod
-    def from_value(cls, value: Any) -> "SpeculativeConfig":
-        """From a dict, its JSON text or a SpeculativeConfig. Raises ValueError for anything else or
-        unknown keys."""
-        return dataclass_from_value(cls, value, "speculative_config")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pagedserve.config import EngineConfig, KVTransferConfig
+from pagedserve.config import EngineConfig, KVTransferConfig, dataclass_from_value
 from pagedserve.core.outputs import EngineCoreRequest
 from pagedserve.core.request import RequestStatus
 from pagedserve.distributed.kv_transfer import params as kvp
@@ -122,14 +122,14 @@ def test_bad_port_and_config_errors(tiny_model_factory):
                        ({"kv_connector": "NixlConnector"}, "not available"), ({"nope": 1}, "unknown key"),
                        ({"kv_load_failure_policy": "retry"}, "recompute or fail")):
         with pytest.raises(ValueError, match=match):
-            KVTransferConfig.from_value(bad)
+            dataclass_from_value(KVTransferConfig, bad, "kv_transfer_config")
     with pytest.raises(ValueError, match="JSON"):
         EngineConfig(kv_transfer_config="{not json")
     with pytest.raises(ValueError, match="kv_port"):
         EngineConfig(data_parallel_size=2, kv_transfer_config={"kv_role": "kv_consumer"})
     with pytest.raises(ValueError, match="advertise_host"):
-        KVTransferConfig.from_value({"kv_ip": "0.0.0.0"})
-    assert KVTransferConfig.from_value({"kv_ip": "0.0.0.0", "kv_connector_extra_config": {"advertise_host": "10.0.0.5"}})
+        dataclass_from_value(KVTransferConfig, {"kv_ip": "0.0.0.0"}, "kv_transfer_config")
+    assert EngineConfig(kv_transfer_config={"kv_ip": "0.0.0.0", "kv_connector_extra_config": {"advertise_host": "10.0.0.5"}}).kv_transfer_config
 
 
 def test_params_checks():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core_utils import EOS, assert_scheduler_idle, check_invariants, make_request, make_scheduler
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, dataclass_from_value
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.spec_decode import propose_ngram
 from pagedserve.model.rejection_sampler import rejection_sample
@@ -23,10 +23,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 
 # -- config ------------------------------------------------------------------------------------
+def spec_config(value) -> SpeculativeConfig:
+    return dataclass_from_value(SpeculativeConfig, value, "speculative_config")
+
+
 def test_config_defaults_and_errors():
-    c = SpeculativeConfig.from_value('{"method": "ngram", "num_speculative_tokens": 4}')
+    c = spec_config('{"method": "ngram", "num_speculative_tokens": 4}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's default
-    c = SpeculativeConfig.from_value({"num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    c = spec_config({"num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
     for bad, match in [({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
                        ({"method": "ngram"}, "num_speculative_tokens"),
@@ -37,7 +41,7 @@ def test_config_defaults_and_errors():
                        ({"num_speculative_tokens": 2, "model": "x"}, "unknown key"),
                        ("[1]", "JSON object"), ("{", "not valid JSON")]:
         with pytest.raises(ValueError, match=match):
-            SpeculativeConfig.from_value(bad)
+            spec_config(bad)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
 
