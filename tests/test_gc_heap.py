@@ -1,8 +1,8 @@
-"""The collector's start-up freeze of serving processes (pagedserve.engine.gc_heap)."""
+"""The collector's start-up freeze of serving processes (pagedserve.engine.core_proc.freeze_gc_heap)."""
 import gc
 import weakref
 
-from pagedserve.engine.gc_heap import freeze_gc_heap
+from pagedserve.engine.core_proc import freeze_gc_heap
 
 
 class _Node:

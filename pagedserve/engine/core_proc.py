@@ -12,10 +12,14 @@ outputs; when idle, block on the next command (waking every second). Each pass c
 parent process is still there, so a core whose frontend died (even by SIGKILL) exits after at
 most one step and removes the front's socket directory. A malformed message is logged and
 dropped, never fatal.
+
+Also here, :func:`freeze_gc_heap`: the collector's start-up freeze of a serving process (this
+one and the server's front).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -34,6 +38,27 @@ logger = logging.getLogger("pagedserve")
 
 IDLE_POLL_S = 1.0
 UTILITIES = ("reset_prefix_cache", "get_stats", "get_step_trace", "get_block_map")
+
+
+def freeze_gc_heap() -> int:
+    """Short garbage-collector pauses in a serving process: collect now (garbage must not be
+    frozen: it would never be freed), then freeze every object still alive. Returns how many
+    objects are frozen in this process.
+
+    After start-up a process holds a few hundred thousand long-lived objects (modules, torch
+    modules, the tokenizer). Python's full collection walks every one of them: during a W1 run
+    over HTTP it paused the engine core for 217 ms in the middle of a step and the server's front
+    for 194 ms (docs/perf-history.md, "the collector's pauses"). ``gc.freeze()`` moves what is
+    alive to a permanent generation that collections skip, so a later full collection walks only
+    what was made since. vLLM does the same once a server has started (``freeze_gc_heap`` in
+    ``vllm/utils/gc_utils.py``).
+
+    Called by the engine-core process and the server's front once they are ready; not by
+    ``LLM``, whose process is the caller's (and whose offline runs measured no full collection).
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[Message]], send: Callable[[Message], None],
@@ -147,7 +172,6 @@ def serve_core(input_address: str, output_address: str, config: dict, parent_ali
 
     from pagedserve import messages
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.gc_heap import freeze_gc_heap
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

@@ -132,7 +132,7 @@ def run_server(args: Any) -> int:
     platform.block_torch_import()  # the engine core (its own process) has torch; this front needs none
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_llm import AsyncLLM
-    from pagedserve.engine.gc_heap import freeze_gc_heap
+    from pagedserve.engine.core_proc import freeze_gc_heap
     from pagedserve.entrypoints.openai.api_server import build_app
     from pagedserve.entrypoints.openai.front_priority import lower_thread_priority
     from pagedserve.model.files import load_tokenizer, resolve_model
@@ -173,7 +173,7 @@ def run_server(args: Any) -> int:
             except BaseException:
                 llm.shutdown()
                 raise
-            freeze_gc_heap()  # start-up objects out of the collector's walks (see gc_heap)
+            freeze_gc_heap()  # start-up objects out of the collector's walks (see core_proc.freeze_gc_heap)
             if lower_thread_priority(server_args.frontend_nice):  # after the engine's processes forked
                 logger.info("pagedserve: the front's threads run at nice %d (--frontend-nice)", server_args.frontend_nice)
             loading.ready(app, llm)
