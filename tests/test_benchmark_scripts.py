@@ -24,9 +24,9 @@ FAST = {
     "chunked_prefill_itl.py": "chunked_prefill_itl",
     "prefix_caching.py": "prefix_caching",
     "structured_output_cost.py": "structured_output_cost",
-    "compare_llamacpp.py": "compare_llamacpp",
 }
 SLOW = {
+    "compare_llamacpp.py": "compare_llamacpp",  # two processes (the script, then bench latency)
     "soak.py": "soak",
     "tp_step_time.py": "tp_step_time",
     "spec_decode.py": "spec_decode",
