@@ -45,7 +45,7 @@ class ServerArgs:
         frontend_nice: once the engine's processes have started, the front's threads (HTTP,
             tokenizing, detokenizing) take this nice value (Linux; 0 = leave them), so that on
             saturated cores they yield to the engine's compute threads instead of preempting
-            them mid step (see ``front_priority``).
+            them mid step (see ``run_server.lower_thread_priority``).
     """
 
     host: str = "127.0.0.1"
