@@ -1,5 +1,5 @@
-"""ctypes wrappers of the attention kernel and the fused element-wise ops (``csrc/
-paged_attention.c``, ``csrc/fused_ops.c``). Tensors are checked here; the C code trusts them."""
+"""ctypes wrappers of the attention kernel and the fused element-wise ops (``csrc/attention/``,
+``csrc/fused/``). Tensors are checked here; the C code trusts them."""
 from __future__ import annotations
 
 import functools
@@ -107,7 +107,7 @@ def paged_attention_cpu(
     return rc == 0
 
 
-_FUSED_MAX_DIM = 16384  # MAX_DIM in fused_ops.c (hidden size of one row)
+_FUSED_MAX_DIM = 16384  # MAX_DIM in csrc/fused/fused.h (hidden size of one row)
 
 
 def fused_ops_usable(x: torch.Tensor) -> bool:

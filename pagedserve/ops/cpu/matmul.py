@@ -1,7 +1,7 @@
-"""ctypes wrappers of the bf16 matmuls of ``csrc/`` and of the one-call step
-(``csrc/decode_step.c``, decodes and prefill chunks): the small-M matmul on oneDNN's packed
-weights (``small_gemm.c``), with the per-shape calibration that makes it bit-identical to oneDNN's batched output; the AMX
-and AVX2 bf16 matmuls on their own weight layouts (``amx_gemm.c``, ``avx2_gemm.c``); 2 MiB pages for the weights; and a
+"""ctypes wrappers of the bf16 matmuls of ``csrc/gemm/`` and of the one-call step
+(``csrc/step/decode_step.c``, decodes and prefill chunks): the small-M matmul on oneDNN's packed
+weights (``gemm/small_gemm.c``), with the per-shape calibration that makes it bit-identical to oneDNN's batched output; the AMX
+and AVX2 bf16 matmuls on their own weight layouts (``gemm/amx.c``, ``gemm/avx2.c``); 2 MiB pages for the weights; and a
 memory-bandwidth probe."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.ops.cpu.build import _get, get_lib
 
-# The layer-by-layer path's projections take the small-M kernel up to here (SG_MAX_ROWS in small_gemm.c).
+# The layer-by-layer path's projections take the small-M kernel up to here (SG_MAX_ROWS in csrc/gemm/small_gemm.c).
 SMALL_GEMM_MAX_ROWS = 64
 
 
@@ -26,7 +26,7 @@ def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
 
 
 def amx_available() -> bool:
-    """Whether the AMX matmul runs here: built for a CPU with AMX-BF16, Linux granted the tile
+    """Whether the AMX matmul runs here: the CPU has AMX-BF16, Linux granted the tile
     state, and ``PAGEDSERVE_AMX`` is not 0 (read when weights are packed; packed layers keep
     their kernel)."""
     return os.environ.get("PAGEDSERVE_AMX", "1") != "0" and _amx_granted()
@@ -68,7 +68,7 @@ def _bf16_gemm(name: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[
 
 
 def avx2_gemm_available() -> bool:
-    """Whether the AVX2 bf16 matmul (``avx2_gemm.c``) is built here (AVX2 + FMA) and
+    """Whether the AVX2 bf16 matmul (``gemm/avx2.c``) runs here (AVX2 + FMA) and
     ``PAGEDSERVE_AVX2_GEMM`` is not 0 (read when weights are packed)."""
     if os.environ.get("PAGEDSERVE_AVX2_GEMM", "1") == "0":
         return False
@@ -76,7 +76,7 @@ def avx2_gemm_available() -> bool:
     return lib is not None and bool(lib.avx2_gemm_available())
 
 
-AVX2_PANEL = 16  # AG_NR in avx2_gemm.c
+AVX2_PANEL = 16  # AG_NR in csrc/gemm/avx2.c
 
 
 def avx2_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ _CALIBRATION_OUTPUTS = 1 << 18  # outputs compared per probe batch
 
 def calibrate_small_gemm(packed_weight: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
     """Find how oneDNN splits K into partial sums for this weight shape, so that the small-M
-    kernel reproduces its batched output bit for bit (see ``small_gemm.c``).
+    kernel reproduces its batched output bit for bit (see ``gemm/small_gemm.c``).
 
     Tries (chain, body) candidates (k pairs: partial sums of ``chain`` pairs over the first
     ``body``, then one over the rest) on random rows and keeps the first whose every output

@@ -1,7 +1,25 @@
-/* Query-token tasks for the AVX2 path (included by attention_avx2.c): one OpenMP task per query
- * token over all its KV heads (task_avx2 with nkv = num_kv_heads), or per tile of a prefill
- * chunk's tokens (tile_avx2, bf16 cache), longest first, when token_tasks_preferred holds
- * (attention_token_tasks.c). Each block's K and V are then read as one contiguous stream of
+/*
+ * The AVX2 path of paged attention over query-token tasks: one OpenMP task per query token over
+ * all its KV heads (avx2_task.h's task with nkv = num_kv_heads), or per tile of a prefill chunk's
+ * tokens (avx2_tiles.h, bf16 cache), longest first, when token_tasks_preferred holds
+ * (token_tasks.c).
+ *
+ * An AVX2 unit (build.py's flags: -mavx2 -mfma), called by paged_attention.c only on CPUs with
+ * AVX2 + FMA and without AVX-512.
+ */
+#if !defined(__AVX2__) || !defined(__FMA__) || defined(__AVX512F__)
+#error "an AVX2 unit: build it with -mavx2 -mfma, without AVX-512 (build.py)"
+#endif
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "avx2_task.h"
+#include "avx2_tiles.h"
+
+/* Query-token tasks for the AVX2 path: one OpenMP task per query token over all its KV heads
+ * (task_avx2 with nkv = num_kv_heads), or per tile of a prefill chunk's tokens (tile_avx2, bf16
+ * cache), longest first, when token_tasks_preferred holds (token_tasks.c). Each block's K and V are then read as one contiguous stream of
  * num_kv_heads * block_size * head_dim values instead of one head's 2 KiB slice per task
  * (docs/perf-history.md, "Issue 15 on an AVX2-only Zen 1"). */
 
@@ -70,4 +88,10 @@ static int paged_attention_tokens_avx2(const void* q, const void* k_cache, const
     }
     free(tasks);
     return failed ? -2 : 0;
+}
+
+int pa_tokens_avx2(const pa_call* c) {
+    return paged_attention_tokens_avx2(c->q, c->k_cache, c->v_cache, c->block_tables, c->max_blocks, c->token_seq, c->token_lens,
+                                       c->out, c->num_tokens, c->num_heads, c->num_kv_heads, c->head_dim, c->block_size,
+                                       c->scale, c->is_bf16, c->max_n);
 }

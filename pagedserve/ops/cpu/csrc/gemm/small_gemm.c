@@ -13,8 +13,7 @@
  * block; more rows take the block 64 k pairs (16 KiB) at a time, every group of 4 rows passing
  * over that chunk from L1 while the next chunk is prefetched, so streaming the weights overlaps
  * the arithmetic. Measured on AMD Zen 4 against oneDNN (docs/perf-history.md, "AVX-512 BF16
- * without AMX"): SmolLM2's
- * matmuls 2.1x at 1 row, 1.9x at 16, 1.15x at 64; Llama-3.2-1B's shapes 1.8x at 1 row, 1.5x at
+ * without AMX"): SmolLM2's matmuls 2.1x at 1 row, 1.9x at 16, 1.15x at 64; Llama-3.2-1B's shapes 1.8x at 1 row, 1.5x at
  * 16, 1.1x at 64.
  *
  * Rounding: fp32 accumulation with vdpbf16ps over k pairs in order, in partial sums (one per
@@ -28,21 +27,22 @@
  * invariant here: for K = 1536 its M = 1 results differ from its M >= 2 results in about one
  * output in 10^4; this path follows the batched ones.)
  *
- * Built with -ffp-contract=off (it shares a translation unit with the fused ops).
+ * An AVX512-BF16 unit (build.py's flags), called through gemm.c's small_gemm_bf16 only on CPUs
+ * that have it. Built with -ffp-contract=off, as the rest of the decode library.
  */
-#include <stdint.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
+#error "an AVX512-BF16 unit: build it with the AVX512-BF16 flags (build.py)"
 #endif
+#include <immintrin.h>
 #include <omp.h>
+#include <stdint.h>
+
+#include "gemm.h"
 
 #define SG_NBLK 64       /* outputs per packed block */
 #define SG_ROW_GROUP 4   /* rows per register-resident pass over a block */
 #define SG_MAX_ROWS 64
 #define SG_KC 64         /* k pairs per chunk (16 KiB of a block) when more than 4 rows share it */
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define HAVE_SMALL_GEMM 1
 
 static inline __m512 sg_bias16(const uint16_t* bias, int64_t n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n))), 16));
@@ -181,17 +181,15 @@ static void sg_range(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
             for (int j = 0; j < 4; j++) sg_store16(y + m * N, _mm512_load_ps(acc + m * SG_NBLK + j * 16), bias, b * SG_NBLK + j * 16);
     }
 }
-#endif
 
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]), bf16 in and out. w: oneDNN-packed [N/64][K/2][64][2];
  * partial sums of `chain` k pairs over the first `body` pairs, then one over the rest.
  * Requires M >= 1, N % 64 == 0, K % 2 == 0, chain >= 1. Output blocks are split evenly over the
  * OpenMP threads; past 64 rows each thread takes its blocks for 64 rows at a time (the rows'
  * panel stays in L2 while the blocks stream), every row the same operations as alone. Returns
- * 0, or -1 when the shape or the CPU is not supported (nothing written). */
-int small_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                    int64_t N, int64_t chain, int64_t body) {
-#ifdef HAVE_SMALL_GEMM
+ * 0, or -1 when the shape is not supported (nothing written). */
+int ps_small_gemm_avx512bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                             int64_t N, int64_t chain, int64_t body) {
     if (M < 1 || N % SG_NBLK || K % 2 || chain < 1 || body < 0 || body > K / 2) return -1;
     const int64_t nblocks = N / SG_NBLK;
 #pragma omp parallel
@@ -202,8 +200,4 @@ int small_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, 
             sg_range(x + r * K, M - r < SG_MAX_ROWS ? M - r : SG_MAX_ROWS, K, w, bias, y + r * N, N, b0, b1, chain, body);
     }
     return 0;
-#else
-    (void)x; (void)M; (void)K; (void)w; (void)bias; (void)y; (void)N; (void)chain; (void)body;
-    return -1;
-#endif
 }

@@ -27,23 +27,26 @@
  * buffer for all row tiles instead (twice the bytes, over L1 for K = 576) was slower at 8-64
  * rows and tied at 96-256 on a Zen 1, and 1.00-1.10x slower at 64-2,048 rows on a Zen 3
  * (docs/perf-history.md, "Issue 15 on an AVX2-only Zen 1" and "the hardware ceiling").
+ *
+ * An AVX2 unit (build.py's flags), called through gemm.c's avx2_gemm_bf16 only on CPUs with
+ * AVX2 + FMA.
  */
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "an AVX2 unit: build it with -mavx2 -mfma (build.py)"
+#endif
+#include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HAVE_AVX2_GEMM 1
-#endif
+
+#include "../common/avx2_math.h"
+#include "../common/bf16.h"
+#include "gemm.h"
 
 #define AG_NR 16                  /* outputs per panel */
 #define AG_MR 6                   /* rows per register tile */
 #define AG_BLOCK_BYTES (256 << 10) /* widened rows kept per block */
-
-#ifdef HAVE_AVX2_GEMM
-#include "avx2_math.h"
-#include "bf16.h"
 
 /* The first `valid` (<= 16) of 16 packed bf16 outputs into y. */
 static inline void ag_put16(__m256i out, uint16_t* y, int64_t valid) {
@@ -179,14 +182,10 @@ static void ag_panel(const float* xf, int64_t mb, int64_t K, const uint16_t* wp,
 #undef AG_CASE
     }
 }
-#endif
 
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]), bf16 in and out; w in the layout above. Returns 0, -1
- * when the CPU is not supported or a size is not positive (nothing written), -2 when out of
- * memory. */
-int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                   int64_t N) {
-#ifdef HAVE_AVX2_GEMM
+ * when a size is not positive (nothing written), -2 when out of memory. */
+int ps_avx2_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t N) {
     if (M < 1 || K < 1 || N < 1) return -1;
     const int64_t panels = (N + AG_NR - 1) / AG_NR;
     int64_t rows = AG_BLOCK_BYTES / (K * 4);
@@ -235,16 +234,4 @@ int avx2_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, c
     }
     free(xf);
     return 0;
-#else
-    (void)x; (void)M; (void)K; (void)w; (void)bias; (void)y; (void)N;
-    return -1;
-#endif
-}
-
-int avx2_gemm_available(void) {
-#ifdef HAVE_AVX2_GEMM
-    return 1;
-#else
-    return 0;
-#endif
 }

@@ -1,6 +1,6 @@
 /*
  * Paged attention with AMX tiles, bf16 queries, a bf16 or int8 (kv_int8.h) cache, head_dim 64
- * (included by paged_attention.c, which falls back to its AVX-512 tasks elsewhere). An int8
+ * (paged_attention.c takes its AVX-512 paths elsewhere). An int8
  * cache's rows are widened to bf16 exactly (|x| <= 127); each key's scale multiplies its score
  * and each value row's scale its probability before P is rounded to bf16.
  *
@@ -17,23 +17,20 @@
  * Every output element is computed by the same sequence of tile operations whatever the other
  * rows of its task are, so a row's result does not depend on chunking or batching: a prefill
  * row equals the decode row of the same position.
+ *
+ * An AMX unit (build.py's flags), called by paged_attention.c only on CPUs with AMX-BF16 once
+ * Linux granted the tile state.
  */
-#include "amx.h"
-#ifdef HAVE_AMX
-#define HAVE_AMX_ATTENTION 1
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/amx.h"
+#include "rows.h"
+
 #ifndef PA_PF_KEYS
 #define PA_PF_KEYS 64  /* keys ahead to prefetch (a multiple of 16) */
 #endif
-
-/* 1 when AMX may be used (Linux granted the tile state; PAGEDSERVE_AMX is not 0). */
-static int pa_amx_ok(void) {
-    static int ok = -1;
-    if (ok < 0) {
-        const char* env = getenv("PAGEDSERVE_AMX");
-        ok = (env && env[0] == '0' && env[1] == 0) ? 0 : amx_request_tiles();
-    }
-    return ok;
-}
 
 /* tmm0: a K block (A, 16 keys x 32 dims) or 32 keys of V in pairs (B, 16 key pairs x 16 dims
  * x 2); tmm1: Q^T (B, 16 dim pairs x R rows x 2); tmm2: S^T (C, 16 keys x R); tmm3: P (A, R x
@@ -291,4 +288,9 @@ static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc
     free(tile_start);
     return failed ? -2 : 0;
 }
-#endif
+
+int pa_amx(const pa_call* c) {
+    return paged_attention_amx((const uint16_t*)c->q, c->k_cache, c->v_cache, c->block_tables, c->max_blocks, c->token_seq,
+                               c->token_lens, (uint16_t*)c->out, c->num_tokens, c->num_heads, c->num_kv_heads, c->block_size,
+                               c->scale, c->kv_int8);
+}

@@ -1,4 +1,21 @@
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/*
+ * The AVX512-BF16 path of paged attention: bf16 queries, GQA group <= 4, head_dim 64 or 128, a
+ * bf16 or an int8 cache (avx512bf16_q8.h); per (token, KV head), per query token, or per tile of
+ * a prefill chunk's tokens (avx512bf16_tiles.h).
+ *
+ * An AVX512-BF16 unit (build.py's flags), called by paged_attention.c only on CPUs with
+ * AVX512-BF16.
+ */
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
+#error "an AVX512-BF16 unit: build it with the AVX512-BF16 flags (build.py)"
+#endif
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rows.h"
+
 /* Sixteen vectors -> one: lane i = sum of the lanes of a[i]. 45 shuffles/adds instead of 16
  * full horizontal reductions (~8 each). */
 static inline __m512 hsum16(__m512 a[16]) {
@@ -16,7 +33,7 @@ static inline __m512 hsum16(__m512 a[16]) {
 
 /* Sum of the 16 lanes in a fixed order, that of GCC's _mm512_reduce_add_ps (halves, then
  * quarters, then lanes (0 + 2) + (1 + 3)), written out so that the prefill tiles
- * (attention_avx512_tiles.c) can repeat it with keys in lanes whatever the compiler. */
+ * (avx512bf16_tiles.h) can repeat it with keys in lanes whatever the compiler. */
 static inline float reduce_add16(__m512 a) {
     const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)), _mm512_castps512_ps256(a));
     const __m128 x = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
@@ -186,13 +203,8 @@ static inline __attribute__((always_inline)) void decode_token_bf16(
     for (int64_t h = 0; h < nkv; h++) bf16_store_rows(acc[h], out + h * G * NV * 16, G, NV);
 }
 
-#include "attention_avx512_q8.c"
-#include "attention_avx512_tiles.c"
-
-#define HAVE_BF16_FAST_PATH 1
-static inline int fast_path_shape(int64_t group, int64_t head_dim) {
-    return group <= 4 && (head_dim == 64 || head_dim == 128);
-}
+#include "avx512bf16_q8.h"
+#include "avx512bf16_tiles.h"
 
 /* TASK(G, NV) for a fast-path shape, one instantiation per (group, head_dim / 16): compile-time
  * constants for the task, so its loops unroll and the accumulators can stay in registers. */
@@ -208,5 +220,92 @@ static inline int fast_path_shape(int64_t group, int64_t head_dim) {
         default: TASK(4, 8); break;                                \
     }
 
-#include "attention_avx512_tokens.c"
-#endif
+/* Query-token tasks: one OpenMP task per decode token (decode_token_bf16 / decode_token_q8) or
+ * per tile of a prefill chunk's tokens (prefill_tile_bf16), longest first (the choice and the
+ * order: token_tasks.c). */
+
+/* paged_attention's fast path (bf16 queries; bf16 or int8 cache) with one OpenMP task per query
+ * token, or per tile of a prefill chunk's tokens (bf16 cache, block size a multiple of 16;
+ * pa_bf16_fast_shape and token_tasks_preferred hold); max_n: the largest token_lens. Returns 0,
+ * or -2 on allocation failure. */
+static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                                  int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, uint16_t* out,
+                                  int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t block_size, float scale, int kv_int8, int64_t max_n) {
+    const int64_t group = num_heads / num_kv_heads;
+    /* elements of a bf16 block, or bytes of an int8 one */
+    const int64_t block_stride = kv_int8 ? num_kv_heads * Q8_BYTES(block_size, head_dim) : num_kv_heads * block_size * head_dim;
+    /* a tile's scores (rows * group * max_n) within the token task's budget */
+    int64_t tile_rows = TOKEN_TASK_MAX_SCORES / (group * max_n);
+    tile_rows = tile_rows > TILE_MAX_ROWS ? TILE_MAX_ROWS : tile_rows;
+    if (token_seq == NULL || kv_int8 || block_size % 16 != 0 || tile_rows < 2) tile_rows = 1;
+    int64_t* tasks;
+    const int64_t num_tasks = token_task_list(token_seq, token_lens, num_tokens, tile_rows, &tasks);
+    if (num_tasks < 0) return -2;
+    const int64_t score_elems = (num_heads > tile_rows * group ? num_heads : tile_rows * group) * max_n;
+    int failed = 0;
+#pragma omp parallel
+    {
+    __m512 (*acc)[4][8] = (__m512 (*)[4][8])aligned_alloc(64, sizeof(__m512) * (TOKEN_TASK_MAX_KV_HEADS > tile_rows ? TOKEN_TASK_MAX_KV_HEADS : tile_rows) * 4 * 8);
+    float* scores = acc ? (float*)malloc((sizeof(float) + sizeof(uint16_t)) * score_elems) : NULL;
+    uint16_t* pbf = scores ? (uint16_t*)(scores + score_elems) : NULL;
+    if (scores == NULL) {
+#pragma omp atomic write
+        failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; i++) {
+        if (scores == NULL) continue;
+        const int64_t t = tasks[3 * i + 1], rows = tasks[3 * i + 2];
+        const int64_t* table = block_tables + (token_seq ? token_seq[t] : t) * max_blocks;
+        const uint16_t* qp = q + t * num_heads * head_dim;
+        uint16_t* op = out + t * num_heads * head_dim;
+#define TOKEN_TASK(G_, NV_)                                                                                                  \
+        do {                                                                                                                 \
+            if (kv_int8)                                                                                                     \
+                decode_token_q8(qp, (const char*)k_cache, (const char*)v_cache, table, token_lens[t], block_size,         \
+                                block_stride, num_kv_heads, G_, scale, op, scores, acc, NV_);                                     \
+            else if (rows > 1)                                                                                               \
+                prefill_tile_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, token_lens[t], rows,       \
+                                  block_size, block_stride, num_kv_heads, G_, scale, op, scores, pbf, acc, NV_);                \
+            else                                                                                                             \
+                decode_token_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, token_lens[t], block_size, \
+                                  block_stride, num_kv_heads, G_, scale, op, scores, pbf, acc, NV_);                              \
+        } while (0)
+        FAST_PATH_DISPATCH(group, head_dim, TOKEN_TASK)
+#undef TOKEN_TASK
+    }
+    free(scores);
+    free(acc);
+    }
+    free(tasks);
+    return failed ? -2 : 0;
+}
+
+int pa_tokens_avx512bf16(const pa_call* c) {
+    return paged_attention_tokens((const uint16_t*)c->q, c->k_cache, c->v_cache, c->block_tables, c->max_blocks, c->token_seq,
+                                  c->token_lens, (uint16_t*)c->out, c->num_tokens, c->num_heads, c->num_kv_heads, c->head_dim,
+                                  c->block_size, c->scale, c->kv_int8, c->max_n);
+}
+
+/* One (query token, KV head) task (pa_head_task), for calls with too few tokens for token tasks. */
+void pa_head_avx512bf16(const pa_call* c, int64_t t, int64_t kh, const int64_t* table, float* scores, uint16_t* pbf) {
+    const int64_t group = c->group, head_dim = c->head_dim, block_size = c->block_size, n = c->token_lens[t];
+    const int64_t block_stride = c->num_kv_heads * block_size * head_dim; /* elements */
+    const int64_t q8_bytes = Q8_BYTES(block_size, head_dim);              /* int8 cache: one (block, KV head) */
+    const char* kc = (const char*)c->k_cache;
+    const char* vc = (const char*)c->v_cache;
+    const float scale = c->scale;
+    const uint16_t* qp = (const uint16_t*)c->q + (t * c->num_heads + kh * group) * head_dim;
+    uint16_t* op = (uint16_t*)c->out + (t * c->num_heads + kh * group) * head_dim;
+#define TASK_Q8(G_, NV_) decode_task_q8(qp, kc, vc, table, n, block_size, c->num_kv_heads * q8_bytes, kh * q8_bytes, G_, scale, op, scores, NV_)
+#define TASK_BF16(G_, NV_) decode_task_bf16(qp, (const uint16_t*)kc, (const uint16_t*)vc, table, n, block_size, block_stride, \
+                                            kh * block_size * head_dim, G_, scale, op, scores, pbf, NV_)
+    if (c->kv_int8) {
+        FAST_PATH_DISPATCH(group, head_dim, TASK_Q8)
+    } else {
+        FAST_PATH_DISPATCH(group, head_dim, TASK_BF16)
+    }
+#undef TASK_Q8
+#undef TASK_BF16
+}

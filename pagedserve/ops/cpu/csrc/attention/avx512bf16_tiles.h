@@ -127,6 +127,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
                 const int64_t n = n0 + r, len = n - k0 < 16 ? n - k0 : 16;
                 const uint16_t* pr = pbf + tile_row_offset(G, n0, r) + k0;
                 __m512i odd[8];  /* an odd last key, paired with itself (probability 0), as bf16_pv_block */
+                for (int v = 0; v < NV; v++) odd[v] = _mm512_setzero_si512(); /* never read unset (and -Wall sees it) */
                 if (len & 1) {
                     const uint16_t* r0 = vb + (len - 1) * NV * 16;
                     for (int v = 0; v < NV / 2; v++) {

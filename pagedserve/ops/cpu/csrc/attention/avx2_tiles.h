@@ -1,6 +1,6 @@
-/* Prefill tiles for the AVX2 path (included by attention_avx2.c, scheduled by
- * attention_avx2_tokens.c): up to AVX2_TILE_MAX_ROWS consecutive query tokens of one sequence
- * with consecutive lengths (a prefill chunk's rows) in one task, bf16 cache.
+/* Prefill tiles for the AVX2 path (included by avx2_tokens.c, which schedules them): up to
+ * AVX2_TILE_MAX_ROWS consecutive query tokens of one sequence with consecutive lengths (a
+ * prefill chunk's rows) in one task, bf16 cache.
  *
  * A token alone widens every bf16 key and value it reads to float32 (a zero-extend and a shift
  * per 8 keys' values, or a shift and a mask per 16 values): about as many shuffle-port operations

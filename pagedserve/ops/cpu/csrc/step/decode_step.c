@@ -5,22 +5,22 @@
  * ~9 per layer) costs as much as a third of the step. In a step that prefills beside decodes
  * the layer-by-layer path paid ~25 ms of Python, dispatch and allocation a step, with the
  * other OpenMP thread waiting (docs/perf-history.md, "steps that prefill run in the one-call C
- * step"). This loop runs the
- * same ops in the same order as `DecoderLayer.forward_fused` (the same C functions:
- * add_rms_norm, rope_write_kv and silu_mul from fused_ops.c, the matmuls of amx_gemm.c,
- * avx2_gemm.c or small_gemm.c, and the paged attention kernel through a function pointer, since that library
- * is built with other floating-point flags), so its output is bit-identical to the
+ * step"). This loop runs the same ops in the same order as `DecoderLayer.forward_fused` (the
+ * same C functions: add_rms_norm, rope_write_kv and silu_mul of fused/, the matmuls of gemm/
+ * (AMX, AVX2 or small-M), and the paged attention kernel through a function pointer, since that
+ * library is built with other floating-point flags), so its output is bit-identical to the
  * layer-by-layer path.
  *
- * Built with -ffp-contract=off, like fused_ops.c.
+ * Portable (built without ISA flags, -ffp-contract=off like the rest of the decode library): the
+ * ops it calls check the CPU themselves.
  */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "fused_ops.c"
-#include "small_gemm.c"
-#include "amx_gemm.c"
-#include "avx2_gemm.c"
+#include "../common/cpu.h"
+#include "../fused/fused.h"
+#include "../gemm/gemm.h"
 
 typedef int (*attention_fn)(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                             const int64_t* block_tables, int64_t max_blocks, const int64_t* token_seq,
@@ -37,12 +37,10 @@ enum {
     L_ENTRIES
 };
 
-int decode_layer_entries(void) { return L_ENTRIES; }
+PS_EXPORT int decode_layer_entries(void) { return L_ENTRIES; }
 
 #define P16(v) ((uint16_t*)(intptr_t)(v))
 
-#if defined(HAVE_SMALL_GEMM) || defined(HAVE_AVX2_GEMM)
-#define HAVE_DECODE_STEP 1
 /* One projection of the layer table, e = its 4 entries: the AMX matmul (plan (0, -1)), the
  * AVX2 one (plan (0, -2)) or the small-M one, each for any M. */
 static int projection(const uint16_t* x, int64_t M, int64_t K, const int64_t* e, uint16_t* y, int64_t N) {
@@ -50,7 +48,6 @@ static int projection(const uint16_t* x, int64_t M, int64_t K, const int64_t* e,
     if (e[2] == 0 && e[3] == -1) return amx_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N);
     return small_gemm_bf16(x, M, K, P16(e[0]), P16(e[1]), y, N, e[2], e[3]);
 }
-#endif
 
 /* x: [M, hidden] bf16, the embedded tokens on entry and the final normed hidden states on
  * return. layers: [num_layers, L_ENTRIES] int64 (packed weights, biases or 0, plans, RMSNorm
@@ -60,15 +57,14 @@ static int projection(const uint16_t* x, int64_t M, int64_t K, const int64_t* e,
  * its position + 1); block_tables: [num_seqs, max_blocks] int64; token_seq: [M] int64, each
  * token's row of block_tables, or NULL for row t (a decode step); cos, sin: float32
  * [max_positions, head_dim]. Returns 0, -1 for an unsupported shape, -2 when out of memory, -3
- * when attention fails. */
-int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int64_t hidden, int64_t num_heads,
+ * when attention fails; -1 also on a CPU without AVX2 + FMA (no matmul here then). */
+PS_EXPORT int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int64_t hidden, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t block_size, float eps,
                        float scale, uint16_t* x, const uint16_t* final_norm, const int64_t* positions,
                        const int64_t* slots, const float* cos, const float* sin, const int64_t* block_tables,
                        int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, void* attention,
                        int kv_int8) {
-#ifdef HAVE_DECODE_STEP
-    if (M < 1 || hidden > MAX_DIM || head_dim > 1024) return -1;
+    if (ps_cpu_isa() < PS_ISA_AVX2 || M < 1 || hidden > MAX_DIM || head_dim > 1024) return -1;
     const attention_fn attn = (attention_fn)attention;
     const int64_t qs = num_heads * head_dim, kvs = num_kv_heads * head_dim, qkv_n = qs + 2 * kvs;
     uint16_t* buf = (uint16_t*)malloc(sizeof(uint16_t) * M * (3 * hidden + qkv_n + 2 * qs + 3 * inter));
@@ -84,8 +80,8 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
         else
             add_rms_norm(d, r, P16(L[L_LN1]), h, M, hidden, eps, 1);
         if (projection(h, M, hidden, L + L_QKV_W, qkv, qkv_n)) { rc = -1; break; }
-        rope_write_kv_impl(qkv, qkv_n, qkv + qs + kvs, qkv_n, positions, slots, cos, sin, q, P16(L[L_K_CACHE]),
-                           P16(L[L_V_CACHE]), M, num_heads, num_kv_heads, head_dim, block_size, 1, kv_int8);
+        fo_rope_write_kv(qkv, qkv_n, qkv + qs + kvs, qkv_n, positions, slots, cos, sin, q, P16(L[L_K_CACHE]),
+                         P16(L[L_V_CACHE]), M, num_heads, num_kv_heads, head_dim, block_size, 1, kv_int8);
         if (attn(q, P16(L[L_K_CACHE]), P16(L[L_V_CACHE]), block_tables, max_blocks, token_seq, token_lens, ao, M, num_heads,
                  num_kv_heads, head_dim, block_size, scale)) { rc = -3; break; }
         if (projection(ao, M, qs, L + L_O_W, d, hidden)) { rc = -1; break; }
@@ -97,52 +93,4 @@ int decode_layers_bf16(const int64_t* layers, int64_t num_layers, int64_t M, int
     if (rc == 0) add_rms_norm(d, r, final_norm, x, M, hidden, eps, 1);
     free(buf);
     return rc;
-#else
-    (void)layers; (void)num_layers; (void)M; (void)hidden; (void)num_heads; (void)num_kv_heads; (void)head_dim;
-    (void)inter; (void)block_size; (void)eps; (void)scale; (void)x; (void)final_norm; (void)positions; (void)slots;
-    (void)cos; (void)sin; (void)block_tables; (void)max_blocks; (void)token_seq; (void)token_lens; (void)attention;
-    (void)kv_int8;
-    return -1;
-#endif
-}
-
-/* Read nbytes (a multiple of 256) with every OpenMP thread, each its contiguous share, with
- * 512-bit (AVX2: 256-bit) loads; returns a sum of what was read so the loads are not optimised away. Used by
- * `bench latency` to measure the memory read bandwidth the decode weight stream is up against. */
-float stream_read(const void* buf, int64_t nbytes) {
-    float total = 0.f;
-#ifdef __AVX512F__
-#pragma omp parallel reduction(+ : total)
-    {
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t chunks = nbytes / 256, c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
-        const char* p = (const char*)buf;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = c0; c < c1; c++) {
-            a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p + 256 * c));
-            a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + 256 * c + 64));
-            a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + 256 * c + 128));
-            a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + 256 * c + 192));
-        }
-        total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    }
-#elif defined(HAVE_AVX2_GEMM)
-#pragma omp parallel reduction(+ : total)
-    {
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t chunks = nbytes / 256, c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
-        const char* p = (const char*)buf;
-        __m256 a[8];
-        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-        for (int64_t c = c0; c < c1; c++)
-            for (int i = 0; i < 8; i++) a[i] = _mm256_add_ps(a[i], _mm256_loadu_ps((const float*)(p + 256 * c + 32 * i)));
-        for (int i = 1; i < 8; i++) a[0] = _mm256_add_ps(a[0], a[i]);
-        float lanes[8];
-        _mm256_storeu_ps(lanes, a[0]);
-        for (int i = 0; i < 8; i++) total += lanes[i];
-    }
-#else
-    for (int64_t i = 0; i < nbytes; i += 64) total += ((const unsigned char*)buf)[i];
-#endif
-    return total;
 }

@@ -18,21 +18,22 @@
  *
  * The tile configuration is per thread; the one found on entry (oneDNN's, say) is restored on
  * exit, so the two can be called in any order on the same threads.
+ *
+ * An AMX unit (build.py's flags), called through gemm.c's amx_gemm_bf16 only where the CPU has
+ * AMX-BF16 and Linux granted the tile state.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
-#include "amx.h"
-#ifdef HAVE_AMX
-#define HAVE_AMX_GEMM 1
-#endif
+
+#include "../common/amx.h"
+#include "gemm.h"
 
 #ifndef AMX_UNIT_GROUP
 #define AMX_UNIT_GROUP 16 /* units whose weights stay in L2 while every row of x passes */
 #endif
 
-#ifdef HAVE_AMX_GEMM
 /* Every tile 16 rows x 64 bytes: tmm0..3 C (x rows 0-15 / 16-31 of a chunk, times outputs 0-15 /
  * 16-31 of a unit) fp32; tmm4, tmm5 A (16 rows x 32 bf16); tmm6, tmm7 B (16 k pairs x 16
  * outputs x 2). A partial last row of tiles is read from a zero-padded copy, so one
@@ -111,23 +112,11 @@ static void amx_range(const uint16_t* x, const uint16_t* tail, int64_t M, int64_
         }
     }
 }
-#endif
-
-/* Ask Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). Returns 1 when
- * the AMX matmul can run in this process, 0 otherwise (not built for AMX, or refused). */
-int amx_gemm_available(void) {
-#ifdef HAVE_AMX_GEMM
-    return amx_request_tiles();
-#else
-    return 0;
-#endif
-}
 
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]), bf16 in and out; w in the layout above. Requires
- * M >= 1, N % 32 == 0, K % 32 == 0 and amx_gemm_available(). The units of 32 outputs are split
+ * M >= 1, N % 32 == 0, K % 32 == 0 and the tile state granted. The units of 32 outputs are split
  * evenly over the OpenMP threads. Returns 0, or -1 (nothing written). */
-int amx_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t N) {
-#ifdef HAVE_AMX_GEMM
+int ps_amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t N) {
     if (M < 1 || N % 32 || K % 32 || K <= 0) return -1;
     const int64_t units = N / 32, full = M / 16 * 16;
     uint16_t* tail = NULL;
@@ -151,8 +140,4 @@ int amx_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, co
     }
     free(tail);
     return 0;
-#else
-    (void)x; (void)M; (void)K; (void)w; (void)bias; (void)y; (void)N;
-    return -1;
-#endif
 }

@@ -1,20 +1,12 @@
-/* Query-token tasks for paged_attention (included by paged_attention.c for the AVX-512 and the
- * AVX2 paths): when a call runs one task per query token (all its KV heads, each block read
- * whole) rather than per (token, KV head), and the order of those tasks, longest first. */
+/* Query-token tasks for paged_attention (the AVX512-BF16 and the AVX2 paths): when a call runs
+ * one task per query token (all its KV heads, each block read whole: decode_token_bf16, task_avx2
+ * over all heads) rather than per (token, KV head), and the order of those tasks, longest first.
+ * Portable: built without ISA flags. */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
 
-/* Most KV heads a token task takes (the AVX-512 path keeps a set of accumulators per head). */
-#define TOKEN_TASK_MAX_KV_HEADS 8
-
-/* Query tokens per thread from which a call runs one task per token (decode_token_bf16,
- * task_avx2 over all heads) rather than per (token, KV head): enough tasks to share between the
- * threads. */
-#ifndef TOKEN_TASKS_PER_THREAD
-#define TOKEN_TASKS_PER_THREAD 4
-#endif
-/* Most scores (num_heads * context) a token task keeps: 6 bytes each, 768 KiB, within a 1 MiB L2.
- * Measured on Zen 4 with 32 query / 8 KV heads: 2,000-4,000 tokens of context 1.29-1.36x the
- * per-head tasks, 6,000-8,000 tokens (1.5 MiB of scores) 0.89-1.00x. */
-#define TOKEN_TASK_MAX_SCORES (1 << 17)
+#include "attention.h"
 
 /* qsort order of (cost, first token, rows) tasks: costlier first, then lower index. */
 static int costlier_first(const void* a, const void* b) {
@@ -24,7 +16,7 @@ static int costlier_first(const void* a, const void* b) {
     return x[1] < y[1] ? -1 : (x[1] > y[1]);
 }
 
-static inline int token_tasks_preferred(int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t max_n) {
+int token_tasks_preferred(int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t max_n) {
     return num_kv_heads > 1 && num_kv_heads <= TOKEN_TASK_MAX_KV_HEADS && num_heads * max_n <= TOKEN_TASK_MAX_SCORES
         && num_tokens >= TOKEN_TASKS_PER_THREAD * omp_get_max_threads();
 }
@@ -34,8 +26,8 @@ static inline int token_tasks_preferred(int64_t num_tokens, int64_t num_heads, i
  * changes no token's arithmetic). A task is one token, or with tile_rows > 1 up to tile_rows
  * consecutive tokens of one sequence with consecutive lengths (a prefill chunk's rows).
  * Returns the number of tasks, or -1 on allocation failure (*tasks: free()). */
-static int64_t token_task_list(const int64_t* token_seq, const int64_t* token_lens, int64_t num_tokens, int64_t tile_rows,
-                               int64_t** tasks) {
+int64_t token_task_list(const int64_t* token_seq, const int64_t* token_lens, int64_t num_tokens, int64_t tile_rows,
+                        int64_t** tasks) {
     int64_t* t3 = (int64_t*)malloc(sizeof(int64_t) * 3 * num_tokens);
     *tasks = t3;
     if (t3 == NULL) return -1;

@@ -1,5 +1,5 @@
-/* The int8 KV cache layout and its quantizer, shared by the RoPE + cache write (fused_ops.c)
- * and the attention kernel (paged_attention.c).
+/* The int8 KV cache layout and its quantizer, shared by the RoPE + cache write (fused/) and the
+ * attention kernel (attention/). The loops run on 16 lanes in the units built for AVX-512.
  *
  * One (block, KV head) of K or V is Q8_BYTES(block_size, head_dim) contiguous bytes:
  *   int8   values [block_size][head_dim]   (symmetric, round to nearest even, clamped to +-127)

@@ -1,4 +1,4 @@
-/* Included by attention_avx512.c (AVX512-BF16 builds): the attention tasks over an int8 KV cache. */
+/* Included by avx512bf16.c: the attention tasks over an int8 KV cache. */
 /* The same task over an int8 cache (kv_int8.h), for bf16 queries and outputs: K rows widened to
  * fp32 (16 at a time, through an L1 buffer) against the query in fp32, the score times the
  * row's scale; softmax in fp32; P.V with each probability times its V row's scale, kept in fp32

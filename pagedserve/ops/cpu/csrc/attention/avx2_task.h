@@ -1,19 +1,24 @@
 /*
- * The attention task for CPUs with AVX2 + FMA and no AVX-512 (AMD Zen 1-3, Intel client
- * cores), included by paged_attention.c, for float32 and bf16 caches (bf16 keys and values are
- * widened to float32 as they are loaded, exactly): scores of 8 keys per pass with one
- * transposing reduction, softmax in fp32, P.V in fp32. Each row is computed the same way
- * whatever else is in the call, like every other path of the kernel.
+ * The AVX2 attention task (task_avx2), for CPUs with AVX2 + FMA and no AVX-512 (AMD Zen 1-3,
+ * Intel client cores), for float32 and bf16 caches (bf16 keys and values are widened to float32
+ * as they are loaded, exactly): scores of 8 keys per pass with one transposing reduction, softmax
+ * in fp32, P.V in fp32. Each row is computed the same way whatever else is in the call, like
+ * every other path of the kernel. Included by the AVX2 units: avx2.c (one task per (token, KV
+ * head)) and avx2_tokens.c (per query token, or tile of a prefill chunk's tokens).
  */
-#ifdef HAVE_AVX2
+#ifndef PAGEDSERVE_ATTENTION_AVX2_TASK_H
+#define PAGEDSERVE_ATTENTION_AVX2_TASK_H
+#include <stdint.h>
+#include <string.h>
+
+#include "rows.h"
+
 /* Eight vectors -> one: lane r = sum of the lanes of a[r] (7 shuffles/adds for 8 reductions). */
 static inline __m256 hsum8x8(const __m256 a[8]) {
     const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
-
-#define AVX2_MAX_GROUP 12 /* larger GQA groups take the generic path */
 
 /* Eight values at element i of a float32 (bf = 0) or bf16 (bf = 1) array, as float32. */
 static inline __attribute__((always_inline)) __m256 load8(const void* base, int64_t i, const int bf) {
@@ -87,7 +92,7 @@ static inline __attribute__((always_inline)) void pv_block(float* acc, int64_t a
  * each 16 dimensions as their 8 even, then their 8 odd values (task_avx2 reorders them when it
  * rounds); every dimension sums the same products in the same chains as pv_block, so the result
  * is bit-identical. W = 1: vb holds the block's values already widened to float32 in that order
- * (16 floats per 16 dimensions: 8 even, 8 odd; a prefill tile's, attention_avx2_tiles.c). */
+ * (16 floats per 16 dimensions: 8 even, 8 odd; a prefill tile's, avx2_tiles.h). */
 static inline __attribute__((always_inline)) void pv_rows_bf16(float* acc, int64_t as, const float* p, int64_t n,
                                                                 const void* vb, int64_t len, int64_t head_dim,
                                                                 const int G, const int CH, const int W) {
@@ -254,17 +259,4 @@ static inline __attribute__((always_inline)) void task_avx2_any(const void* q, c
     }
 #undef TASK_G
 }
-
-/* One (query token, KV head) task, the group's rows kept on the stack. */
-static void task_one_head_avx2(const void* q, const void* kc, const void* vc, const int64_t* table, int64_t n,
-                               int64_t block_size, int64_t block_stride, int64_t head_off, int64_t group, int64_t head_dim,
-                               float scale, void* out, float* scores, const int bf) {
-    float qf[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
-    if (bf) task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, 1, group, head_dim, scale, out, scores, qf, acc, 1);
-    else task_avx2_any(q, kc, vc, table, n, block_size, block_stride, head_off, 1, group, head_dim, scale, out, scores, qf, acc, 0);
-}
-
-#include "attention_avx2_tiles.c"
-#include "attention_avx2_tokens.c"
 #endif
