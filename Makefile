@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 PROMPT ?= What is the capital of France?
 ARGS ?=
 
-.PHONY: setup serve generate chat test test-slow bench clean clean-cache
+.PHONY: setup serve generate chat test test-slow check-kernels bench clean clean-cache
 
 setup: $(STAMP)
 
@@ -44,6 +44,12 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest tests -m slow $(ARGS)
+
+# Every ISA's CPU kernel units (AVX2, AVX-512, AVX512-BF16, AMX) compiled with their own flags and
+# -Wall -Werror, and the libraries linked, running nothing: any x86-64 host checks them all (CI
+# runs it before the tests). The objects are kept for the engine's own build.
+check-kernels: setup
+	$(BIN)/python -m pagedserve.ops.cpu --check-all-isas
 
 bench: setup
 	$(BIN)/pagedserve bench throughput $(ARGS)
