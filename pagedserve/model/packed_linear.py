@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from typing import Optional
 
 import torch
 from torch import nn
 
+from pagedserve import platform
 from pagedserve.ops.cpu import matmul as cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
         and dtype in (torch.bfloat16, torch.float32)
-        and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0"
+        and platform.switch_on("PAGEDSERVE_PACK_WEIGHTS")
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -72,8 +72,10 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def avx2_bf16(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` projections take the AVX2 bf16 matmul: bf16 where oneDNN cannot pack
-    bf16 weights (no AVX-512) and the CPU has AVX2 + FMA (``matmul.avx2_gemm_available``)."""
-    return dtype == torch.bfloat16 and not onednn_packs(dtype) and cpu_kernels.avx2_gemm_available()
+    bf16 weights (no AVX-512), the CPU has AVX2 + FMA (``matmul.avx2_gemm_available``) and
+    ``PAGEDSERVE_AVX2_GEMM`` is not 0."""
+    return (dtype == torch.bfloat16 and not onednn_packs(dtype) and platform.switch_on("PAGEDSERVE_AVX2_GEMM")
+            and cpu_kernels.avx2_gemm_available())
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,7 +183,7 @@ def amx_copy(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[tor
     multiple of 32). Checked on random rows against an fp32 product (a layout error would be far
     outside bf16 rounding): on a mismatch, a warning and None."""
     n, k = weight.shape
-    if n % 32 or k % 32 or not cpu_kernels.amx_available():
+    if n % 32 or k % 32 or not platform.switch_on("PAGEDSERVE_AMX") or not cpu_kernels.amx_available():
         return None
     own = cpu_kernels.amx_layout(weight)
     cpu_kernels.collapse_to_huge_pages(own.data_ptr(), own.numel() * 2)
@@ -266,15 +268,17 @@ def onednn_rows(m: int) -> int:
 
 def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor], plans: dict) -> Optional[tuple[int, int]]:
     """Move ``packed``'s buffer to huge pages and return its small-M plan (cached in ``plans``
-    per (out, in, has bias)); None when the small-M path is unavailable or does not match."""
+    per (out, in, has bias)); None when the small-M path is unavailable (``PAGEDSERVE_SMALL_GEMM=0``
+    among others) or does not match."""
     try:
         cpu_kernels.collapse_to_huge_pages(*cpu_kernels._packed_address(packed))
     except (RuntimeError, AttributeError):
         pass
     key = (out_features, in_features, bias is not None)
     if key not in plans:
-        plans[key] = cpu_kernels.calibrate_small_gemm(packed, out_features, in_features, bias)
-        if plans[key] is None:
+        on = platform.switch_on("PAGEDSERVE_SMALL_GEMM")
+        plans[key] = cpu_kernels.calibrate_small_gemm(packed, out_features, in_features, bias) if on else None
+        if on and plans[key] is None:
             logger.info("small-M matmul cannot read oneDNN's buffer for weight %s x %s", out_features, in_features)
     return plans[key]
 

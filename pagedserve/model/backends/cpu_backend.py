@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagedserve import platform
 from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.backends.torch_backend import TorchBackend, sdpa_attention
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
@@ -41,7 +42,8 @@ def cpu_kernels_usable(hidden_size: int, num_heads: int, num_kv_heads: int, head
     not 0), float32 or bfloat16, hidden size and head_dim within the kernels' bounds, GQA group
     of at most 16."""
     return (
-        dtype in (torch.float32, torch.bfloat16)
+        platform.switch_on("PAGEDSERVE_CPU_KERNELS")
+        and dtype in (torch.float32, torch.bfloat16)
         and hidden_size <= 16384
         and head_dim <= 256
         and head_dim % 2 == 0
@@ -164,6 +166,7 @@ class CpuBackend(TorchBackend):
             and model.tp is None  # the C step has no all-reduce between layers
             and model._logits_linear is not None
             and not attn.qk_norm
+            and platform.switch_on("PAGEDSERVE_CPU_KERNELS")
             and get_decode_lib() is not None
             and all(kv.is_contiguous() and kv.dtype == kv_caches[0].dtype for kv in kv_caches)
             and kv_caches[0].dtype in (torch.bfloat16, torch.int8)
