@@ -21,6 +21,29 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 
 
+class RequestError(ValueError):
+    """A request refused as invalid, naming the request field at fault in ``param`` (None when
+    no single field is): raised where each field is checked (here, per field; by the input
+    processor; by structured-output compilation), never guessed from the message afterwards.
+
+    Attributes:
+        message: what is wrong, in words a client can act on.
+        param: the request field, as the request names it (``"top_p"``, ``"structured_outputs"``).
+    """
+
+    def __init__(self, message: str, *, param: Optional[str]) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __reduce__(self):  # param is keyword-only: pickle rebuilds it with both
+        return _rebuild_request_error, (type(self), self.message, self.param)
+
+
+def _rebuild_request_error(cls: type, message: str, param: Optional[str]) -> "RequestError":
+    return cls(message, param=param)
+
+
 class RequestOutputKind(enum.Enum):
     """What each `RequestOutput` of a streaming request carries."""
 
@@ -47,7 +70,8 @@ class StructuredOutputsParams:
         json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
 
     Raises:
-        ValueError: naming the field, when none or several are set, or one is empty or too big.
+        RequestError: ``param="structured_outputs"``, when none or several are set, or one is
+            empty or too big.
     """
 
     json: Optional[Union[str, dict]] = None
@@ -63,25 +87,25 @@ class StructuredOutputsParams:
             try:
                 self.json = _json.dumps(self.json)  # key order kept: it is the order of the output
             except RecursionError:
-                raise ValueError("structured_outputs.json is nested too deeply.") from None
+                raise RequestError("structured_outputs.json is nested too deeply.", param="structured_outputs") from None
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
-                raise ValueError("structured_outputs.choice must be a list of non-empty strings.")
+                raise RequestError("structured_outputs.choice must be a list of non-empty strings.", param="structured_outputs")
             self.choice = list(self.choice)
         if not isinstance(self.json_object, bool):
-            raise ValueError("structured_outputs.json_object must be true or false.")
+            raise RequestError("structured_outputs.json_object must be true or false.", param="structured_outputs")
         set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None] + (["json_object"] if self.json_object else [])
         if len(set_) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or json_object, got {set_ or 'none'}.")
+            raise RequestError(f"structured_outputs must set exactly one of json, regex, choice, grammar or json_object, got {set_ or 'none'}.", param="structured_outputs")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a list of non-empty strings.")
+            raise RequestError("structured_outputs.choice must be a list of non-empty strings.", param="structured_outputs")
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+                raise RequestError(f"structured_outputs.{name} must be a non-empty string.", param="structured_outputs")
         size = len(self.json or self.regex or self.grammar or "") + sum(len(c) for c in self.choice or ())
         if size > MAX_STRUCTURED_OUTPUT_CHARS:
-            raise ValueError(f"structured_outputs is {size} characters, more than the {MAX_STRUCTURED_OUTPUT_CHARS} allowed.")
+            raise RequestError(f"structured_outputs is {size} characters, more than the {MAX_STRUCTURED_OUTPUT_CHARS} allowed.", param="structured_outputs")
 
     @property
     def kind(self) -> str:
@@ -112,7 +136,7 @@ class SamplingParams:
     ``max_model_len``); more than ``max_model_len`` is an error.
 
     Raises:
-        ValueError: naming the field, when a value is out of range.
+        RequestError: its ``param`` the field, when a value is out of range.
     """
 
     n: int = 1
@@ -167,7 +191,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(name: str, msg: str) -> None:
-            raise ValueError(f"{name} {msg}")
+            raise RequestError(f"{name} {msg}", param=name)
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
@@ -243,14 +267,15 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def verify_vocab(self, vocab_size: int) -> None:
-        """Check token ids against the model's vocabulary. Raises ValueError naming the field."""
+        """Check token ids against the model's vocabulary. Raises RequestError naming the field."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
                           ("allowed_token_ids", self.allowed_token_ids or [])):
             for t in ids:
                 if not 0 <= t < vocab_size:
-                    raise ValueError(f"{name} contains token id {t} outside the vocabulary [0, {vocab_size}).")
+                    raise RequestError(f"{name} contains token id {t} outside the vocabulary [0, {vocab_size}).", param=name)
         if self.allowed_token_ids and len(self.allowed_token_ids) > vocab_size:
-            raise ValueError(f"allowed_token_ids must hold at most {vocab_size} ids (the vocabulary), got {len(self.allowed_token_ids)}.")
+            raise RequestError(f"allowed_token_ids must hold at most {vocab_size} ids (the vocabulary), got {len(self.allowed_token_ids)}.",
+                               param="allowed_token_ids")
 
     def clone(self) -> "SamplingParams":
         """A deep copy that shares the long id lists (never changed once checked), so that n

@@ -352,3 +352,31 @@ def test_openapi_schema_says_what_is_accepted(app_client):
     assert all(p.get("minItems") == 1 or p.get("minLength") == 1 for p in prompt)
     responses = model("ResponsesRequest")
     assert "input" in responses["required"] and {"type": "null"} not in responses["properties"]["input"]["anyOf"]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(n=0), "n"), (dict(top_p=0.0), "top_p"), (dict(temperature=float("nan")), "temperature"), (dict(seed=2**70), "seed"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"), (dict(logit_bias={1: 500}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"), (dict(prompt_logprobs=21), "prompt_logprobs"),
+])
+def test_engine_refusals_name_their_field_where_they_are_raised(kwargs, param):
+    """Issue 47: every refusal of SamplingParams is a RequestError whose param is set where it is
+    raised (nothing is guessed from the message); it survives pickling; the front maps it to a
+    400 with that param, any other ValueError to a 400 naming nothing, a dead engine to a 503."""
+    import pickle
+
+    from pagedserve.engine.async_llm import EngineDeadError
+    from pagedserve.entrypoints.openai.http_common import APIError, api_error
+    from pagedserve.sampling_params import RequestError, SamplingParams
+
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and str(e.value).startswith(param)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert type(again) is RequestError and (again.message, again.param) == (e.value.message, param)
+    err = api_error(e.value)
+    assert (err.status_code, err.err_type, err.param, err.message) == (400, "BadRequestError", param, e.value.message)
+    assert api_error(ValueError("top_p looks wrong")).param is None
+    assert api_error(EngineDeadError("gone")).status_code == 503
+    overload = APIError("busy", status_code=503, err_type="ServiceUnavailableError", headers={"Retry-After": "1"})
+    assert api_error(overload) is overload and overload.response().headers["retry-after"] == "1"

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.http_common import APIError
 from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser, JsonToolParser, Llama3JsonToolParser
 from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools
 
@@ -24,7 +24,7 @@ def test_plan_tools_modes_and_refusals():
     assert plan_tools(None, None, False, None).mode == "none"
     assert plan_tools([WEATHER], "none", False, None).mode == "none"
     assert plan_tools([WEATHER], None, True, "hermes").mode == "auto"  # auto is the default with tools
-    with pytest.raises(RequestError, match="--enable-auto-tool-choice") as e:
+    with pytest.raises(APIError, match="--enable-auto-tool-choice") as e:
         plan_tools([WEATHER], "auto", False, None)
     assert e.value.param == "tool_choice"
     req = plan_tools([WEATHER, TIME], "required", False, None)
@@ -39,7 +39,7 @@ def test_plan_tools_modes_and_refusals():
         ([WEATHER, WEATHER], "none", "distinct"),
         ([WEATHER] * 200, "none", "at most"),
     ]:
-        with pytest.raises(RequestError, match=words):
+        with pytest.raises(APIError, match=words):
             plan_tools(tools, choice, True, "hermes")
 
 
@@ -130,7 +130,7 @@ def test_required_lifts_the_tools_shared_definitions():
     assert "P" in schema["$defs"] and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
     clash = {"type": "function", "function": {"name": "other", "parameters": {
         "$defs": {"P": {"type": "string"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}}}}
-    with pytest.raises(RequestError, match="differently"):
+    with pytest.raises(APIError, match="differently"):
         plan_tools([nested, clash], "required", False, None)
 
 
@@ -138,7 +138,7 @@ def test_fallback_template_asks_for_the_parsers_format(smollm2_dir):
     """The packaged template (for models whose own ignores tools) asks for <tool_call> blocks
     under hermes and for bare JSON under json / llama3_json, and renders past calls the same way
     (a new user found llama3_json asked for tags it does not read)."""
-    from pagedserve.entrypoints.openai.tool_messages import tools_template
+    from pagedserve.entrypoints.openai.tools import tools_template
     from pagedserve.model.loader import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)

@@ -4,58 +4,27 @@ the engine core (``LLM.generate``, the CLI and the HTTP server all go through it
 A request that passes becomes one :class:`EngineCoreRequest` per completion (``n > 1`` is
 fanned out here into children ``{id}#{i}`` with seeds ``seed + i``), so the core only ever sees
 valid token ids, a prompt that leaves room to generate, ``max_tokens`` filled in and sampling
-parameters in range. Everything refused raises :class:`RequestError` (a ``ValueError``) naming
-the field, which the server turns into an HTTP 400.
+parameters in range. Everything refused raises :class:`RequestError` (a ``ValueError``) whose
+``param`` names the request field, set where the field is checked.
 """
 from __future__ import annotations
 
 import operator
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from pagedserve.core.outputs import EngineCoreRequest
 from pagedserve.core.structured_output import StructuredOutputManager
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestError, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the server answers with this status and an OpenAI error
-    body (``{"error": {"message", "type", "param", "code"}}``)."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status_code: int = 400, err_type: str = "BadRequestError",
-                 headers: Optional[dict[str, str]] = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status_code = status_code
-        self.err_type = err_type
-        self.headers = headers or {}
 
 
 # allowed_token_ids and bad-word token ids over all of one request's sequences (each carries a
 # copy to the engine, which builds a [vocab] mask for each): 2**18 is five full-vocabulary lists
 # of SmolLM2.
 MAX_BAN_IDS_PER_REQUEST = 1 << 18
-
-_KNOWN_PARAMS = {
-    "prompt", "prompt_token_ids", "messages", "model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "stop_token_ids", "max_tokens", "max_completion_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "best_of",
-    "stream_options", "response_format", "request_id", "tokens", "continue_final_message", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "allowed_token_ids", "truncate_prompt_tokens", "bad_words",
-}
-
-
-def param_of(message: str) -> Optional[str]:
-    """The request field a ``ValueError`` message names (its first word), if any."""
-    m = re.match(r"[`'\"]?([A-Za-z_]+)", message)
-    if m and m.group(1) in _KNOWN_PARAMS:
-        return "prompt" if m.group(1) == "prompt_token_ids" else m.group(1)
-    return None
 
 
 def check_text(text: str, param: str) -> None:
@@ -182,14 +151,16 @@ class InputProcessor:
         """Raises RequestError for ids outside the vocabulary, an unsupported field, or a
         structured-output constraint that does not compile (checked here, in the frontend, so
         a malformed schema never reaches the engine core)."""
-        try:
-            params.verify_vocab(self.vocab_size)
-            if params.structured_outputs is not None:
+        params.verify_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            try:
                 self.grammars.validate(params.structured_outputs)
-        except ValueError as e:
-            raise RequestError(str(e), param=param_of(str(e))) from None
-        except RecursionError:
-            raise RequestError("structured_outputs is nested too deeply.", param="structured_outputs") from None
+            except RequestError:
+                raise
+            except ValueError as e:  # the compiler's words: "structured_outputs.<kind> is invalid: ..."
+                raise RequestError(str(e), param="structured_outputs") from None
+            except RecursionError:
+                raise RequestError("structured_outputs is nested too deeply.", param="structured_outputs") from None
         for name in ("allowed_token_ids", "bad_words"):
             if getattr(params, name) and params.structured_outputs is not None:  # the two masks could leave nothing
                 raise RequestError(f"{name} cannot be combined with a structured output constraint or a forced tool call.", param=name)

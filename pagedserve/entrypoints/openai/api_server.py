@@ -29,11 +29,9 @@ from fastapi_offline import FastAPIOffline
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.engine.input_processor import RequestError
-from pagedserve.entrypoints.openai import serving_kv
 from pagedserve.entrypoints.openai import dashboard
 from pagedserve.entrypoints.openai.http_common import (
-    SSE_HEADERS, APIKeyMiddleware, RequestIdHeaderMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers,
+    SSE_HEADERS, APIError, APIKeyMiddleware, RequestIdHeaderMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers,
     request_ids, run_until_disconnect,
 )
 from pagedserve.entrypoints.openai.protocol import (
@@ -51,6 +49,7 @@ from pagedserve.entrypoints.openai.protocol_responses import (
 )
 from pagedserve.entrypoints.openai.server_args import ServerArgs
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_common import release_unused_kv
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.responses_api import ResponsesRequest
@@ -80,12 +79,12 @@ class Admission:
 
     @contextmanager
     def admit(self) -> Iterator[None]:
-        """Raises RequestError 503 when the server is full."""
+        """Raises APIError 503 (with ``Retry-After``) when the server is full."""
         with self._lock:
             waiting = self.llm.num_waiting_to_start() + self._preparing
             if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-                raise RequestError(f"the server is overloaded: {waiting} requests are waiting to start; retry later.",
-                                   status_code=503, err_type="ServiceUnavailableError", headers={"Retry-After": "1"})
+                raise APIError(f"the server is overloaded: {waiting} requests are waiting to start; retry later.",
+                               status_code=503, err_type="ServiceUnavailableError", headers={"Retry-After": "1"})
             self._preparing += 1
         try:
             yield
@@ -184,8 +183,8 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             request_id, engine_id = request_ids("cmpl", raw_request, req.request_id)
             with admission.admit():  # 503 at once when too many requests wait to start
                 model, prompts, params = await off_loop(completions.prepare_completion, req)
-        except RequestError:
-            serving_kv.release_unused_kv(llm, req.kv_transfer_params)
+        except (APIError, ValueError):  # refused (RequestError is a ValueError)
+            release_unused_kv(llm, req.kv_transfer_params)
             raise
         completions.log_request(engine_id, req, [len(p.token_ids) for p in prompts], params)
         if req.stream:
@@ -199,8 +198,8 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             request_id, engine_id = request_ids("chatcmpl", raw_request, req.request_id)
             with admission.admit():
                 model, conv, prompt, params, tools = await off_loop(chats.prepare_chat, req)
-        except RequestError:
-            serving_kv.release_unused_kv(llm, req.kv_transfer_params)
+        except (APIError, ValueError):  # refused (RequestError is a ValueError)
+            release_unused_kv(llm, req.kv_transfer_params)
             raise
         chats.log_request(engine_id, req, [len(prompt.token_ids)], [params])
         if req.stream:
@@ -220,9 +219,9 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
         result = await run_until_disconnect(raw_request, responses.response_full(*args))
         return result if isinstance(result, Response) else JSONResponse(result)  # a Response: the client left (499)
 
-    def not_stored(response_id: str) -> RequestError:
-        return RequestError(f"Response {response_id!r} not found: this server stores no responses (store is ignored).",
-                            param="response_id", status_code=404, err_type="NotFoundError")
+    def not_stored(response_id: str) -> APIError:
+        return APIError(f"Response {response_id!r} not found: this server stores no responses (store is ignored).",
+                        param="response_id", status_code=404, err_type="NotFoundError")
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
@@ -248,16 +247,15 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = llm.input_processor.tokenize(req.prompt, add, "prompt")
         else:
-            raise RequestError("tokenize needs prompt or messages.", param="prompt")
+            raise APIError("tokenize needs prompt or messages.", param="prompt")
         strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         chats.check_model(req.model)
-        for t in req.tokens:
-            if not 0 <= t < llm.vocab_size:
-                raise RequestError(f"tokens contains token id {t} outside the vocabulary [0, {llm.vocab_size}).", param="tokens")
+        if req.tokens:  # none decode to ""
+            llm.input_processor.check_token_ids(req.tokens, "tokens", param="tokens")
         return DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
 
     return app

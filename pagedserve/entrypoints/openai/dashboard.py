@@ -29,8 +29,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from pagedserve.entrypoints.openai.http_common import error_response
-from pagedserve.entrypoints.openai.serving_common import error_body
+from pagedserve.entrypoints.openai.http_common import error_body, error_response
 
 STATIC_DIR = pathlib.Path(__file__).parent / "static"
 PUBLIC_PREFIX = "/dashboard/static/"

@@ -1,5 +1,12 @@
-"""HTTP plumbing of the OpenAI server shared by its routes: OpenAI-shaped error bodies and the
-exception handlers that produce them, the API-key middleware, and disconnect handling."""
+"""HTTP plumbing of the OpenAI server shared by its routes: the front's :class:`APIError` and
+the one mapping of every refusal to an OpenAI error body (:func:`api_error`, used by the
+exception handlers and by streams that fail late), request ids (:func:`request_ids`), the
+API-key middleware, and disconnect handling.
+
+Statuses are decided here, in the front: the engine's :class:`RequestError` (a field it
+refused, named in ``param``) is a 400; a dead engine a 503; an overloaded server a 503 with
+``Retry-After``, an unknown model a 404 (both raised as :class:`APIError` where they are found).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_llm import EngineDeadError
-from pagedserve.engine.input_processor import RequestError, param_of
-from pagedserve.entrypoints.openai.serving_common import error_body
+from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedserve.sampling_params import RequestError
 
 logger = logging.getLogger("pagedserve")
 
@@ -24,16 +31,75 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_REQUEST_ID_CHARS = 256  # it is repeated in every streamed chunk
 
 
+def error_body(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code)).model_dump()
+
+
+def error_response(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
+
+
+class APIError(Exception):
+    """A refusal of the HTTP front, with its status: a check only the front can make (the
+    request's HTTP shape, tools, the chat template, the served model, the server's load), with
+    the request field at fault in ``param``.
+
+    Attributes:
+        message: the error body's ``message``.
+        param: the request field at fault, or None.
+        status_code / err_type: the HTTP status and the body's ``type`` (400 / BadRequestError).
+        headers: extra response headers (``Retry-After`` of a 503).
+    """
+
+    def __init__(self, message: str, *, param: Optional[str] = None, status_code: int = 400, err_type: str = "BadRequestError",
+                 headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+        self.err_type = err_type
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status_code, self.err_type, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers or None)
+
+
+def api_error(exc: BaseException) -> APIError:
+    """How the front answers ``exc``, the one mapping of refusals to statuses: an
+    :class:`APIError` as it is; the engine's :class:`RequestError` 400 with its ``param``; any
+    other ``ValueError`` 400 (no field named); a dead engine 503; anything else 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        return APIError(exc.message, param=exc.param)
+    if isinstance(exc, ValueError):
+        return APIError(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), status_code=503, err_type="ServiceUnavailableError")
+    return APIError(str(exc), status_code=500, err_type="InternalServerError")
+
+
+def random_id(prefix: str = "") -> str:
+    """``prefix`` and 32 random hex digits: the ids the server makes (responses, items, calls)."""
+    return prefix + uuid.uuid4().hex
+
+
 def request_ids(prefix: str, request: Request, body_id: Optional[str]) -> tuple[str, str]:
-    """``(response id, engine id)`` of a completion request, as vLLM names it: the
-    ``X-Request-Id`` header, else the body's ``request_id``, else a random hex, after ``prefix``
-    and a dash (an underscore after ``resp``, as OpenAI's Responses ids).
-    A client's id gets a random suffix in the engine, so two requests that send the same id
-    never collide there (vLLM v1 does the same).
+    """``(response id, engine id)`` of a generating request (every such route takes its ids
+    here), as vLLM names them: the ``X-Request-Id`` header, else the body's ``request_id``,
+    else a random hex, after ``prefix`` and a dash (an underscore after ``resp``, as OpenAI's
+    Responses ids). A client's id gets a random suffix in the engine, so two requests that send
+    the same id never collide there (vLLM v1 does the same). The engine request of prompt ``i``
+    of several is ``{engine id}-{i}`` (:func:`prompt_request_ids`); the children of ``n > 1``
+    are the engine's.
 
     Raises:
-        RequestError: an empty id, one over ``MAX_REQUEST_ID_CHARS`` characters, or one with
-            control characters (it is logged).
+        APIError: an empty id, one over ``MAX_REQUEST_ID_CHARS`` characters, or one with
+            control characters (it is logged); ``param`` ``request_id`` for the body's.
     """
     header = request.headers.get("x-request-id")
     if header is not None:  # HTTP hands headers over as latin-1; clients send UTF-8
@@ -44,14 +110,19 @@ def request_ids(prefix: str, request: Request, body_id: Optional[str]) -> tuple[
     base, field = (header, "X-Request-Id header") if header is not None else (body_id, "request_id")
     prefix += "_" if prefix == "resp" else "-"
     if base is None:
-        base = uuid.uuid4().hex
+        base = random_id()
         request.state.request_id = base  # the X-Request-Id of the answer (--enable-request-id-headers)
         return prefix + base, prefix + base
     if not base or len(base) > MAX_REQUEST_ID_CHARS or not base.isprintable():
-        raise RequestError(f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable characters.",
-                           param="request_id" if header is None else None)
+        raise APIError(f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable characters.",
+                       param="request_id" if header is None else None)
     request.state.request_id = base
     return f"{prefix}{base}", f"{prefix}{base}-{secrets.token_hex(4)}"
+
+
+def prompt_request_ids(engine_id: str, num_prompts: int) -> list[str]:
+    """The engine request id of each prompt of a request (:func:`request_ids`' engine id)."""
+    return [f"{engine_id}-{i}" for i in range(num_prompts)] if num_prompts > 1 else [engine_id]
 
 
 class RequestIdHeaderMiddleware:
@@ -66,7 +137,7 @@ class RequestIdHeaderMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        fallback = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
+        fallback = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None) or random_id().encode()
 
         started = False
 
@@ -86,10 +157,6 @@ class RequestIdHeaderMiddleware:
             if started:
                 raise
             await internal_error(scope.get("path", ""), exc)(scope, receive, send_with_id)
-
-
-def error_response(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
 
 
 class APIKeyMiddleware:
@@ -211,8 +278,9 @@ def field_path(loc: list, body: Any) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error becomes ``{"error": {"message", "type", "param", "code"}}``: invalid input
-    400, unknown model or route 404, a dead engine 503, a bug 500."""
+    """Every error becomes ``{"error": {"message", "type", "param", "code"}}``: pydantic's
+    schema errors 400 naming the field; refusals as :func:`api_error` maps them (invalid input
+    400, unknown model 404, overload or a dead engine 503); an unknown route 404; a bug 500."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -230,19 +298,11 @@ def install_error_handlers(app: FastAPI) -> None:
             parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
         return error_response("; ".join(parts) or "Invalid request.", 400, "BadRequestError", param)
 
-    @app.exception_handler(RequestError)
-    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        resp = error_response(exc.message, exc.status_code, exc.err_type, exc.param)
-        resp.headers.update(exc.headers)
-        return resp
+    async def _refused(request: Request, exc: Exception) -> JSONResponse:
+        return api_error(exc).response()
 
-    @app.exception_handler(ValueError)
-    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc), 400, "BadRequestError", param_of(str(exc)))
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(str(exc), 503, "ServiceUnavailableError")
+    for cls in (APIError, ValueError, EngineDeadError):  # RequestError is a ValueError
+        app.add_exception_handler(cls, _refused)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -4,7 +4,8 @@
 Unknown request fields are accepted and ignored, as vLLM does. Booleans and integers are strict
 (``"stream": "yes"`` or ``"max_tokens": true`` is a 400, as OpenAI); floats take integers. Ranges are checked where
 :class:`SamplingParams` is built (``to_sampling_params``), so every endpoint reports the same
-``ValueError`` message naming the field.
+:class:`RequestError`, its ``param`` the field (as vLLM's ``to_sampling_params`` raises its
+validation error naming the parameter).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator, model_validator
 
-from pagedserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedserve.sampling_params import MAX_LOGPROBS, RequestError, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -120,14 +121,14 @@ class _SamplingFields(SamplingExtras):
         """The request's constraint, if any.
 
         Raises:
-            ValueError: several constraints, an unknown response_format type or
-                structured_outputs key, a malformed json_schema.
+            RequestError: several constraints (``param`` the first), an unknown
+                response_format type or structured_outputs key, a malformed json_schema.
         """
         given = self.constraint_fields()
         if not given:
             return None
         if len(given) > 1:
-            raise ValueError(f"{given[0]} and {given[1]} cannot both be set: give one structured output constraint.")
+            raise RequestError(f"{given[0]} and {given[1]} cannot both be set: give one structured output constraint.", param=given[0])
         field = given[0]
         if field == "response_format":
             kind = self.response_format.get("type")
@@ -136,16 +137,17 @@ class _SamplingFields(SamplingExtras):
             if kind == "json_schema":
                 spec = self.response_format.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                    raise ValueError("response_format.json_schema must be an object with a 'schema' object.")
+                    raise RequestError("response_format.json_schema must be an object with a 'schema' object.", param="response_format")
                 return StructuredOutputsParams(json=spec["schema"])
             if kind is None:
-                raise ValueError("response_format needs a type (text, json_object or json_schema).")
-            raise ValueError(f"response_format of type {kind!r} is not supported (text, json_object or json_schema).")
+                raise RequestError("response_format needs a type (text, json_object or json_schema).", param="response_format")
+            raise RequestError(f"response_format of type {kind!r} is not supported (text, json_object or json_schema).", param="response_format")
         if field == "structured_outputs":
             so = self.structured_outputs
             unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
             if unknown:
-                raise ValueError(f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, grammar, json_object).")
+                raise RequestError(f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, grammar, json_object).",
+                                   param="structured_outputs")
             kwargs = {k: v for k, v in so.items() if k != "json_object" and v is not None}
             return StructuredOutputsParams(json_object=bool(so.get("json_object")), **kwargs)
         return StructuredOutputsParams(**{field[len("guided_"):]: getattr(self, field)})
@@ -156,7 +158,7 @@ class _SamplingFields(SamplingExtras):
         (``--generation-config``), else vLLM's."""
         d = defaults or {}
         if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs is not available when stream is true.")
+            raise RequestError("prompt_logprobs is not available when stream is true.", param="prompt_logprobs")
         bias = None
         if self.logit_bias:
             bias = {}
@@ -164,9 +166,9 @@ class _SamplingFields(SamplingExtras):
                 try:
                     bias[int(k)] = float(v)
                 except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias keys must be token ids (integers), got {k!r}.") from None
+                    raise RequestError(f"logit_bias keys must be token ids (integers), got {k!r}.", param="logit_bias") from None
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # {} is no option (vLLM)
-            raise ValueError("stream_options can only be set when stream is true.")
+            raise RequestError("stream_options can only be set when stream is true.", param="stream_options")
         return SamplingParams(
             n=self.n,
             temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,
@@ -209,11 +211,9 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_tokens: int, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.suffix:
-            raise ValueError("suffix is not supported.")
+            raise RequestError("suffix is not supported.", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n).")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+            raise RequestError("best_of is not supported (only best_of == n).", param="best_of")
         # As vLLM: echo with logprobs scores the echoed prompt too.
         prompt_logprobs = self.logprobs if self.prompt_logprobs is None and self.echo else self.prompt_logprobs
         return self._base_params(max_tokens, self.logprobs, defaults, prompt_logprobs)
@@ -291,11 +291,11 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self, max_tokens: int, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}.")
+                raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}.", param="top_logprobs")
             if not self.logprobs:
-                raise ValueError("top_logprobs requires logprobs to be true.")
+                raise RequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true.", param="continue_final_message")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._base_params(max_tokens, logprobs, defaults, self.prompt_logprobs)
 

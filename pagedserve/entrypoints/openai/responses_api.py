@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Annotated, Any, Optional, Union
 
 from pydantic import ConfigDict, StrictBool, StrictInt, ValidationError
 
-from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.http_common import APIError, random_id
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingExtras, schema_only
 from pagedserve.entrypoints.openai.serving_common import check_extra_fields, log_ignored
-from pagedserve.entrypoints.openai.tool_messages import check_answers_a_call
+from pagedserve.entrypoints.openai.tools import check_answers_a_call
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields that keep their meaning from the Responses request to the chat one.
@@ -77,8 +76,8 @@ class ResponsesRequest(SamplingExtras):  # vLLM's sampling extras, as on chat co
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
-def _refuse(field: str, why: str) -> RequestError:
-    return RequestError(f"{field}: {why}", param=field.split("[")[0].split(".")[0])
+def _refuse(field: str, why: str) -> APIError:
+    return APIError(f"{field}: {why}", param=field.split("[")[0].split(".")[0])
 
 
 def _text_of(content: Any, field: str) -> str:
@@ -102,7 +101,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """Chat messages from ``instructions`` and ``input``: message items keep their role
     (``developer`` is ``system``), ``function_call`` items join the assistant turn before them
     (or start one) as ``tool_calls``, a ``function_call_output`` a ``tool`` turn; ``reasoning`` items
-    are dropped (the template would not show them). Raises RequestError naming the item."""
+    are dropped (the template would not show them). Raises APIError naming the item."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if req.input is None:
         raise _refuse("input", "is required: this server keeps no conversation or prompt to answer.")
@@ -191,7 +190,7 @@ def chat_response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, A
 
 def check_responses_fields(req: ResponsesRequest) -> None:
     """Refuse what needs a response store or background runs, chat's own fields, and numbers
-    that cannot be echoed as JSON; log once what is ignored. Raises RequestError naming the field."""
+    that cannot be echoed as JSON; log once what is ignored. Raises APIError naming the field."""
     for name, (hint, off) in _CHAT_ONLY.items():
         if name in (req.model_extra or {}) and req.model_extra[name] not in off:
             raise _refuse(name, hint + ".")
@@ -222,7 +221,7 @@ def check_responses_fields(req: ResponsesRequest) -> None:
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The streamed chat request that computes this response (with usage, and
-    ``return_token_ids`` so reasoning tokens can be counted). Raises RequestError naming the
+    ``return_token_ids`` so reasoning tokens can be counted). Raises APIError naming the
     Responses field."""
     fields = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
     fields.update(messages=input_messages(req), max_completion_tokens=req.max_output_tokens, tools=chat_tools(req.tools),
@@ -232,7 +231,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest(return_token_ids=True, stream=True, stream_options={"include_usage": True}, **fields)
     except ValidationError as e:  # a message of the wrong shape (content an object, ...)
-        raise RequestError(f"input could not be read: {e.errors()[0]['msg']}", param="input") from None
+        raise APIError(f"input could not be read: {e.errors()[0]['msg']}", param="input") from None
 
 
 def wants_logprobs(req: ResponsesRequest) -> bool:
@@ -241,7 +240,7 @@ def wants_logprobs(req: ResponsesRequest) -> bool:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    return random_id(prefix + "_")
 
 
 def status_of(finish_reason: Optional[str]) -> tuple[str, Optional[dict]]:

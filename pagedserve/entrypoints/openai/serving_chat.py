@@ -28,13 +28,15 @@ from pagedserve.entrypoints.openai.protocol_responses import (
 )
 from pagedserve.engine.input_processor import RequestError, check_text
 from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
+from pagedserve.entrypoints.openai.http_common import APIError
 from pagedserve.entrypoints.openai.reasoning import ReasoningStream
 from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
 from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
-from pagedserve.entrypoints.openai.tool_messages import check_answers_a_call, tool_call_for_template, tools_template
-from pagedserve.entrypoints.openai.tools import ToolCallStream, ToolPlan, plan_tools, random_tool_call_id
+from pagedserve.entrypoints.openai.tools import (
+    ToolCallStream, ToolPlan, check_answers_a_call, plan_tools, random_tool_call_id, tool_call_for_template, tools_template,
+)
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
 
@@ -47,12 +49,13 @@ class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint."""
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[dict], TokenizedPrompt, SamplingParams, ToolPlan]:
-        """Validate and render; raises RequestError (HTTP 400) naming the field."""
+        """Validate and render. Raises RequestError (the input processor's) or APIError (what
+        needs the tools or the template), naming the field."""
         model = self.check_request(req)
         self.check_num_sequences(1, req.n or 1)
         plan = plan_tools(req.tools, req.tool_choice, self.enable_auto_tool_choice, self.tool_call_parser, req.parallel_tool_calls)
         if plan.constraint is not None and req.constraint_fields():
-            raise RequestError(f"tool_choice {plan.mode!r} and {req.constraint_fields()[0]} cannot both be set.", param="tool_choice")
+            raise APIError(f"tool_choice {plan.mode!r} and {req.constraint_fields()[0]} cannot both be set.", param="tool_choice")
         conv, ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
                                      req.chat_template_kwargs, req.tools, req.add_special_tokens)
         ids = self.input_processor.truncate_prompt(ids, req.truncate_prompt_tokens)
@@ -70,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
             except RequestError as e:
                 if e.param not in (None, "structured_outputs"):  # allowed_token_ids, which a tool call's grammar excludes
                     raise
-                raise RequestError(e.message.replace("structured_outputs.json", "a tool's parameters schema"), param="tools") from None
+                raise APIError(e.message.replace("structured_outputs.json", "a tool's parameters schema"), param="tools") from None
         return model, conv, TokenizedPrompt(None, ids), params, plan
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -80,19 +83,19 @@ class OpenAIServingChat(OpenAIServing):
         go to the template and override the named arguments (``add_generation_prompt``, ``tools``,
         ``chat_template``...), as vLLM; the tokenizer's own arguments cannot be set there."""
         if not messages:
-            raise RequestError("messages must not be empty.", param="messages")
+            raise APIError("messages must not be empty.", param="messages")
         kwargs = dict(chat_template_kwargs or {})
         bad = sorted(set(kwargs) & _RENDER_ARGS)
         if bad:
-            raise RequestError(f"chat_template_kwargs.{bad[0]} cannot be set.", param="chat_template_kwargs")
+            raise APIError(f"chat_template_kwargs.{bad[0]} cannot be set.", param="chat_template_kwargs")
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
         continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
         chat_template = kwargs.pop("chat_template", chat_template)
         tools = kwargs.pop("tools", tools)
         if chat_template is not None and not isinstance(chat_template, str):
-            raise RequestError("chat_template must be a string.", param="chat_template")
+            raise APIError("chat_template must be a string.", param="chat_template")
         if chat_template is not None and not self.trust_request_chat_template:
-            raise RequestError(
+            raise APIError(
                 "chat_template in the request is not allowed: a template is code that runs in the server. "
                 "Start the server with --trust-request-chat-template to allow it.", param="chat_template",
             )
@@ -104,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
                 parts = []
                 for part in content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise RequestError(f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}.", param="messages")
+                        raise APIError(f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}.", param="messages")
                     parts.append(part["text"])
                 content = "\n".join(parts)
             if isinstance(content, str):
@@ -140,15 +143,15 @@ class OpenAIServingChat(OpenAIServing):
                     continue_final_message=continue_final_message, chat_template=server_template, **kwargs,
                 )
         except TemplateLimitError as e:
-            raise RequestError(str(e), param="chat_template") from None
+            raise APIError(str(e), param="chat_template") from None
         except Exception as e:  # jinja errors, a template that refuses the roles, ...
-            raise RequestError(f"messages could not be rendered with the chat template: {e}", param="messages") from None
+            raise APIError(f"messages could not be rendered with the chat template: {e}", param="messages") from None
         if tools:  # a lone surrogate in a tool's description, then in a call of the history
             check_text(json.dumps(tools, ensure_ascii=False), "tools")
         check_text(text, "messages")
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
-            raise RequestError("messages rendered to an empty prompt.", param="messages")
+            raise APIError("messages rendered to an empty prompt.", param="messages")
         return conv, ids
 
     def _message(self, plan: ToolPlan, text: str, single_call: bool) -> tuple[ChatResponseMessage, bool]:
@@ -186,11 +189,11 @@ class OpenAIServingChat(OpenAIServing):
         return ""
 
     async def chat_full(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
-                        params: SamplingParams, plan: ToolPlan, engine_id: Optional[str] = None) -> ChatCompletionResponse:
+                        params: SamplingParams, plan: ToolPlan, engine_id: str) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in range(params.n)]
         cached = 0
         kv_params = prompt_lps = None
-        async with aclosing(self.run(engine_id or request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
+        async with aclosing(self.run(engine_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
             async for _, out in stream:
                 prompt_lps = out.prompt_logprobs or prompt_lps
                 if out.finished:
@@ -224,21 +227,21 @@ class OpenAIServingChat(OpenAIServing):
                                       prompt_token_ids=prompt.token_ids if req.return_token_ids else None)
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
-                          params: SamplingParams, plan: ToolPlan, engine_id: Optional[str] = None) -> AsyncIterator[str]:
+                          params: SamplingParams, plan: ToolPlan, engine_id: str) -> AsyncIterator[str]:
         """The SSE stream of :meth:`chat_chunks`; an error ends it with an error event."""
         try:
             async with aclosing(self.chat_chunks(req, request_id, model, conv, prompt, params, plan, engine_id)) as chunks:
                 async for c in chunks:
                     yield sse(c)
-        except (ValueError, RuntimeError) as e:
+        except (APIError, ValueError, RuntimeError) as e:
             yield stream_error(e)
         yield SSE_DONE
 
     async def chat_chunks(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
-                          params: SamplingParams, plan: ToolPlan, engine_id: Optional[str] = None) -> AsyncIterator[Any]:
+                          params: SamplingParams, plan: ToolPlan, engine_id: str) -> AsyncIterator[Any]:
         """The chunks of a streamed answer (``ChatCompletionStreamResponse``, or its ``Ids``
-        variant), the role first, the usage last when asked. Raises ValueError / RuntimeError
-        (RequestError, EngineDeadError) when the request fails after it started."""
+        variant), the role first, the usage last when asked. Raises APIError / ValueError /
+        RuntimeError (:func:`api_error` maps them) when the request fails after it started."""
         choices = [ChoiceState() for _ in range(params.n)]
         streams = [ToolCallStream(plan, single_call=req.parallel_tool_calls is False) for _ in range(params.n)]
         thinking = [ReasoningStream(self.thinking(req, prompt)) for _ in range(params.n)]
@@ -267,7 +270,7 @@ class OpenAIServingChat(OpenAIServing):
         if echo:
             for i in range(params.n):
                 yield chunk(index=i, delta=DeltaMessage(content=echo))
-        async with aclosing(self.run(engine_id or request_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
+        async with aclosing(self.run(engine_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
             async for _, out in stream:
                 cached = out.num_cached_tokens
                 for o in out.outputs:

@@ -1,9 +1,12 @@
 """What /v1/completions and /v1/chat/completions share: the model check, sampling parameters,
-chat rendering, running one engine request per prompt with ``RequestOutputKind.DELTA``, and the
-SSE / logprob helpers.
+chat rendering, running one engine request per prompt with ``RequestOutputKind.DELTA``, the
+server's side of prefill/decode disaggregation (``kv_transfer_params``), and the SSE / logprob
+helpers.
 
 Validation and tokenization are the :class:`InputProcessor`'s (the engine's one place for
-them), so a bad request is answered with HTTP 400 and never reaches the engine core.
+them), whose :class:`RequestError` names the field; what only the front can check (unknown
+fields, the served model, the deadline, ``kv_transfer_params``, per-response caps) raises the
+front's :class:`APIError`. Either way a bad request never reaches the engine core.
 """
 from __future__ import annotations
 
@@ -15,33 +18,24 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedserve.entrypoints.openai import serving_kv
-from pagedserve.engine.input_processor import RequestError, param_of
+from pagedserve.distributed.kv_transfer import params as kvp
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.http_common import APIError, api_error, prompt_request_ids
+from pagedserve.entrypoints.openai.http_common import error_body  # noqa: F401 (the PD proxy takes it from here)
 from pagedserve.entrypoints.openai.reasoning import ReasoningParser
 from pagedserve.entrypoints.openai.token_strings import TokenStrings
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import MAX_N, SamplingParams
-
 
 logger = logging.getLogger("pagedserve")
 
 
-def error_body(message: str, status_code: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None) -> dict:
-    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code)).model_dump()
-
-
 def stream_error(e: Exception) -> str:
-    """An SSE event with the error body of a request refused late (its RequestError's status),
-    an engine that died (503) or a bug (500)."""
-    if isinstance(e, RequestError):
-        return sse(error_body(e.message, e.status_code, e.err_type, e.param))
-    if isinstance(e, EngineDeadError):
-        return sse(error_body(str(e), 503, "ServiceUnavailableError"))
-    if isinstance(e, ValueError):
-        return sse(error_body(str(e), 400, "BadRequestError", param_of(str(e))))
-    return sse(error_body(str(e), 500, "InternalServerError"))
+    """An SSE event with the error body of a request that failed after its stream started, as
+    :func:`api_error` maps it (a refusal 4xx / 503, an engine that died 503, a bug 500)."""
+    return sse(api_error(e).body())
 
 
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
@@ -86,7 +80,7 @@ class ChoiceState:
         """Fold in one delta output of this choice (ignored once the choice has finished).
 
         Raises:
-            RequestError: the choice failed (its grammar could not be followed).
+            APIError: the choice failed (its grammar could not be followed).
         """
         if self.finish_reason is not None:
             return
@@ -103,8 +97,8 @@ def raise_if_failed(o: CompletionOutput) -> None:
     request's constraint that could not be followed (the engine is fine)."""
     if o.finish_reason == "error":
         if str(o.stop_reason).startswith("KV transfer"):  # kv_load_failure_policy "fail": not the client's fault
-            raise RequestError(f"{o.stop_reason}; retry the request.", status_code=503, err_type="ServiceUnavailableError")
-        raise RequestError(f"{o.stop_reason}. Simplify the schema, regex or grammar.", param=None)
+            raise APIError(f"{o.stop_reason}; retry the request.", status_code=503, err_type="ServiceUnavailableError")
+        raise APIError(f"{o.stop_reason}. Simplify the schema, regex or grammar.", param=None)
 
 
 @dataclass
@@ -141,12 +135,12 @@ def check_extra_fields(req: Any) -> None:
     does, and logged once per field name so the operator sees it.
 
     Raises:
-        RequestError: naming the unsupported field.
+        APIError: naming the unsupported field.
     """
     for name, value in (req.model_extra or {}).items():
         if name in UNSUPPORTED_FIELDS:
             if value not in UNSUPPORTED_FIELDS[name]:
-                raise RequestError(f"{name} is not supported by this server.", param=name)
+                raise APIError(f"{name} is not supported by this server.", param=name)
         else:
             log_ignored(name)
 
@@ -187,9 +181,9 @@ class OpenAIServing:
         """The model check, the unknown-field check and the deadline of a request; the name to report."""
         check_extra_fields(req)
         if req.timeout is not None and not 0 < req.timeout <= MAX_TIMEOUT_S:
-            raise RequestError(f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {req.timeout}.", param="timeout")
+            raise APIError(f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {req.timeout}.", param="timeout")
         if req.kv_transfer_params is not None:
-            serving_kv.check_kv_transfer_params(self.llm.config, req.kv_transfer_params)
+            check_kv_transfer_params(self.llm.config, req.kv_transfer_params)
         self.input_processor.check_priority(req.priority)
         return self.check_model(req.model)
 
@@ -203,12 +197,12 @@ class OpenAIServing:
         return (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else self.tokens.text
 
     def check_model(self, model: Optional[str]) -> str:
-        """The name to report. Raises RequestError 404 (``NotFoundError``, as OpenAI and vLLM
+        """The name to report. Raises APIError 404 (``NotFoundError``, as OpenAI and vLLM
         answer) for a model this server does not serve."""
         if model is None or model in self.served_model_names:
             return self.served_model_names[0] if model is None else model
-        raise RequestError(f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.", param="model",
-                           status_code=404, err_type="NotFoundError")
+        raise APIError(f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.", param="model",
+                       status_code=404, err_type="NotFoundError")
 
     def log_request(self, request_id: str, req: Any, prompt_lens: list[int], params: list[SamplingParams]) -> None:
         """``--enable-log-requests``: one line per request (never the prompt text)."""
@@ -220,22 +214,22 @@ class OpenAIServing:
 
         Raises:
             RequestError: naming the field (for a constraint, the field that carried it).
+            APIError: prompt logprobs asked of a decode instance.
         """
         try:
             params = req.to_sampling_params(max_tokens, self.default_sampling)
             self.input_processor.check_params(params)
-        except ValueError as e:
-            param = e.param if isinstance(e, RequestError) else param_of(str(e))
-            msg = str(e)
-            if param == "structured_outputs" and req.constraint_fields():
-                param = req.constraint_fields()[0]
-                if param != "structured_outputs":  # name the field the client sent, not ours
-                    msg = re.sub(r"structured_outputs\.\w+", "response_format.json_schema.schema" if param == "response_format" else param, msg)
+        except RequestError as e:
+            if e.param != "structured_outputs" or not req.constraint_fields():
+                raise
+            param, msg = req.constraint_fields()[0], e.message
+            if param != "structured_outputs":  # name the field the client sent, not ours
+                msg = re.sub(r"structured_outputs\.\w+", "response_format.json_schema.schema" if param == "response_format" else param, msg)
             raise RequestError(msg, param=param) from None
         if params.prompt_logprobs is not None and req.kv_transfer_params is not None:
             # A decode instance loads the prompt's KV: its positions are never scored here.
             field = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"  # echo + logprobs scores the prompt
-            raise RequestError(f"{'echo with logprobs' if field == 'echo' else field} cannot be combined with kv_transfer_params.", param=field)
+            raise APIError(f"{'echo with logprobs' if field == 'echo' else field} cannot be combined with kv_transfer_params.", param=field)
         return params
 
     def requested_max_tokens(self, requested: Optional[int]) -> Optional[int]:
@@ -251,18 +245,18 @@ class OpenAIServing:
     MAX_PROMPT_LOGPROB_ENTRIES = 1_000_000
 
     def check_prompt_logprobs(self, prompt_lens: list[int], params: SamplingParams) -> None:
-        """Raises RequestError when the prompt logprobs asked would exceed the cap (each choice
+        """Raises APIError when the prompt logprobs asked would exceed the cap (each choice
         scores and carries them)."""
         k = params.prompt_logprobs
         if k is not None and sum(prompt_lens) * (k + 1) * params.n > self.MAX_PROMPT_LOGPROB_ENTRIES:
-            raise RequestError(f"prompt_logprobs: {sum(prompt_lens)} prompt tokens x ({k} + 1) x n={params.n} entries exceed "
+            raise APIError(f"prompt_logprobs: {sum(prompt_lens)} prompt tokens x ({k} + 1) x n={params.n} entries exceed "
                                f"the {self.MAX_PROMPT_LOGPROB_ENTRIES:,} a response may carry; lower prompt_logprobs or n.", param="prompt_logprobs")
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
-        if n > MAX_N:  # the cap on n alone is the limit this request broke
-            raise RequestError(f"n must be at most {MAX_N}, got {n}.", param="n")
-        if num_prompts * n > self.MAX_SEQUENCES_PER_REQUEST:
-            raise RequestError(
+        """Raises APIError when the request's prompts x n exceed ``MAX_SEQUENCES_PER_REQUEST``.
+        An n over ``MAX_N`` is left to SamplingParams, whose refusal names the cap it broke."""
+        if n <= MAX_N and num_prompts * n > self.MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(
                 f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); "
                 f"at most {self.MAX_SEQUENCES_PER_REQUEST} are allowed per request.", param="n",
             )
@@ -272,7 +266,7 @@ class OpenAIServing:
                   kv_transfer_params: Optional[dict] = None, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt; yield ``(prompt index, delta output)``. However this
         ends (finished, client gone, cancelled, error), no request is left running."""
-        rids = [f"{request_id}-{i}" if len(prompts) > 1 else request_id for i in range(len(prompts))]
+        rids = prompt_request_ids(request_id, len(prompts))
         make = self.input_processor.make_request
         gens = [self.llm.generate_processed(make(rid, p.text, p.token_ids, sp, cache_salt=cache_salt, timeout_s=timeout_s,
                                                  kv_transfer_params=kv_transfer_params, priority=priority))
@@ -287,3 +281,34 @@ class OpenAIServing:
         finally:
             for rid in unfinished:
                 self.llm.abort(rid)
+
+
+# -- prefill/decode disaggregation: a request's kv_transfer_params -----------------------------
+def _max_blocks(cfg: Any) -> int:
+    return -(-cfg.max_model_len // cfg.block_size)
+
+
+def check_kv_transfer_params(cfg: Any, params: dict) -> None:
+    """Raises APIError (400, ``param="kv_transfer_params"``) on a server without
+    ``--kv-transfer-config``, or for malformed or disallowed parameters (see
+    ``pagedserve.distributed.kv_transfer``)."""
+    if cfg.kv_transfer_config is None:
+        raise APIError("kv_transfer_params needs a server started with --kv-transfer-config.", param="kv_transfer_params")
+    try:
+        kvp.check_params(params, _max_blocks(cfg), kvp.allowed_hosts_of(cfg.kv_transfer))
+    except kvp.KVParamsError as e:
+        raise APIError(str(e), param="kv_transfer_params") from None
+
+
+def release_unused_kv(llm: Any, params: Any) -> None:
+    """A request refused before reaching the engine may name a prefill instance's hold of its
+    prompt's KV: ask the engine to release it now instead of at its lease (nothing for params
+    that are malformed: they name nothing this server may contact)."""
+    cfg = llm.config
+    if cfg.kv_transfer_config is None or not isinstance(params, dict) or not kvp.wants_remote_prefill(params):
+        return
+    try:
+        kvp.check_params(params, _max_blocks(cfg), kvp.allowed_hosts_of(cfg.kv_transfer))
+    except kvp.KVParamsError:
+        return
+    llm.release_kv_transfer(params)

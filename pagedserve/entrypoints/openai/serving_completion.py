@@ -21,7 +21,7 @@ from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
 )
 from pagedserve.entrypoints.openai.token_strings import TokenPieces, finite_logprob, prompt_logprobs_json
-from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.http_common import APIError
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
 
@@ -30,7 +30,8 @@ class OpenAIServingCompletion(OpenAIServing):
     """The completions endpoint."""
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[TokenizedPrompt], list[SamplingParams]]:
-        """Validate and tokenize; raises RequestError (HTTP 400) naming the field."""
+        """Validate and tokenize. Raises RequestError (the input processor's) or APIError (the
+        front's), naming the field."""
         model = self.check_request(req)
         if isinstance(req.prompt, list) and req.prompt and not all(isinstance(p, int) for p in req.prompt):
             self.check_num_sequences(len(req.prompt), req.n or 1)
@@ -62,15 +63,13 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenizer's special tokens unless ``add_special_tokens`` is false)."""
         if isinstance(prompt, str):
             prompt = [prompt]
-        if not isinstance(prompt, list) or not prompt:
-            raise RequestError("prompt must not be empty.", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
+        if all(isinstance(p, int) for p in prompt):  # [] too: the input processor refuses it empty
             prompt = [prompt]
         out = []
         for p in prompt:
             if isinstance(p, str):
-                if not p:
-                    raise RequestError("prompt must not be empty.", param="prompt")
+                if not p:  # the schema's minLength 1 (with a BOS it would tokenize to something)
+                    raise APIError("prompt must not be empty.", param="prompt")
                 out.append(TokenizedPrompt(p, self.input_processor.tokenize(p, add_special_tokens, "prompt")))
             else:
                 out.append(TokenizedPrompt(None, list(p)))
@@ -97,13 +96,13 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     async def completion_full(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
-                              engine_id: Optional[str] = None) -> CompletionResponse:
+                              engine_id: str) -> CompletionResponse:
         n = params[0].n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         cached = 0
         kv_params = None
         prompt_lps: list = [None] * len(prompts)
-        async with aclosing(self.run(engine_id or request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
+        async with aclosing(self.run(engine_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
                 kv_params = out.kv_transfer_params or kv_params
@@ -137,7 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params)
 
     async def completion_stream(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
-                                engine_id: Optional[str] = None) -> AsyncIterator[str]:
+                                engine_id: str) -> AsyncIterator[str]:
         n = params[0].n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -148,7 +147,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_lps: list = [None] * len(prompts)
         pieces = [TokenPieces(self.tokenizer, prompts[i // n].token_ids, params[i // n]) for i in range(len(choices))] if req.logprobs is not None else []
         try:
-            async with aclosing(self.run(engine_id or request_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
+            async with aclosing(self.run(engine_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
                 async for pi, out in stream:
                     cached = cached + out.num_cached_tokens if out.finished else cached
                     prompt_lps[pi] = out.prompt_logprobs or prompt_lps[pi]  # with the first tokens of any choice
@@ -194,6 +193,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 gen = sum(c.num_tokens for c in choices)
                 yield sse(CompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(
                     prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))))
-        except (ValueError, RuntimeError) as e:  # refused late or engine died: report in-band
+        except (APIError, ValueError, RuntimeError) as e:  # refused late or engine died: report in-band
             yield stream_error(e)
         yield SSE_DONE

@@ -13,8 +13,8 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
-from pagedserve.engine.async_llm import EngineDeadError
 from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.http_common import APIError, api_error
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.responses_api import (
     ResponsesRequest, check_responses_fields, function_call_item, message_item, new_id, now, reasoning_item, response_object,
@@ -141,12 +141,14 @@ class OpenAIServingResponses:
         self.chats = chats
 
     def prepare(self, req: ResponsesRequest) -> tuple[ChatCompletionRequest, str, list[dict], TokenizedPrompt, SamplingParams, ToolPlan]:
-        """Check and render; raises RequestError (HTTP 400) naming the Responses field."""
+        """Check and render. Raises APIError naming the Responses field (a refusal of the chat
+        request, RequestError or APIError, renamed)."""
         check_responses_fields(req)
         chat_req = to_chat_request(req)
         try:
             model, conv, prompt, params, plan = self.chats.prepare_chat(chat_req)
-        except RequestError as e:  # name the Responses fields, not the chat ones
+        except (APIError, RequestError) as refused:  # name the Responses fields, not the chat ones
+            e = api_error(refused)
             e.message = e.message.replace("messages[", "chat turn [").replace("messages", "input")
             if e.param is not None and e.param.startswith("messages"):
                 e.message, e.param = f"input, as rendered into chat turns: {e.message}", "input"
@@ -154,7 +156,9 @@ class OpenAIServingResponses:
                 e.message = e.message.replace(chat_name, name)
                 if e.param is not None and e.param.startswith(chat_name.split(".")[0]):
                     e.param = name.split(".")[0]
-            raise
+            if e is refused:
+                raise
+            raise e from None
         return chat_req, model, conv, prompt, params, plan
 
     def _reasoning_tokens(self, chat_req: ChatCompletionRequest, prompt: TokenizedPrompt, token_ids: list[int]) -> int:
@@ -163,7 +167,7 @@ class OpenAIServingResponses:
 
     async def _events(self, stream: bool, req: ResponsesRequest, chat_req: ChatCompletionRequest, response_id: str, model: str,
                       conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams, plan: ToolPlan,
-                      engine_id: Optional[str]) -> AsyncIterator[dict]:
+                      engine_id: str) -> AsyncIterator[dict]:
         created = now()
         items = OutputItems()
 
@@ -185,13 +189,13 @@ class OpenAIServingResponses:
             usage = usage_object(u.prompt_tokens, cached, u.completion_tokens, self._reasoning_tokens(chat_req, prompt, items.token_ids))
             yield items.event("response.completed" if status == "completed" else "response.incomplete",
                               response=response(status, usage=usage, incomplete=incomplete))
-        except (ValueError, RuntimeError) as e:
+        except (APIError, ValueError, RuntimeError) as e:
             if not stream:
                 raise
-            code = "invalid_request_error" if isinstance(e, ValueError) and not isinstance(e, EngineDeadError) else "server_error"
-            message = e.message if isinstance(e, RequestError) else str(e)
-            yield items.event("error", code=code, message=message, param=e.param if isinstance(e, RequestError) else None)
-            yield items.event("response.failed", response=response("failed", error={"code": code, "message": message}))
+            err = api_error(e)
+            code = "server_error" if isinstance(e, RuntimeError) else "invalid_request_error"  # a dead engine, a bug
+            yield items.event("error", code=code, message=err.message, param=err.param)
+            yield items.event("response.failed", response=response("failed", error={"code": code, "message": err.message}))
 
     async def response_stream(self, *args: Any) -> AsyncIterator[str]:
         """The SSE events; ``args`` as :meth:`response_full`'s."""
@@ -201,7 +205,7 @@ class OpenAIServingResponses:
 
     async def response_full(self, *args: Any) -> dict:
         """The ``response`` object of the last event. Raises what the chat stream raises when
-        the request fails (RequestError, EngineDeadError)."""
+        the request fails (APIError, RequestError, EngineDeadError)."""
         last = None
         async with aclosing(self._events(False, *args)) as events:
             async for e in events:

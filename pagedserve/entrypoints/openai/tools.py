@@ -11,17 +11,25 @@
 
 A function without ``parameters`` (or with ``{}``) takes none: its forced arguments are ``{}``.
 
+Tools in the conversation, as chat templates take them: an assistant message's tool calls with
+their arguments as dicts (:func:`tool_call_for_template`), each tool result answering a call
+made before it (:func:`check_answers_a_call`), and the ChatML + Hermes tool-call template used
+when the model's own template does not render tools (:func:`tools_template`).
+
+Every refusal is the front's :class:`APIError` (400) naming ``tools``, ``tool_choice`` or the
+message at fault.
+
 Every call gets an id ``chatcmpl-tool-<hex>``; a response with calls finishes with
 ``"tool_calls"``, or ``"stop"`` for a forced named function (as OpenAI and vLLM).
 """
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Optional
 
-from pagedserve.engine.input_processor import RequestError
+from pagedserve.entrypoints.openai.http_common import APIError, random_id
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
 from pagedserve.sampling_params import StructuredOutputsParams
 
@@ -29,7 +37,46 @@ MAX_TOOLS = 128  # tools of one request (each is rendered into the prompt and co
 
 
 def random_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+    return random_id("chatcmpl-tool-")
+
+
+def tool_call_for_template(call: Any, i: int) -> dict:
+    """An assistant message's tool call as chat templates expect it: arguments as a dict."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(f"messages[{i}].tool_calls: each call needs function.name.", param="messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise APIError(f"messages[{i}].tool_calls: function.arguments is not JSON.", param="messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def check_answers_a_call(call_id: str, call_ids: set[str], field: str, param: str, call: str) -> None:
+    """A tool result must answer a call made before it (OpenAI's 400): ``call_ids`` holds the ids
+    of the calls so far, ``field`` names the result's id in the message, ``call`` what a call is
+    called in this API.
+
+    Raises:
+        APIError: naming ``field``, with ``param``.
+    """
+    if call_id in call_ids:
+        return
+    if not call_ids:
+        raise APIError(f"{field}: no {call} comes before this tool result.", param=param)
+    raise APIError(f"{field}: no {call} with id {call_id!r} comes before it.", param=param)
+
+
+@lru_cache(maxsize=1)
+def tools_template() -> str:
+    """ChatML with Hermes tool calls (``templates/chatml_hermes_tools.jinja``), used when tools are
+    given and the chat template does not render them; with the template variable
+    ``tool_call_format="json"`` (the json and llama3_json parsers) calls are bare JSON."""
+    import importlib.resources
+
+    return importlib.resources.files("pagedserve.entrypoints.openai").joinpath("templates/chatml_hermes_tools.jinja").read_text()
 
 
 @dataclass
@@ -80,25 +127,25 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
     "required" answer holds exactly one call).
 
     Raises:
-        RequestError: naming ``tools`` or ``tool_choice`` (malformed, unknown function, "auto"
+        APIError: naming ``tools`` or ``tool_choice`` (malformed, unknown function, "auto"
             without ``--enable-auto-tool-choice``).
     """
     if not tools:
         if tool_choice not in (None, "none"):
-            raise RequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+            raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
         return ToolPlan()
     if len(tools) > MAX_TOOLS:
-        raise RequestError(f"at most {MAX_TOOLS} tools are allowed per request, got {len(tools)}.", param="tools")
+        raise APIError(f"at most {MAX_TOOLS} tools are allowed per request, got {len(tools)}.", param="tools")
     names = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}.", param="tools")
+            raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}.", param="tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object.", param="tools")
+            raise APIError(f"tools[{i}].function.parameters must be a JSON schema object.", param="tools")
         names.append(fn["name"])
     if len(set(names)) != len(names):
-        raise RequestError("tools must have distinct function names.", param="tools")
+        raise APIError("tools must have distinct function names.", param="tools")
     choice = "auto" if tool_choice is None else tool_choice
     # No parameters (omitted or {}): an empty parameter list, as OpenAI documents and vLLM
     # compiles it; closed by close_objects, so the only arguments are "{}".
@@ -107,8 +154,8 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
         return ToolPlan("none", tools)
     if choice == "auto":
         if not enable_auto or parser is None:
-            raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
-                               param="tool_choice")
+            raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
+                           param="tool_choice")
         return ToolPlan("auto", tools, parser=parser)
     if choice == "required":
         defs: dict[str, Any] = {}
@@ -118,7 +165,7 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
             for key in ("$defs", "definitions"):  # "#/$defs/X" must resolve at the wrapper's root
                 for name, d in (schema.pop(key, None) or {}).items():
                     if defs.setdefault(f"{key}/{name}", d) != d:
-                        raise RequestError(f"tools define {key}/{name} differently; give the shared definitions one meaning.", param="tools")
+                        raise APIError(f"tools define {key}/{name} differently; give the shared definitions one meaning.", param="tools")
             branches.append({"type": "object", "properties": {"name": {"const": n}, "parameters": schema},
                              "required": ["name", "parameters"], "additionalProperties": False})
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": branches}, "minItems": 1}
@@ -131,10 +178,10 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in schemas:
-            raise RequestError(f"tool_choice names the function {name!r}, which is not in tools.", param="tool_choice")
+            raise APIError(f"tool_choice names the function {name!r}, which is not in tools.", param="tool_choice")
         return ToolPlan("named", tools, named=name, constraint=StructuredOutputsParams(json=schemas[name]))
-    raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.',
-                       param="tool_choice")
+    raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.',
+                   param="tool_choice")
 
 
 class ToolCallStream:
