@@ -17,7 +17,8 @@ The sources in ``csrc/`` are translation units laid out by kind, one file per id
 
 They are linked into three libraries, ``paged_attention``, ``fused_ops`` and ``decode`` (the step,
 the matmuls and the fused ops again), each cached as one shared object under
-``$PAGEDSERVE_CACHE/kernels``, keyed by the sources, the compiler flags and the CPU. Each unit is
+``$PAGEDSERVE_CACHE/kernels``, keyed by the sources, the compiler flags and the CPU, and linked
+from the units' objects (``kernels/obj/``, same keys; compiled in parallel). Each unit is
 compiled on its own: the portable ones (the dispatch, the scalar loops) for the baseline of the
 architecture, each ISA's units with that ISA's explicit flags (``ISA_FLAGS``), on any x86-64 host
 whatever its CPU; a portable unit asks ``ps_cpu_isa()`` before it calls into an ISA unit, so code
@@ -28,9 +29,10 @@ kernels use (to run an older CPU's paths here). Each library links ``libgomp.so.
 dynamic loader resolves to the OpenMP runtime torch already loaded, so the kernels share torch's
 thread pool and thread count.
 
-``python -m pagedserve.ops.cpu.build --check-all-isas`` (``make check-kernels``, run by CI)
-compiles every unit of every library with its flags and ``-Wall -Werror`` and links the
-libraries, on any x86-64 host: nothing is run.
+``python -m pagedserve.ops.cpu --check-all-isas`` (``make check-kernels``, run by CI) compiles
+every unit of every library with its flags and ``-Wall`` (any warning fails it, as ``-Werror``)
+and links each library with no undefined symbol, on any x86-64 host: nothing is run. It checks
+the objects the libraries are linked from, so after a build it costs nothing.
 
 ``PAGEDSERVE_CPU_KERNELS=0`` disables them; without a C compiler they are disabled with a
 warning, and the engine uses PyTorch ops.
@@ -185,9 +187,10 @@ def _link(objs: list[str], so: str, extra: tuple[str, ...] = ()) -> None:
 
 
 def build_library(name: str, so: str, extra_flags: tuple[str, ...] = (), csrc: str = _CSRC) -> None:
-    """Build the library ``name`` ("paged_attention", "fused_ops", "decode") from csrc into the
-    shared object so, every unit with ``extra_flags`` added (e.g. ``-DPS_ISA_CAP=PS_ISA_AVX2``: a
-    build that never goes past AVX2, see cpu.h)."""
+    """Build the library ``name`` ("paged_attention", "fused_ops", "decode") into the shared
+    object so, every unit with ``extra_flags`` added (e.g. ``-DPS_ISA_CAP=PS_ISA_AVX512BF16``: a
+    build without its AMX paths, see cpu.h), from csrc (default this tree's; another revision's
+    with the same units). For peers to compare against, as ``pagedserve bench kernels`` builds."""
     objs = _objects(csrc, [(src, flags + list(extra_flags)) for src, flags in _units(name)])
     _link([obj for obj, _ in objs], so)
 
@@ -210,8 +213,8 @@ def check_all_isas() -> list[str]:
     """Compile every unit of every library with its ISA's flags and -Wall, and link each library
     (``-Wl,--no-undefined``): nothing runs, so any x86-64 host checks every ISA's code. A warning
     fails the check as -Werror would. The objects are the ones the libraries are built from (kept
-    under ``kernels/obj``), so a check costs one build. Returns the failures (the compiler's or
-    the linker's messages), empty when all pass."""
+    under ``kernels/obj``), so the check and the engine's build compile each unit once between
+    them. Returns the failures (the compiler's or the linker's messages), empty when all pass."""
     from pagedserve.platform import cache_dir
 
     failures = []
