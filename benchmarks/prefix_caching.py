@@ -11,7 +11,7 @@ compared too.
     .venv/bin/python benchmarks/prefix_caching.py --threads 1 --dtype float32
     .venv/bin/python benchmarks/prefix_caching.py --tiny       # smoke run: a tiny random model, seconds
 
-It takes minutes on a 2-core CPU; tests/test_benchmark_scripts.py runs its ``--tiny`` mode.
+It takes minutes on a 2-core CPU; tests/entrypoints/test_benchmark_scripts.py runs its ``--tiny`` mode.
 Appends its figures to benchmarks/results/prefix_caching.jsonl.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ engine's answer for the same prompt ids.
 
     python benchmarks/soak.py --tiny                                    # smoke run: a tiny random model, 24 requests
 
-tests/test_soak.py runs the CI-sized version (a tiny random model, 300 requests). Appends its
+tests/e2e/test_soak.py runs the CI-sized version (a tiny random model, 300 requests). Appends its
 figures to benchmarks/results/soak.jsonl.
 """
 from __future__ import annotations

@@ -33,7 +33,13 @@ import msgpack
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_connector import HoldSpec, KVConnectorMetadata, LoadSpec, ReleaseSpec
 from pagedserve.core.outputs import (
-    EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVConnectorOutput, ModelRunnerOutput, SchedulerStats,
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerStats,
 )
 from pagedserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams

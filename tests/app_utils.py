@@ -4,7 +4,6 @@ with different flags, fault injection, or the engine's internals after a run."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from typing import Iterator, Optional
@@ -13,12 +12,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.server_args import ServerArgs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server_utils import free_port  # noqa: F401  (re-exported: tests import it from here too)
 
 
 def tiny_async_llm(model_dir: str, **overrides) -> AsyncLLM:

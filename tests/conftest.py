@@ -1,5 +1,8 @@
 """Shared fixtures: small random HF models saved as safetensors (loaded through the same path a
-user's checkpoint takes) and one SmolLM2 engine per session."""
+user's checkpoint takes) and one SmolLM2 engine per session; and the markers each test gets
+from where it lives and what it uses (``kernel``: tests/ops/; ``e2e``: tests/e2e/; ``server``:
+it starts a server or another process; ``model``: it loads a model), so ``make test-unit`` can
+leave those out."""
 from __future__ import annotations
 
 import os
@@ -12,6 +15,30 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from server_utils import client, server  # noqa: E402,F401  (the session's real server, as fixtures)
+
+# What in a test module's source means its tests start processes (servers, engine cores, CLIs).
+_PROCESS_STARTERS = ("start_tiny_server(", "subprocess.", "Popen(", "serve(", "AsyncLLM(", "MPClient(", "engine_process=True",
+                     "tensor_parallel_size=", "data_parallel_size=")
+_module_starts_processes: dict[str, bool] = {}
+# Fixtures that load a model (and any fixture built on them).
+_MODEL_FIXTURES = {"smollm2_dir", "smollm2_llm", "tiny_model_factory", "tiny_llm", "tiny_url", "thinking_model", "plain_bf16"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.parts
+        if "ops" in parts:
+            item.add_marker(pytest.mark.kernel)
+        if "e2e" in parts:
+            item.add_marker(pytest.mark.e2e)
+        key = str(item.path)
+        if key not in _module_starts_processes:
+            text = item.path.read_text(encoding="utf-8")
+            _module_starts_processes[key] = any(s in text for s in _PROCESS_STARTERS)
+        if _module_starts_processes[key] or {"server", "client"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.server)
+        if _MODEL_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.model)
 
 # The tokenizer saved beside every random model: SmolLM2's (byte-level BPE, 49152 ids).
 TINY_VOCAB = 49152

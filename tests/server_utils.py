@@ -23,7 +23,8 @@ MAX_MODEL_LEN = 2048
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free loopback port (the one helper every test that starts a server uses)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -34,7 +35,7 @@ SERVER_PIDS: dict[str, int] = {}  # the session server's front process, by base 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     # One intra-op thread: the test process (clients, the offline reference) shares the cores,
     # and oversubscribed OpenMP spin-waits make a 2-thread server many times slower.
@@ -111,7 +112,7 @@ def start_tiny_server(model: str, tmp_path, *args: str, new_session: bool = Fals
     its output in ``tmp_path/server.log``, once ``/health`` answers 200. Returns
     ``(proc, base_url, log_path)``; the caller stops ``proc`` (by pid, or its process group
     with ``new_session``)."""
-    port = port or _free_port()
+    port = port or free_port()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env.pop("PAGEDSERVE_API_KEY", None)
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import json
+import logging
 import math
 import os
 import time
@@ -249,7 +249,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     try:
         args.slos = parse_goodput(args.goodput)
     except ValueError as e:
-        raise SystemExit(str(e))
+        raise SystemExit(str(e)) from None
     if args.burstiness <= 0:
         raise SystemExit("--burstiness must be > 0")
     args.rates = parse_rates(args)

@@ -30,7 +30,8 @@ from pagedserve.core.outputs import SchedulerStats
 from pagedserve.engine.input_processor import ProcessedRequest, PromptType
 from pagedserve.engine.llm_engine import make_processors, served_model_names
 from pagedserve.engine.output_handler import EngineDeadError, OutputHandler, Stream
-from pagedserve.messages import AbortRequests, AddRequest, EngineCoreRequestType as Req, ReleaseKV, UtilityCall
+from pagedserve.messages import AbortRequests, AddRequest, ReleaseKV, UtilityCall
+from pagedserve.messages import EngineCoreRequestType as Req
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

@@ -44,8 +44,8 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedserve.model.files import load_eos_token_ids, load_tokenizer
         from pagedserve.executor.tp_executor import create_executor  # the only torch import of the core path
+        from pagedserve.model.files import load_eos_token_ids, load_tokenizer
 
         t0 = time.monotonic()
         # The in-process Worker itself, or a tensor-parallel executor with the same interface.

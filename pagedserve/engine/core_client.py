@@ -28,7 +28,9 @@ from typing import Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import EngineCoreInfo
-from pagedserve.messages import CoreError, EngineCoreEventType as Event, EngineCoreRequestType as Req
+from pagedserve.messages import CoreError
+from pagedserve.messages import EngineCoreEventType as Event
+from pagedserve.messages import EngineCoreRequestType as Req
 
 Message = tuple  # (type, payload): see pagedserve.messages
 

@@ -30,7 +30,9 @@ import traceback
 from typing import Any, Callable, Optional
 
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs
-from pagedserve.messages import CoreError, EngineCoreEventType as Event, EngineCoreRequestType as Req, UtilityResult
+from pagedserve.messages import CoreError, UtilityResult
+from pagedserve.messages import EngineCoreEventType as Event
+from pagedserve.messages import EngineCoreRequestType as Req
 
 Message = tuple  # (type, payload): see pagedserve.messages
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from pagedserve.engine.token_decoders import (  # noqa: F401  (re-exported for tests and callers)
-    _DecodeStream,
     OffsetTokenDecoder,
     StreamTokenDecoder,
     TokenDecoder,
+    _DecodeStream,
     get_backend_tokenizer,
 )
 from pagedserve.sampling_params import SamplingParams

@@ -30,12 +30,20 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedserve.core.outputs import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedserve.distributed.dp_router import DPRouter
-from pagedserve.core.outputs import EngineCoreInfo
 from pagedserve.engine.dp_utility import UtilityFanout
 from pagedserve.messages import (
-    AbortRequests, AddRequest, CoreError, EngineCoreEventType as Event, EngineCoreRequestType as Req, SequencesFailed,
+    AbortRequests,
+    AddRequest,
+    CoreError,
+    SequencesFailed,
+)
+from pagedserve.messages import (
+    EngineCoreEventType as Event,
+)
+from pagedserve.messages import (
+    EngineCoreRequestType as Req,
 )
 
 logger = logging.getLogger("pagedserve")

@@ -18,7 +18,9 @@ from typing import Any, Callable, Optional
 from pagedserve.core.outputs import SchedulerStats, sum_stats
 from pagedserve.engine.llm_engine import log_stats
 from pagedserve.engine.loop_handoff import call_each_in_loops, call_soon_in, set_future
-from pagedserve.messages import AbortRequests, EngineCoreEventType as Event, EngineCoreRequestType as Req
+from pagedserve.messages import AbortRequests
+from pagedserve.messages import EngineCoreEventType as Event
+from pagedserve.messages import EngineCoreRequestType as Req
 
 logger = logging.getLogger("pagedserve")
 

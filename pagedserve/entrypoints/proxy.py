@@ -53,7 +53,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.entrypoints.openai.http_common import (
-    SSE_HEADERS, APIKeyMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers,
+    SSE_HEADERS,
+    APIKeyMiddleware,
+    RequestLimitsMiddleware,
+    error_response,
+    install_error_handlers,
 )
 from pagedserve.entrypoints.openai.serving_common import error_body
 from pagedserve.entrypoints.proxy_upstreams import UpstreamPool, _Proxied, _send_bytes, decode_body, prefill_body

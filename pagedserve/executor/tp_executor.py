@@ -28,7 +28,8 @@ from pagedserve.distributed.parallel_state import DEFAULT_HOST, TPGroup, create_
 from pagedserve.distributed.tensor_parallel import verify_tp_size
 from pagedserve.executor.launchers import default_threads, make_launcher
 from pagedserve.executor.worker_proc import device_for_rank
-from pagedserve.messages import InitCache, WorkerError, WorkerInit, WorkerMessageType as W
+from pagedserve.messages import InitCache, WorkerError, WorkerInit
+from pagedserve.messages import WorkerMessageType as W
 from pagedserve.model import loader
 from pagedserve.worker.worker import Worker
 

@@ -49,7 +49,8 @@ def run_worker(control_address: str, rank: int, world_size: int, parent_pid: Opt
     import zmq
 
     from pagedserve import messages
-    from pagedserve.messages import InitCache, WorkerError, WorkerHello, WorkerMessageType as W, WorkerReady
+    from pagedserve.messages import InitCache, WorkerError, WorkerHello, WorkerReady
+    from pagedserve.messages import WorkerMessageType as W
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

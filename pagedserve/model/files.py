@@ -26,7 +26,6 @@ import subprocess
 import sys
 from typing import Any, Iterator, Optional
 
-from pagedserve.platform import cache_dir
 from pagedserve.model.validation import (
     GGUFHeader,
     ModelFileError,
@@ -39,6 +38,7 @@ from pagedserve.model.validation import (
     short,
     validate_model_dir,
 )
+from pagedserve.platform import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from torch import nn
 from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.backends import TorchBackend
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
-from pagedserve.model.validation import SUPPORTED_MODEL_TYPES, ModelFileError, TensorSpec, describe
 from pagedserve.model.packed_linear import PackedLinear, attach_small_gemm, pack_linears
+from pagedserve.model.validation import SUPPORTED_MODEL_TYPES, ModelFileError, TensorSpec, describe
 
 
 class Attention(nn.Module):

@@ -28,8 +28,8 @@ from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.rejection_sampler import rejection_sample
 from pagedserve.model.logprobs import gather_logprobs
+from pagedserve.model.rejection_sampler import rejection_sample
 from pagedserve.model.sampler import Sampler, apply_grammar_bitmask
 from pagedserve.ops import kv_int8
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch

@@ -15,12 +15,12 @@ from typing import Optional
 
 import torch
 
+from pagedserve import platform
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.distributed.parallel_state import TPGroup
 from pagedserve.distributed.tensor_parallel import shard_checkpoint, shard_shapes
-from pagedserve import platform
 from pagedserve.model import loader
 from pagedserve.model.backends import select_backend
 from pagedserve.model.layers import RotaryEmbedding

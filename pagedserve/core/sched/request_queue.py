@@ -18,6 +18,7 @@ from typing import Iterator, Protocol
 
 from pagedserve.core.request import Request
 
+
 def priority_key(req: Request) -> tuple[int, float]:
     """The order of the ``priority`` policy: smaller first."""
     return (req.priority, req.arrival_time)

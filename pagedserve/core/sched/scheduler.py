@@ -345,7 +345,7 @@ class Scheduler:
                 req.first_token_time = now
                 self.stats.num_prompt_tokens += req.num_prompt_tokens
             req.last_token_time = now
-            for n, tok in enumerate(tokens, start=1):  # the worker sampled them, so it holds them
+            for n, tok in enumerate(tokens, start=1):  # noqa: B007  (n is read after the loop); the worker sampled them, so it holds them
                 req.append_output_token_ids([tok])
                 req.num_tokens_on_worker += 1
                 stopped = check_stop(req, tok, self.config.max_model_len, self.structured_output_manager)

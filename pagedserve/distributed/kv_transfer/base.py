@@ -21,10 +21,15 @@ holds, cancel the loads of finished requests), ``wait_for_layer_load(layer)`` an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Optional
 
 from pagedserve.core.kv_connector import (  # noqa: F401  (the scheduler side's half of the contract)
-    WAIT_FOR_OTHER_LOAD, HoldSpec, KVConnectorMetadata, KVConnectorScheduler, LoadSpec, ReleaseSpec,
+    WAIT_FOR_OTHER_LOAD,
+    HoldSpec,
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    LoadSpec,
+    ReleaseSpec,
 )
 from pagedserve.core.outputs import KVConnectorOutput
 

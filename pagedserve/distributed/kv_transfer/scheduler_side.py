@@ -10,7 +10,12 @@ from typing import Any, Callable, Optional
 from pagedserve.config import KVTransferConfig
 from pagedserve.distributed.kv_transfer import params as kvp
 from pagedserve.distributed.kv_transfer.base import (
-    WAIT_FOR_OTHER_LOAD, HoldSpec, KVConnectorMetadata, KVConnectorScheduler, LoadSpec, ReleaseSpec,
+    WAIT_FOR_OTHER_LOAD,
+    HoldSpec,
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    LoadSpec,
+    ReleaseSpec,
 )
 
 logger = logging.getLogger("pagedserve")

@@ -31,8 +31,15 @@ import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai import dashboard
 from pagedserve.entrypoints.openai.http_common import (
-    SSE_HEADERS, APIError, APIKeyMiddleware, RequestIdHeaderMiddleware, RequestLimitsMiddleware, error_response, install_error_handlers,
-    request_ids, run_until_disconnect,
+    SSE_HEADERS,
+    APIError,
+    APIKeyMiddleware,
+    RequestIdHeaderMiddleware,
+    RequestLimitsMiddleware,
+    error_response,
+    install_error_handlers,
+    request_ids,
+    run_until_disconnect,
 )
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -47,12 +54,12 @@ from pagedserve.entrypoints.openai.protocol_responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from pagedserve.entrypoints.openai.responses_api import ResponsesRequest
 from pagedserve.entrypoints.openai.server_args import ServerArgs
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_common import release_unused_kv
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pagedserve.entrypoints.openai.responses_api import ResponsesRequest
 from pagedserve.entrypoints.openai.tools import plan_tools
 from pagedserve.metrics import CONTENT_TYPE
 

@@ -8,6 +8,9 @@ import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
+from pagedserve.engine.input_processor import RequestError, check_text
+from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
+from pagedserve.entrypoints.openai.http_common import APIError
 from pagedserve.entrypoints.openai.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage, ToolMessage
 from pagedserve.entrypoints.openai.protocol_responses import (
     ChatChoiceLogProbs,
@@ -26,20 +29,28 @@ from pagedserve.entrypoints.openai.protocol_responses import (
     ToolCall,
     UsageInfo,
 )
-from pagedserve.engine.input_processor import RequestError, check_text
-from pagedserve.entrypoints.openai.chat_template import TemplateLimitError, render_untrusted
-from pagedserve.entrypoints.openai.http_common import APIError
 from pagedserve.entrypoints.openai.reasoning import ReasoningStream
 from pagedserve.entrypoints.openai.serving_common import (
-    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
+    SSE_DONE,
+    ChoiceState,
+    OpenAIServing,
+    TokenizedPrompt,
+    raise_if_failed,
+    sse,
+    stream_error,
 )
 from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
 from pagedserve.entrypoints.openai.tools import (
-    ToolCallStream, ToolPlan, check_answers_a_call, plan_tools, random_tool_call_id, tool_call_for_template, tools_template,
+    ToolCallStream,
+    ToolPlan,
+    check_answers_a_call,
+    plan_tools,
+    random_tool_call_id,
+    tool_call_for_template,
+    tools_template,
 )
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
-
 
 # apply_chat_template's own arguments: not the template's to take from a request.
 _RENDER_ARGS = frozenset({"conversation", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",

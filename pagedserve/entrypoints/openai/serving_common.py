@@ -21,11 +21,15 @@ from typing import Any, AsyncIterator, Optional, Union
 from pagedserve.distributed.kv_transfer import params as kvp
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.input_processor import RequestError
-from pagedserve.entrypoints.openai.http_common import APIError, api_error, prompt_request_ids
-from pagedserve.entrypoints.openai.http_common import error_body  # noqa: F401 (the PD proxy takes it from here)
+from pagedserve.entrypoints.openai.http_common import (
+    APIError,
+    api_error,
+    error_body,  # noqa: F401 (the PD proxy takes it from here)
+    prompt_request_ids,
+)
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.entrypoints.openai.reasoning import ReasoningParser
 from pagedserve.entrypoints.openai.token_strings import TokenStrings
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import MAX_N, SamplingParams
 

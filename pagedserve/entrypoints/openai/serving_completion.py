@@ -5,6 +5,7 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator, Optional
 
+from pagedserve.entrypoints.openai.http_common import APIError
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
 from pagedserve.entrypoints.openai.protocol_responses import (
     CompletionLogProbs,
@@ -18,10 +19,15 @@ from pagedserve.entrypoints.openai.protocol_responses import (
     UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_common import (
-    SSE_DONE, ChoiceState, OpenAIServing, TokenizedPrompt, raise_if_failed, sse, stream_error,
+    SSE_DONE,
+    ChoiceState,
+    OpenAIServing,
+    TokenizedPrompt,
+    raise_if_failed,
+    sse,
+    stream_error,
 )
 from pagedserve.entrypoints.openai.token_strings import TokenPieces, finite_logprob, prompt_logprobs_json
-from pagedserve.entrypoints.openai.http_common import APIError
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
 

@@ -17,8 +17,18 @@ from pagedserve.engine.input_processor import RequestError
 from pagedserve.entrypoints.openai.http_common import APIError, api_error
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.responses_api import (
-    ResponsesRequest, check_responses_fields, function_call_item, message_item, new_id, now, reasoning_item, response_object,
-    sse_event, status_of, to_chat_request, usage_object,
+    ResponsesRequest,
+    check_responses_fields,
+    function_call_item,
+    message_item,
+    new_id,
+    now,
+    reasoning_item,
+    response_object,
+    sse_event,
+    status_of,
+    to_chat_request,
+    usage_object,
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_common import TokenizedPrompt

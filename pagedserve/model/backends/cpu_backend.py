@@ -170,7 +170,7 @@ class CpuBackend(TorchBackend):
             and get_decode_lib() is not None
             and all(kv.is_contiguous() and kv.dtype == kv_caches[0].dtype for kv in kv_caches)
             and kv_caches[0].dtype in (torch.bfloat16, torch.int8)
-            and all(l.input_layernorm.eps == eps and l.post_attention_layernorm.eps == eps for l in model.layers)
+            and all(layer.input_layernorm.eps == eps and layer.post_attention_layernorm.eps == eps for layer in model.layers)
         )
         rows, widest_small = [], 0  # the widest input of a projection on the small-M kernel
         for layer, kv in zip(model.layers, kv_caches):

@@ -7,8 +7,9 @@ from typing import Optional
 
 import torch
 
-from pagedserve.ops.kv_int8 import cell_bytes
 from pagedserve.ops.cpu.build import get_fused_lib, get_lib
+from pagedserve.ops.kv_int8 import cell_bytes
+
 
 @functools.lru_cache(maxsize=None)  # asked once per layer per step; the answer never changes
 def prefill_kernel_preferred(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

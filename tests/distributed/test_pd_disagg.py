@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from pagedserve.distributed.kv_transfer.wire import kv_layout
-from server_utils import _free_port, start_tiny_server
+from server_utils import free_port, start_tiny_server
 
 T = 60  # seconds: the bound on every HTTP call here
 
@@ -63,7 +63,7 @@ class Cluster:
         self.procs = []
         self.fault_file = str(tmp_path_factory.mktemp("fault") / "fault")
         open(self.fault_file, "w").close()
-        self.p_port, self.d_port = _free_port(), _free_port()
+        self.p_port, self.d_port = free_port(), free_port()
         os.environ["PAGEDSERVE_KV_TEST_FAULT_FILE"] = self.fault_file
         try:
             self.P = self.start(tmp_path_factory, model, "p", {"kv_role": "kv_producer", "kv_port": self.p_port, "kv_lease_s": 3},
@@ -77,7 +77,7 @@ class Cluster:
         self.proxy = self.start_proxy(tmp_path_factory)
 
     def start_proxy(self, tmp_path_factory) -> str:
-        port = _free_port()
+        port = free_port()
         log = open(tmp_path_factory.mktemp("proxy") / "proxy.log", "wb")
         cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "proxy", "--prefill", self.P, "--decode", self.D,
                "--host", "127.0.0.1", "--port", str(port)]
@@ -362,7 +362,7 @@ def test_prefill_killed_mid_transfer_and_decode_killed(cluster, tmp_path_factory
     os.environ["PAGEDSERVE_KV_TEST_FAULT_FILE"] = str(fault)
     try:
         p2, p2_base, _ = start_tiny_server(model, tmp_path_factory.mktemp("p2"), "--kv-transfer-config",
-                                           json.dumps({"kv_role": "kv_producer", "kv_port": _free_port(), "kv_lease_s": 3}))
+                                           json.dumps({"kv_role": "kv_producer", "kv_port": free_port(), "kv_lease_s": 3}))
     finally:
         del os.environ["PAGEDSERVE_KV_TEST_FAULT_FILE"]
     d2 = None
@@ -370,7 +370,7 @@ def test_prefill_killed_mid_transfer_and_decode_killed(cluster, tmp_path_factory
         b = body(ids(150, 13))
         # The decode instance dies while it reads: the prefill side frees the hold at the lease.
         d2, d2_base, _ = start_tiny_server(model, tmp_path_factory.mktemp("d2"), "--kv-transfer-config",
-                                           json.dumps({"kv_role": "kv_consumer", "kv_port": _free_port()}))
+                                           json.dumps({"kv_role": "kv_consumer", "kv_port": free_port()}))
         kvp = prefill(cluster, b, base=p2_base)
         def doomed():
             with pytest.raises(httpx.HTTPError):  # its server is killed under it

@@ -11,7 +11,7 @@ import sys
 import pytest
 from app_utils import kv_idle, serve, tiny_async_llm
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import soak  # noqa: E402
 
 REQUESTS = int(os.environ.get("PAGEDSERVE_SOAK_REQUESTS", "300"))

@@ -580,14 +580,14 @@ def test_server_with_drafts_streams_the_same_text(plain_bf16):
 def test_decode_instance_with_drafts_after_a_remote_prefill():
     """Prefill/decode disaggregation: the decode instance speculates on a prompt whose KV came
     over the network; its tokens equal one engine's without drafts."""
-    from server_utils import _free_port
+    from server_utils import free_port
     from test_kv_connector import idle, run
     from pagedserve.core.outputs import EngineCoreRequest
     from pagedserve.engine.core import EngineCore
     from pagedserve.sampling_params import SamplingParams
 
     def core(role=None, spec=None):
-        kv = {"kv_transfer_config": {"kv_role": role, "kv_port": _free_port(), "kv_load_failure_policy": "fail"}} if role else {}
+        kv = {"kv_transfer_config": {"kv_role": role, "kv_port": free_port(), "kv_load_failure_policy": "fail"}} if role else {}
         return EngineCore(EngineConfig(dtype="bfloat16", num_threads=1, num_kv_blocks=64, max_model_len=1024, speculative_config=spec, **kv))
 
     prompt = [1000 + (i % 7) * 13 for i in range(40)]  # a repeating pattern the model continues

@@ -163,13 +163,13 @@ def test_greedy_output_does_not_depend_on_batch_chunks_or_prefix_hits(tiny_model
 
 def test_int8_blocks_move_between_instances_with_their_scales(tiny_model_factory):
     from test_kv_connector import add, idle, run
-    from server_utils import _free_port
+    from server_utils import free_port
     from pagedserve.engine.core import EngineCore
 
     model = tiny_model_factory("llama", hidden_size=256, intermediate_size=512)
 
     def core(role=None):
-        kv = {"kv_transfer_config": {"kv_role": role, "kv_port": _free_port(), "kv_load_failure_policy": "fail"}} if role else {}
+        kv = {"kv_transfer_config": {"kv_role": role, "kv_port": free_port(), "kv_load_failure_policy": "fail"}} if role else {}
         return EngineCore(EngineConfig(model=model, dtype="bfloat16", kv_cache_dtype="int8", num_threads=1, num_kv_blocks=32, **kv))
 
     P, D, C = core("kv_producer"), core("kv_consumer"), core()

@@ -35,7 +35,7 @@ from pagedserve.model import files as model_files, loader, validation  # noqa: E
 from pagedserve.model.validation import ModelFileError  # noqa: E402
 
 EXAMPLES = int(os.environ.get("PAGEDSERVE_MODEL_FUZZ_EXAMPLES", "150"))
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- tiny files ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pagedserve.core.outputs import EngineCoreRequest
 from pagedserve.core.request import RequestStatus
 from pagedserve.distributed.kv_transfer import params as kvp
 from pagedserve.sampling_params import SamplingParams
-from server_utils import _free_port
+from server_utils import free_port
 
 def prompt(rid: str) -> list[int]:
     """70 tokens (4 full blocks + 6), different per request id (so no test hits another's cache)."""
@@ -23,7 +23,7 @@ def make_core(model, role, **kv):
     from pagedserve.engine.core import EngineCore
 
     return EngineCore(EngineConfig(model=model, dtype="float32", num_threads=1, num_kv_blocks=32,
-                                   kv_transfer_config={"kv_role": role, "kv_port": _free_port(), **kv}))
+                                   kv_transfer_config={"kv_role": role, "kv_port": free_port(), **kv}))
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_abort_while_loading_frees_after_the_load_reports(pair):
 
 def test_fail_policy_ends_the_request_with_an_error(pair, tmp_path, monkeypatch):
     P, D = pair
-    params = dict(prefill(P, D, "p2"), remote_port=_free_port())  # nobody listens there
+    params = dict(prefill(P, D, "p2"), remote_port=free_port())  # nobody listens there
     add(D, "d2", 4, params)
     outs = run([D], lambda: not D.scheduler.requests)[id(D)]
     (final,) = [o for o in outs if o.request_id == "d2"]
@@ -106,7 +106,7 @@ def test_fail_policy_ends_the_request_with_an_error(pair, tmp_path, monkeypatch)
 
 
 def test_bad_port_and_config_errors(tiny_model_factory):
-    port = _free_port()
+    port = free_port()
     import zmq
 
     ctx = zmq.Context()
@@ -152,7 +152,7 @@ def test_a_peer_down_is_one_engine_not_its_address():
     from pagedserve.distributed.kv_transfer.wire import kv_layout
 
     loader = KVLoader(torch.zeros(2, 2, 4, 2, 16, 8), kv_layout("m", "float32", 16, 2, 2, 8, b"s"), timeout_s=1.0, peer_down_s=60)
-    port = _free_port()  # nobody answers there: a producer that died
+    port = free_port()  # nobody answers there: a producer that died
 
     def load(rid: str, engine: str) -> tuple[str, float]:
         t0 = time.monotonic()

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from server_utils import _free_port, httpx, start_tiny_server
+from server_utils import free_port, httpx, start_tiny_server
 from test_pd_disagg import body, ids, metrics, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ class Instances:
     def start(self, model: str, p_kv: dict, d_kv: dict, p_port: int | None = None) -> tuple:
         """A prefill and a decode instance and the proxy in front, all started side by side
         (start-up is most of a test's time). Returns (P's process, P's URL, D's process, D's URL, the proxy's URL)."""
-        p_port, d_port, proxy_port = p_port or _free_port(), _free_port(), _free_port()
+        p_port, d_port, proxy_port = p_port or free_port(), free_port(), free_port()
         P, D, proxy = (f"http://127.0.0.1:{port}" for port in (p_port, d_port, proxy_port))
         with open(self.tmp / "proxy.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "proxy", "--prefill", P, "--decode", D,
@@ -184,8 +184,8 @@ def test_decode_killed_while_prefill_holds_its_blocks(instances, tiny_model_fact
     fault = tmp_path / "fault"
     fault.write_text("delay=8")  # every read is answered 8 s late: the decode side is still waiting when it dies
     monkeypatch.setenv("PAGEDSERVE_KV_TEST_FAULT_FILE", str(fault))  # read by a producer only
-    p_proc, P, d_proc, D, proxy = instances.start(tiny_model_factory("llama"), {"kv_role": "kv_producer", "kv_port": _free_port(), "kv_lease_s": LEASE_S},
-                                             {"kv_role": "kv_consumer", "kv_port": _free_port(), "kv_transfer_timeout_s": 30})
+    p_proc, P, d_proc, D, proxy = instances.start(tiny_model_factory("llama"), {"kv_role": "kv_producer", "kv_port": free_port(), "kv_lease_s": LEASE_S},
+                                             {"kv_role": "kv_consumer", "kv_port": free_port(), "kv_transfer_timeout_s": 30})
     expired0 = metrics(P).get("pagedserve:kv_transfer_failures_total[lease_expired]", 0)
 
     threads, results = start_requests(proxy, {"json": body(ids(150, 1), 16), "stream": body(ids(150, 2), 16, stream=True)})
@@ -229,11 +229,11 @@ def test_prefill_killed_mid_transfer(instances, tiny_model_factory, tmp_path, mo
     fault = tmp_path / "fault"
     fault.write_text("delay=30")  # a read's reply is held back: the kill lands while it is in flight
     monkeypatch.setenv("PAGEDSERVE_KV_TEST_FAULT_FILE", str(fault))  # read by a producer only
-    p_http, p_kv = _free_port(), _free_port()
+    p_http, p_kv = free_port(), free_port()
     p_cfg = {"kv_role": "kv_producer", "kv_port": p_kv}
     # peer_down_s longer than the test: a restarted prefill instance must not be taken for the dead one.
     p_proc, P, d_proc, D, proxy = instances.start(
-        model, p_cfg, {"kv_role": "kv_consumer", "kv_port": _free_port(), "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S,
+        model, p_cfg, {"kv_role": "kv_consumer", "kv_port": free_port(), "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S,
                        "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"peer_down_s": 120}}, p_http)
     sent0 = metrics(P)["pagedserve:kv_transfer_sent_tokens_total"]
 

@@ -22,7 +22,7 @@ except ImportError:  # some environments ship only httpx2 (what the openai clien
     import httpx2 as httpx
 import pytest
 
-from server_utils import AUTH, MAX_MODEL_LEN, MODEL, _free_port, _metrics, start_tiny_server, wait_idle
+from server_utils import AUTH, MAX_MODEL_LEN, MODEL, free_port, _metrics, start_tiny_server, wait_idle
 
 
 # -- AsyncLLM alone (no HTTP) ------------------------------------------------------------------
@@ -883,7 +883,7 @@ def test_front_flags_and_health_503_while_loading(tiny_model_factory, tmp_path):
     gen = tmp_path / "gen"
     gen.mkdir()
     (gen / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env.pop("PAGEDSERVE_API_KEY", None)
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--port", str(port), "--dtype", "float32",

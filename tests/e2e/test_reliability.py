@@ -192,7 +192,7 @@ BANNED_ATTRS = {("torch", "load"), ("yaml", "load"), ("yaml", "unsafe_load"), ("
 def test_nothing_is_unpickled_or_evaluated():
     """Static check of the package: no pickle-family module, torch.load, yaml.load, np.load, eval
     or exec, and no trust_remote_code=True (model code from a checkpoint folder never runs)."""
-    root = pathlib.Path(__file__).resolve().parents[1] / "pagedserve"
+    root = pathlib.Path(__file__).resolve().parents[2] / "pagedserve"
     found = []
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))

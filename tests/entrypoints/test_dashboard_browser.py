@@ -22,7 +22,7 @@ from pagedserve.entrypoints.openai.server_args import ServerArgs
 CHROMIUM = os.environ.get("PAGEDSERVE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (apt-get install chromium)")
 KEY = "dash-key-1"
-ARTIFACTS = pathlib.Path(os.environ.get("PAGEDSERVE_ARTIFACTS", pathlib.Path(__file__).resolve().parents[1] / "test-artifacts"))
+ARTIFACTS = pathlib.Path(os.environ.get("PAGEDSERVE_ARTIFACTS", pathlib.Path(__file__).resolve().parents[2] / "test-artifacts"))
 
 
 class Load:

@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from pagedserve.entrypoints.proxy import build_app
 from pagedserve.entrypoints.proxy_upstreams import PREFILL_KV_PARAMS
+from server_utils import free_port
 
 try:
     import httpx
@@ -27,12 +28,6 @@ except ImportError:  # pragma: no cover
     import httpx2 as httpx
 
 KEY = "proxy-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadServer:
