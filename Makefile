@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 PROMPT ?= What is the capital of France?
 ARGS ?=
 
-.PHONY: setup serve generate chat test test-slow check-kernels bench clean clean-cache
+.PHONY: setup serve generate chat test test-unit test-slow lint check-kernels bench clean clean-cache
 
 setup: $(STAMP)
 
@@ -41,6 +41,18 @@ chat: setup
 # 15 minutes on 2 cores; CI runs it too (.ci/run).
 test: setup
 	$(BIN)/python -m pytest tests -m "not slow" $(ARGS)
+
+# The unit tests alone (no server or engine process, no model load, no C kernel): under a minute.
+test-unit: setup
+	$(BIN)/python -m pytest tests -m "not slow and not server and not kernel and not e2e and not model" $(ARGS)
+
+# The quality gate .ci/run runs before the tests: ruff (rules and format), mypy (pyproject.toml
+# says which modules it still only reads), and the import contract (layers, no circles, no mixins).
+lint: setup
+	$(BIN)/ruff check pagedserve tools
+	$(BIN)/ruff format --check pagedserve tools
+	$(BIN)/mypy pagedserve
+	$(BIN)/python tools/import_contract.py
 
 test-slow: setup
 	$(BIN)/python -m pytest tests -m slow $(ARGS)
