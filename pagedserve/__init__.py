@@ -5,6 +5,7 @@ batching, prefix caching, chunked prefill).
 on first use (as vLLM's ``__init__`` does), so the torch-free engine core can be imported
 without torch.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -7,6 +7,7 @@ process all build the same :class:`EngineConfig`. Values the engine resolves at 
 :meth:`EngineConfig.resolved`, so the scheduler reads one config, never a second one.
 Torch-free: the engine core imports this.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -155,9 +156,12 @@ class EngineConfig:
 
     model: Optional[str] = field(default=None, metadata=_flag("HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"))
     dtype: str = field(default="auto", metadata=_flag("weights and KV cache dtype", choices=["auto", "float32", "bfloat16", "float16"]))
-    kv_cache_dtype: str = field(default="auto", metadata=_flag(
-        "KV cache storage: auto (the model's dtype) or int8 (per-token, per-head scales; about half the bytes)",
-        choices=["auto", "int8"]))
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_flag(
+            "KV cache storage: auto (the model's dtype) or int8 (per-token, per-head scales; about half the bytes)", choices=["auto", "int8"]
+        ),
+    )
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
     max_model_len: Optional[int] = field(default=None, metadata=_flag("longest prompt + output (tokens)"))
     max_num_seqs: int = field(default=64, metadata=_flag("most requests running at once"))
@@ -170,46 +174,82 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse KV blocks of shared prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_flag("split long prompts under the token budget"))
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one request's prefill chunk per step (0 = none)"))
-    scheduling_policy: str = field(default="fcfs", metadata=_flag(
-        "fcfs (arrival order) or priority (a request's priority, smaller first, then arrival; the largest is preempted first)",
-        choices=["fcfs", "priority"]))
-    max_step_ms: Optional[float] = field(default=None, metadata=_flag(
-        "step-time target in ms: prefill chunks are sized from the measured step cost to keep each step under it "
-        f"(0 = off; default: {SERVING_MAX_STEP_MS:g} for serve, off offline)"))
-    max_step_decode_multiple: float = field(default=DEFAULT_MAX_STEP_DECODE_MULTIPLE, metadata=_flag(
-        "with --max-step-ms on, a prefilling step may also last this many times its decodes alone "
-        "(the step target is the larger of the two; 0 = --max-step-ms alone)"))
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=_flag(
+            "fcfs (arrival order) or priority (a request's priority, smaller first, then arrival; the largest is preempted first)",
+            choices=["fcfs", "priority"],
+        ),
+    )
+    max_step_ms: Optional[float] = field(
+        default=None,
+        metadata=_flag(
+            "step-time target in ms: prefill chunks are sized from the measured step cost to keep each step under it "
+            f"(0 = off; default: {SERVING_MAX_STEP_MS:g} for serve, off offline)"
+        ),
+    )
+    max_step_decode_multiple: float = field(
+        default=DEFAULT_MAX_STEP_DECODE_MULTIPLE,
+        metadata=_flag(
+            "with --max-step-ms on, a prefilling step may also last this many times its decodes alone "
+            "(the step target is the larger of the two; 0 = --max-step-ms alone)"
+        ),
+    )
     seed: int = field(default=0, metadata=_flag("global sampling seed"))
     device: str = field(default="auto", metadata=_flag("auto, cpu or cuda"))
-    served_model_name: Optional[list[str]] = field(default=None, metadata=_flag("model name(s) the API answers to (the first is reported)", nargs="+", only="serve"))
+    served_model_name: Optional[list[str]] = field(
+        default=None, metadata=_flag("model name(s) the API answers to (the first is reported)", nargs="+", only="serve")
+    )
     tokenizer: Optional[str] = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
     num_threads: Optional[int] = field(default=None, metadata=_flag("torch CPU threads of the engine (default: one per core)"))
     trace_buffer_steps: int = field(default=1024, metadata=_flag("step records kept for get_step_trace (0 = off)"))
     trace_file: Optional[str] = field(default=None, metadata=_flag("write one JSON line per engine step to this file"))
-    kv_transfer_config: Optional[dict] = field(default=None, metadata=_flag(
-        "prefill/decode disaggregation, as JSON: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., "
-        "\"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", \"kv_lease_s\": 30, ...}", only="serve"))
-    speculative_config: Optional[dict] = field(default=None, metadata=_flag(
-        "speculative decoding by n-gram lookup, as JSON, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; num_speculative_tokens (1-16) is required; prompt_lookup_max/min "
-        "(1-64) default to 5 and 5 (one sets both); disable_by_batch_size: no drafts from that many running requests"))
+    kv_transfer_config: Optional[dict] = field(
+        default=None,
+        metadata=_flag(
+            'prefill/decode disaggregation, as JSON: {"kv_role": "kv_producer"|"kv_consumer"|"kv_both", "kv_ip": ..., '
+            '"kv_port": ..., "kv_load_failure_policy": "recompute"|"fail", "kv_lease_s": 30, ...}',
+            only="serve",
+        ),
+    )
+    speculative_config: Optional[dict] = field(
+        default=None,
+        metadata=_flag(
+            'speculative decoding by n-gram lookup, as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; num_speculative_tokens (1-16) is required; prompt_lookup_max/min '
+            "(1-64) default to 5 and 5 (one sets both); disable_by_batch_size: no drafts from that many running requests"
+        ),
+    )
     # -- tensor parallelism --
     tensor_parallel_size: int = field(default=1, metadata=_flag("ranks the model is sharded over", "--tensor-parallel-size", "-tp"))
     distributed_executor_backend: str = field(default="mp", metadata=_flag("how tensor-parallel ranks run", choices=["mp", "ray"]))
-    distributed_host: Optional[str] = field(default=None, metadata=_flag(
-        "address the tensor-parallel rendezvous and control sockets bind to (default 127.0.0.1)"))
+    distributed_host: Optional[str] = field(
+        default=None, metadata=_flag("address the tensor-parallel rendezvous and control sockets bind to (default 127.0.0.1)")
+    )
     # -- data parallelism (the server's front reads these; each replica runs with size 1) --
     data_parallel_size: int = field(default=1, metadata=_flag("engine replicas behind the server", "--data-parallel-size", "-dp", only="serve"))
-    data_parallel_backend: str = field(default="mp", metadata=_flag(
-        "where replicas run: mp (processes on this host) or ray (Ray actors, across a Ray cluster's nodes)", choices=["mp", "ray"], only="serve"))
-    ray_address: Optional[str] = field(default=None, metadata=_flag(
-        "Ray cluster to join (auto, or head host:port); default: start a local Ray head for the server's lifetime", only="serve"))
-    threads_per_replica: Optional[int] = field(default=None, metadata=_flag(
-        "torch threads of each replica (default: --num-threads, else usable cores / replicas)", only="serve"))
+    data_parallel_backend: str = field(
+        default="mp",
+        metadata=_flag(
+            "where replicas run: mp (processes on this host) or ray (Ray actors, across a Ray cluster's nodes)", choices=["mp", "ray"], only="serve"
+        ),
+    )
+    ray_address: Optional[str] = field(
+        default=None,
+        metadata=_flag("Ray cluster to join (auto, or head host:port); default: start a local Ray head for the server's lifetime", only="serve"),
+    )
+    threads_per_replica: Optional[int] = field(
+        default=None, metadata=_flag("torch threads of each replica (default: --num-threads, else usable cores / replicas)", only="serve")
+    )
     pin_replica_cores: bool = field(default=True, metadata=_flag("mp backend: pin each replica to its own cores when they fit", only="serve"))
-    router: str = field(default="kv-aware", metadata=_flag(
-        "how requests pick a replica: kv-aware (longest cached prefix, balanced against queue length), least-loaded or round-robin",
-        choices=["kv-aware", "least-loaded", "round-robin"], only="serve"))
+    router: str = field(
+        default="kv-aware",
+        metadata=_flag(
+            "how requests pick a replica: kv-aware (longest cached prefix, balanced against queue length), least-loaded or round-robin",
+            choices=["kv-aware", "least-loaded", "round-robin"],
+            only="serve",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -231,8 +271,10 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
             raise ValueError("tensor_parallel_size > 1 together with kv_transfer_config (prefill/decode disaggregation) is not supported")
         if self.data_parallel_size > 1 and self.kv_transfer_config is not None:
-            raise ValueError("data_parallel_size > 1 together with kv_transfer_config is not supported: the replicas would share one "
-                             "kv_port; run one instance per role and list several behind `pagedserve proxy`")
+            raise ValueError(
+                "data_parallel_size > 1 together with kv_transfer_config is not supported: the replicas would share one "
+                "kv_port; run one instance per role and list several behind `pagedserve proxy`"
+            )
         positive("threads_per_replica")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}")
@@ -248,8 +290,12 @@ class EngineConfig:
             folder = os.path.dirname(os.path.abspath(self.trace_file))
             if os.path.isdir(self.trace_file) or not os.path.isdir(folder):
                 raise ValueError(f"trace_file {self.trace_file!r}: not a file path in an existing folder")
-        if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, (int, float))
-                or not math.isfinite(self.max_step_ms) or self.max_step_ms < 0):
+        if self.max_step_ms is not None and (
+            isinstance(self.max_step_ms, bool)
+            or not isinstance(self.max_step_ms, (int, float))
+            or not math.isfinite(self.max_step_ms)
+            or self.max_step_ms < 0
+        ):
             raise ValueError(f"max_step_ms must be a number of milliseconds >= 0 (0 = off), got {self.max_step_ms!r}")
         if self.max_step_ms is not None:
             self.max_step_ms = float(self.max_step_ms)
@@ -289,8 +335,7 @@ class EngineConfig:
         could never be scheduled (call on a resolved config)."""
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len})"
+                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
 
     @property
@@ -334,8 +379,15 @@ class EngineConfig:
             if usage is not None and meta["only"] not in (None, usage):
                 if is_bool:
                     names += ["--no-" + n[2:] for n in names if n.startswith("--")]
-                parser.add_argument(*names, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                                    nargs=0 if is_bool else "?", action=_OtherUsageFlag, usage=meta["only"])
+                parser.add_argument(
+                    *names,
+                    dest=argparse.SUPPRESS,
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS,
+                    nargs=0 if is_bool else "?",
+                    action=_OtherUsageFlag,
+                    usage=meta["only"],
+                )
                 continue
             kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=meta["help"], **meta["argparse"])
             if is_bool:

@@ -1,6 +1,7 @@
 """KVTransferConfig: prefill/decode disaggregation's part of :class:`pagedserve.config.EngineConfig`
 (its ``kv_transfer_config`` field, ``--kv-transfer-config`` JSON, parsed by
 :func:`pagedserve.config.dataclass_from_value`), in vLLM's shape. Torch-free."""
+
 from __future__ import annotations
 
 import math
@@ -66,8 +67,10 @@ class KVTransferConfig:
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
             raise ValueError(f"kv_ip must be an address, got {self.kv_ip!r}")
         if self.kv_ip in ("0.0.0.0", "::") and not self.kv_connector_extra_config.get("advertise_host"):
-            raise ValueError(f"kv_ip {self.kv_ip!r} listens on every interface but is no address a decode instance can "
-                             "reach: set kv_connector_extra_config.advertise_host to the address to hand out")
+            raise ValueError(
+                f"kv_ip {self.kv_ip!r} listens on every interface but is no address a decode instance can "
+                "reach: set kv_connector_extra_config.advertise_host to the address to hand out"
+            )
         for name in ("kv_lease_s", "kv_transfer_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 3600:

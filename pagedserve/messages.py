@@ -21,6 +21,7 @@ travel as msgpack extension type 1 (``[type name, field values...]``), enums as 
 (``[enum name, value]``), sets as type 3. Tuples come back as lists. :func:`check` tells a
 well-formed message of one conversation from anything else (a receiver drops the rest).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -159,14 +160,22 @@ class WorkerError:
 
 # Each type's payload class (None: no payload).
 PAYLOADS: dict[enum.Enum, Optional[type]] = {
-    EngineCoreRequestType.ADD: AddRequest, EngineCoreRequestType.ABORT: AbortRequests,
-    EngineCoreRequestType.RELEASE_KV: ReleaseKV, EngineCoreRequestType.UTILITY: UtilityCall,
+    EngineCoreRequestType.ADD: AddRequest,
+    EngineCoreRequestType.ABORT: AbortRequests,
+    EngineCoreRequestType.RELEASE_KV: ReleaseKV,
+    EngineCoreRequestType.UTILITY: UtilityCall,
     EngineCoreRequestType.SHUTDOWN: None,
-    EngineCoreEventType.READY: EngineCoreInfo, EngineCoreEventType.OUTPUTS: EngineCoreOutputs,
-    EngineCoreEventType.UTILITY: UtilityResult, EngineCoreEventType.ERROR: CoreError,
+    EngineCoreEventType.READY: EngineCoreInfo,
+    EngineCoreEventType.OUTPUTS: EngineCoreOutputs,
+    EngineCoreEventType.UTILITY: UtilityResult,
+    EngineCoreEventType.ERROR: CoreError,
     EngineCoreEventType.FAILED: SequencesFailed,
-    WorkerMessageType.HELLO: WorkerHello, WorkerMessageType.INIT: WorkerInit, WorkerMessageType.READY: WorkerReady,
-    WorkerMessageType.INIT_CACHE: InitCache, WorkerMessageType.STEP: SchedulerOutput, WorkerMessageType.SHUTDOWN: None,
+    WorkerMessageType.HELLO: WorkerHello,
+    WorkerMessageType.INIT: WorkerInit,
+    WorkerMessageType.READY: WorkerReady,
+    WorkerMessageType.INIT_CACHE: InitCache,
+    WorkerMessageType.STEP: SchedulerOutput,
+    WorkerMessageType.SHUTDOWN: None,
     WorkerMessageType.ERROR: WorkerError,
 }
 
@@ -201,10 +210,30 @@ def register(cls: type) -> type:
     return cls
 
 
-for _cls in (EngineConfig, EngineCoreInfo, EngineCoreRequest, SamplingParams, EngineCoreOutput, EngineCoreOutputs, SchedulerStats,
-             SchedulerOutput, NewRequestData, CachedRequestData, ModelRunnerOutput, StructuredOutputsParams, KVConnectorOutput,
-             LoadSpec, HoldSpec, ReleaseSpec, KVConnectorMetadata, RequestOutputKind,
-             EngineCoreRequestType, EngineCoreEventType, WorkerMessageType, *(c for c in PAYLOADS.values() if c is not None)):
+for _cls in (
+    EngineConfig,
+    EngineCoreInfo,
+    EngineCoreRequest,
+    SamplingParams,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+    SchedulerOutput,
+    NewRequestData,
+    CachedRequestData,
+    ModelRunnerOutput,
+    StructuredOutputsParams,
+    KVConnectorOutput,
+    LoadSpec,
+    HoldSpec,
+    ReleaseSpec,
+    KVConnectorMetadata,
+    RequestOutputKind,
+    EngineCoreRequestType,
+    EngineCoreEventType,
+    WorkerMessageType,
+    *(c for c in PAYLOADS.values() if c is not None),
+):
     register(_cls)
 
 

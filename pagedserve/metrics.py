@@ -23,6 +23,7 @@ engine): with ``--data-parallel-size N`` the front serves each replica's series 
 ``engine`` is the server's. ``pagedserve:engine_replica_up{engine}`` is 1 while a replica is in
 rotation.
 """
+
 from __future__ import annotations
 
 import threading
@@ -83,38 +84,72 @@ class EngineMetrics:
         self.num_requests_running = lab(Gauge(PREFIX + "num_requests_running", "Number of requests in model execution batches.", L, registry=r))
         self.num_requests_waiting = lab(Gauge(PREFIX + "num_requests_waiting", "Number of requests waiting to be processed.", L, registry=r))
         self.kv_cache_usage_perc = lab(Gauge(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L, registry=r))
-        self.prefix_cache_queries = lab(Counter(PREFIX + "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", L, registry=r))
+        self.prefix_cache_queries = lab(
+            Counter(PREFIX + "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", L, registry=r)
+        )
         self.prefix_cache_hits = lab(Counter(PREFIX + "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", L, registry=r))
         self.num_preemptions = lab(Counter(PREFIX + "num_preemptions", "Cumulative number of preemptions from the engine.", L, registry=r))
         self.prompt_tokens = lab(Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", L, registry=r))
         self.generation_tokens = lab(Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.", L, registry=r))
-        self.time_to_first_token = lab(Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.", L, registry=r, buckets=TTFT_BUCKETS))
-        self.inter_token_latency = lab(Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", L, registry=r, buckets=ITL_BUCKETS))
-        self.e2e_request_latency = lab(Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", L, registry=r, buckets=E2E_BUCKETS))
+        self.time_to_first_token = lab(
+            Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.", L, registry=r, buckets=TTFT_BUCKETS)
+        )
+        self.inter_token_latency = lab(
+            Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", L, registry=r, buckets=ITL_BUCKETS)
+        )
+        self.e2e_request_latency = lab(
+            Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", L, registry=r, buckets=E2E_BUCKETS)
+        )
         phase = lambda name, what: lab(Histogram(PREFIX + name, f"Histogram of time spent in {what} in seconds.", L, registry=r, buckets=E2E_BUCKETS))  # noqa: E731
         self.request_queue_time = phase("request_queue_time_seconds", "WAITING phase for request")
         self.request_prefill_time = phase("request_prefill_time_seconds", "PREFILL phase for request")
         self.request_decode_time = phase("request_decode_time_seconds", "DECODE phase for request")
         self.request_inference_time = phase("request_inference_time_seconds", "RUNNING phase for request")
-        self.request_prompt_tokens = lab(Histogram(PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS))
-        self.request_generation_tokens = lab(Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS))
-        self.iteration_tokens = lab(Histogram(PREFIX + "iteration_tokens_total", "Histogram of number of tokens per engine_step.", L, registry=r, buckets=ITERATION_BUCKETS))
-        self._request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.", ["model_name", "engine", "finished_reason"], registry=r)
+        self.request_prompt_tokens = lab(
+            Histogram(PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS)
+        )
+        self.request_generation_tokens = lab(
+            Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens processed.", L, registry=r, buckets=TOKEN_BUCKETS)
+        )
+        self.iteration_tokens = lab(
+            Histogram(PREFIX + "iteration_tokens_total", "Histogram of number of tokens per engine_step.", L, registry=r, buckets=ITERATION_BUCKETS)
+        )
+        self._request_success = Counter(
+            PREFIX + "request_success", "Count of successfully processed requests.", ["model_name", "engine", "finished_reason"], registry=r
+        )
         for reason in ("stop", "length", "abort", "timeout", "error"):
             self._request_success.labels(model_name=model_name, engine=self.engine, finished_reason=reason)
         self.replica_up = lab(Gauge(PREFIX + "engine_replica_up", "1 while the engine replica is in rotation.", L, registry=r))
         self.replica_up.set(1)
         # Prefill/decode disaggregation (zero on an instance without a KV connector).
-        self.kv_transfer_sent_tokens = lab(Counter(PREFIX + "kv_transfer_sent_tokens", "Tokens whose KV this instance sent to a decode instance.", L, registry=r))
-        self.kv_transfer_received_tokens = lab(Counter(PREFIX + "kv_transfer_received_tokens", "Tokens whose KV this instance loaded from a prefill instance.", L, registry=r))
-        self.kv_transfer_time = lab(Histogram(PREFIX + "kv_transfer_time_seconds", "Histogram of the wall time of KV loads from a prefill instance in seconds.", L, registry=r, buckets=TTFT_BUCKETS))
-        self._kv_transfer_failures = Counter(PREFIX + "kv_transfer_failures", "KV transfers that failed, by reason.", ["model_name", "engine", "reason"], registry=r)
+        self.kv_transfer_sent_tokens = lab(
+            Counter(PREFIX + "kv_transfer_sent_tokens", "Tokens whose KV this instance sent to a decode instance.", L, registry=r)
+        )
+        self.kv_transfer_received_tokens = lab(
+            Counter(PREFIX + "kv_transfer_received_tokens", "Tokens whose KV this instance loaded from a prefill instance.", L, registry=r)
+        )
+        self.kv_transfer_time = lab(
+            Histogram(
+                PREFIX + "kv_transfer_time_seconds",
+                "Histogram of the wall time of KV loads from a prefill instance in seconds.",
+                L,
+                registry=r,
+                buckets=TTFT_BUCKETS,
+            )
+        )
+        self._kv_transfer_failures = Counter(
+            PREFIX + "kv_transfer_failures", "KV transfers that failed, by reason.", ["model_name", "engine", "reason"], registry=r
+        )
         # Speculative decoding (zero without --speculative-config), vLLM's names.
         self.spec_decode_num_drafts = lab(Counter(PREFIX + "spec_decode_num_drafts", "Number of spec decoding drafts.", L, registry=r))
         self.spec_decode_num_draft_tokens = lab(Counter(PREFIX + "spec_decode_num_draft_tokens", "Number of draft tokens.", L, registry=r))
         self.spec_decode_num_accepted_tokens = lab(Counter(PREFIX + "spec_decode_num_accepted_tokens", "Number of accepted tokens.", L, registry=r))
-        self._spec_decode_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                                            ["model_name", "engine", "position"], registry=r)
+        self._spec_decode_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "engine", "position"],
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
@@ -143,8 +178,10 @@ class EngineMetrics:
                 if delta > 0:
                     counter.inc(delta)
                 self._totals[key] = value
-            for family, label, counts in ((self._kv_transfer_failures, "reason", stats.kv_transfer_failures),
-                                          (self._spec_decode_per_pos, "position", stats.spec_decode_num_accepted_tokens_per_pos)):
+            for family, label, counts in (
+                (self._kv_transfer_failures, "reason", stats.kv_transfer_failures),
+                (self._spec_decode_per_pos, "position", stats.spec_decode_num_accepted_tokens_per_pos),
+            ):
                 for value_of_label, value in counts.items():
                     key = f"{label}:{value_of_label}"
                     delta = value - self._totals.get(key, 0)

@@ -1,4 +1,5 @@
 """What the engine hands back, shaped like vLLM's RequestOutput / CompletionOutput."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

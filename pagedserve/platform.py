@@ -13,6 +13,7 @@ chosen (weights packed, the C step built), so a test can flip one for a new engi
 ``PAGEDSERVE_CACHE`` names the cache folder (default ``~/.cache/pagedserve``): converted GGUF
 models under ``gguf/``, compiled kernels under ``kernels/``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -102,8 +103,10 @@ def available_memory_bytes() -> int:
 def describe() -> str:
     """One line for the start-up log: CPU, class, cores, switches that are off, cache folder."""
     off = [name for name in KERNEL_SWITCHES if not switch_on(name)]
-    return (f"{cpu_model_name()} ({cpu_class()}, {os.cpu_count()} cores), kernels: "
-            f"{'all on' if not off else 'off: ' + ', '.join(off)}, cache {cache_dir()}")
+    return (
+        f"{cpu_model_name()} ({cpu_class()}, {os.cpu_count()} cores), kernels: "
+        f"{'all on' if not off else 'off: ' + ', '.join(off)}, cache {cache_dir()}"
+    )
 
 
 def block_torch_import() -> None:

@@ -1,4 +1,5 @@
 """Sampling parameters, named and defaulted as in vLLM / the OpenAI API."""
+
 from __future__ import annotations
 
 import enum
@@ -96,7 +97,10 @@ class StructuredOutputsParams:
             raise RequestError("structured_outputs.json_object must be true or false.", param="structured_outputs")
         set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None] + (["json_object"] if self.json_object else [])
         if len(set_) != 1:
-            raise RequestError(f"structured_outputs must set exactly one of json, regex, choice, grammar or json_object, got {set_ or 'none'}.", param="structured_outputs")
+            raise RequestError(
+                f"structured_outputs must set exactly one of json, regex, choice, grammar or json_object, got {set_ or 'none'}.",
+                param="structured_outputs",
+            )
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
             raise RequestError("structured_outputs.choice must be a list of non-empty strings.", param="structured_outputs")
         for name in ("json", "regex", "grammar"):
@@ -105,7 +109,9 @@ class StructuredOutputsParams:
                 raise RequestError(f"structured_outputs.{name} must be a non-empty string.", param="structured_outputs")
         size = len(self.json or self.regex or self.grammar or "") + sum(len(c) for c in self.choice or ())
         if size > MAX_STRUCTURED_OUTPUT_CHARS:
-            raise RequestError(f"structured_outputs is {size} characters, more than the {MAX_STRUCTURED_OUTPUT_CHARS} allowed.", param="structured_outputs")
+            raise RequestError(
+                f"structured_outputs is {size} characters, more than the {MAX_STRUCTURED_OUTPUT_CHARS} allowed.", param="structured_outputs"
+            )
 
     @property
     def kind(self) -> str:
@@ -230,8 +236,11 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}.")
-        if self.truncate_prompt_tokens is not None and (isinstance(self.truncate_prompt_tokens, bool)
-                                                        or not isinstance(self.truncate_prompt_tokens, int) or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+        if self.truncate_prompt_tokens is not None and (
+            isinstance(self.truncate_prompt_tokens, bool)
+            or not isinstance(self.truncate_prompt_tokens, int)
+            or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+        ):
             bad("truncate_prompt_tokens", f"must be -1 (max_model_len) or at least 1, got {self.truncate_prompt_tokens}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must contain only non-empty strings.")
@@ -268,14 +277,19 @@ class SamplingParams:
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary. Raises RequestError naming the field."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
-                          ("allowed_token_ids", self.allowed_token_ids or [])):
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
             for t in ids:
                 if not 0 <= t < vocab_size:
                     raise RequestError(f"{name} contains token id {t} outside the vocabulary [0, {vocab_size}).", param=name)
         if self.allowed_token_ids and len(self.allowed_token_ids) > vocab_size:
-            raise RequestError(f"allowed_token_ids must hold at most {vocab_size} ids (the vocabulary), got {len(self.allowed_token_ids)}.",
-                               param="allowed_token_ids")
+            raise RequestError(
+                f"allowed_token_ids must hold at most {vocab_size} ids (the vocabulary), got {len(self.allowed_token_ids)}.",
+                param="allowed_token_ids",
+            )
 
     def clone(self) -> "SamplingParams":
         """A deep copy that shares the long id lists (never changed once checked), so that n

@@ -1,6 +1,7 @@
 """SpeculativeConfig: speculative decoding's part of :class:`pagedserve.config.EngineConfig`
 (its ``speculative_config`` field, ``--speculative-config`` JSON, parsed by
 :func:`pagedserve.config.dataclass_from_value`), in vLLM's shape. Torch-free."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
-            raise ValueError(f"speculative_config method {self.method!r} is not supported; the one method is 'ngram' "
-                             "(draft-model methods such as eagle or draft_model need a second model)")
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported; the one method is 'ngram' "
+                "(draft-model methods such as eagle or draft_model need a second model)"
+            )
 
         def whole(name: str, lo: int, hi: Optional[int] = None) -> None:
             v = getattr(self, name)
@@ -67,5 +70,6 @@ class SpeculativeConfig:
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-                             f"({self.prompt_lookup_max})")
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )

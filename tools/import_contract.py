@@ -11,6 +11,7 @@ dependency); imports under ``if TYPE_CHECKING:`` do not. The package root
 usage: python tools/import_contract.py [PACKAGE_DIR]   (default: pagedserve). Exit 1 on any
 violation, listing each (the importing module, the imported one, and their layers).
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,17 +20,17 @@ import sys
 
 # Top to bottom: a module may import its own layer's modules and those of any layer below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("entrypoints",),                      # CLI, OpenAI/Anthropic servers, the PD proxy
-    ("bench",),                            # the benchmark CLI
-    ("engine",),                           # LLMEngine / AsyncLLM, the core's process and clients
-    ("metrics",),                          # Prometheus metrics of an engine
-    ("executor",),                         # TP executor, launchers, worker processes
-    ("worker",),                           # Worker, ModelRunner, input batch
-    ("distributed",),                      # parallel state, TP sharding, kv_transfer, DP router
-    ("model",),                            # model files, weights, families, attention backends, sampler
-    ("ops",),                              # CPU kernels (C) and their wrappers
-    ("messages",),                         # typed messages between processes and their codec
-    ("core",),                             # torch-free: requests, block pool, KV cache manager, scheduler
+    ("entrypoints",),  # CLI, OpenAI/Anthropic servers, the PD proxy
+    ("bench",),  # the benchmark CLI
+    ("engine",),  # LLMEngine / AsyncLLM, the core's process and clients
+    ("metrics",),  # Prometheus metrics of an engine
+    ("executor",),  # TP executor, launchers, worker processes
+    ("worker",),  # Worker, ModelRunner, input batch
+    ("distributed",),  # parallel state, TP sharding, kv_transfer, DP router
+    ("model",),  # model files, weights, families, attention backends, sampler
+    ("ops",),  # CPU kernels (C) and their wrappers
+    ("messages",),  # typed messages between processes and their codec
+    ("core",),  # torch-free: requests, block pool, KV cache manager, scheduler
     ("platform", "config", "kv_transfer_config", "spec_decode_config", "sampling_params", "outputs"),
 ]
 

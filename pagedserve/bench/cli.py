@@ -11,6 +11,7 @@ Examples::
     pagedserve bench kernels --op matmul --rows 1,32,256                # the CPU kernels against their peers
     pagedserve bench kernels --op all --tiny                            # every kernel benchmark in seconds (smoke)
 """
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,7 @@ Datasets (names as in ``vllm bench``):
     prefix-repetition  ``num_prefixes`` shared prefixes, each followed by distinct suffixes
     long-mix           a few long prompts shuffled among many short ones
 """
+
 from __future__ import annotations
 
 import argparse
@@ -194,21 +195,42 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-name", "--dataset", dest="dataset_name", default="random", choices=DATASETS)
     g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS, help="requests to send")
     g.add_argument(
-        "--input-len", "--random-input-len", dest="input_len", type=int, default=None,
+        "--input-len",
+        "--random-input-len",
+        dest="input_len",
+        type=int,
+        default=None,
         help=f"prompt tokens (default: uniform in {DEFAULT_MIN_INPUT_LEN}-{DEFAULT_MAX_INPUT_LEN})",
     )
-    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None, help=f"output tokens per request (default {DEFAULT_OUTPUT_LEN}; EOS is ignored)")
     g.add_argument(
-        "--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=int,
+        default=None,
+        help=f"output tokens per request (default {DEFAULT_OUTPUT_LEN}; EOS is ignored)",
+    )
+    g.add_argument(
+        "--range-ratio",
+        "--random-range-ratio",
+        dest="range_ratio",
+        type=float,
+        default=0.0,
         help="lengths uniform in [len*(1-r), len*(1+r)] (vLLM's random dataset)",
     )
     g.add_argument("--min-input-len", type=int, default=None, help="shortest prompt (overrides --input-len/--range-ratio)")
     g.add_argument("--max-input-len", type=int, default=None, help="longest prompt")
     g.add_argument("--min-output-len", type=int, default=None)
     g.add_argument("--max-output-len", type=int, default=None)
-    g.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=256, help="prefix-repetition: shared prefix tokens")
-    g.add_argument("--suffix-len", "--prefix-repetition-suffix-len", dest="suffix_len", type=int, default=64, help="prefix-repetition: distinct suffix tokens")
-    g.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    g.add_argument(
+        "--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=256, help="prefix-repetition: shared prefix tokens"
+    )
+    g.add_argument(
+        "--suffix-len", "--prefix-repetition-suffix-len", dest="suffix_len", type=int, default=64, help="prefix-repetition: distinct suffix tokens"
+    )
+    g.add_argument(
+        "--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes"
+    )
     g.add_argument("--long-input-len", type=int, default=2048, help="long-mix: tokens of each long prompt")
     g.add_argument("--num-long", type=int, default=None, help="long-mix: how many long prompts (default: num_prompts // 16, at least 1)")
 

@@ -12,6 +12,7 @@ The peak is measured, not looked up: a short ``torch.matmul`` loop in the run's 
 shapes like the model's (``[256 x hidden] @ [hidden x intermediate]`` and its neighbours); the
 best rate seen is the denominator. On a shared machine it is as noisy as the run itself.
 """
+
 from __future__ import annotations
 
 import time
@@ -98,7 +99,9 @@ def measure_matmul_flops(
     return best
 
 
-def peak_flops_for(hf_config, dtype: torch.dtype, device: str | torch.device = "cpu", seconds: float = 1.0, override_tflops: Optional[float] = None) -> float:
+def peak_flops_for(
+    hf_config, dtype: torch.dtype, device: str | torch.device = "cpu", seconds: float = 1.0, override_tflops: Optional[float] = None
+) -> float:
     if override_tflops:
         return override_tflops * 1e12
     return measure_matmul_flops(hf_config.hidden_size, hf_config.intermediate_size, dtype, device, seconds=seconds)

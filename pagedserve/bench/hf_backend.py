@@ -1,5 +1,6 @@
 """The HF transformers baseline of ``pagedserve bench throughput`` and ``bench latency``:
 ``generate`` in static batches, left padded, EOS suppressed with ``min_new_tokens``."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence

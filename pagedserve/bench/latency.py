@@ -6,6 +6,7 @@ max_tokens=1; prefill tok/s = input_len / that time. Decode: one request making
 Every iteration uses a fresh prompt and the prefix cache is reset between them, so no
 iteration is served from the cache. Warm-up iterations run first and are not counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,7 +98,12 @@ def _hf_one(model, ids: list[int], max_new: int, device) -> list[float]:
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(
-            input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, streamer=clock,
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            streamer=clock,
             pad_token_id=0,
         )
     return [t0] + clock.times[1:]
@@ -130,7 +136,12 @@ def latency_hf(args: argparse.Namespace, model_dir: str, prompts: list[list[int]
 def _result(backend: str, args: argparse.Namespace, ttfts: list[float], decode_rates: list[float]) -> dict[str, Any]:
     t = _summary(ttfts)
     # Rates from the TTFT statistics, so the median rate is the median TTFT's.
-    prefill = {"median": args.input_len / t["median"], "mean": args.input_len / t["mean"], "min": args.input_len / t["max"], "max": args.input_len / t["min"]}
+    prefill = {
+        "median": args.input_len / t["median"],
+        "mean": args.input_len / t["mean"],
+        "min": args.input_len / t["max"],
+        "max": args.input_len / t["min"],
+    }
     return {
         "backend": backend,
         "input_len": args.input_len,
@@ -222,6 +233,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if load_after is not None:
         print(f"Load average (1 min) before / after: {load_before:.2f} / {load_after:.2f} on {os.cpu_count()} CPUs")
     if args.output_json:
-        payload = {"command": "latency", "model": model_dir, "torch_threads": torch.get_num_threads(), "loadavg_1min_before_after": [load_before, load_after]}
+        payload = {
+            "command": "latency",
+            "model": model_dir,
+            "torch_threads": torch.get_num_threads(),
+            "loadavg_1min_before_after": [load_before, load_after],
+        }
         write_json(args.output_json, {**payload, "results": results})
     return 0

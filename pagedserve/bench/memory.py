@@ -24,6 +24,7 @@ arrival order (and ``pool // max_model_len`` slots). The engine then runs the wo
 ``max_num_seqs`` set to the static number, and the throughput ratio is printed: the batch-size cost
 of static reservation with everything else (kernels, scheduler) equal.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,18 @@ PAPER = {
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output-len-dist", default="uniform", choices=["uniform", "fixed", "eos"],
-                   help="when a request stops: after a length uniform in [1, its output len], at its output len, or at the model's EOS")
-    p.add_argument("--kv-budget-fraction", type=float, default=0.25,
-                   help="without --num-kv-blocks / --kv-cache-memory: a pool holding this fraction of all requests' prompt + max_tokens")
+    p.add_argument(
+        "--output-len-dist",
+        default="uniform",
+        choices=["uniform", "fixed", "eos"],
+        help="when a request stops: after a length uniform in [1, its output len], at its output len, or at the model's EOS",
+    )
+    p.add_argument(
+        "--kv-budget-fraction",
+        type=float,
+        default=0.25,
+        help="without --num-kv-blocks / --kv-cache-memory: a pool holding this fraction of all requests' prompt + max_tokens",
+    )
     p.add_argument("--no-static-run", action="store_true", help="skip the second run with max_num_seqs limited to what static reservation fits")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up request")
     p.add_argument("--output-json", default=None, help="write the results here")
@@ -65,7 +74,9 @@ def stop_lengths(requests: Sequence[SampleRequest], dist: str, seed: int) -> lis
     return [r.expected_output_len for r in requests]
 
 
-def run_traced(engine, requests: Sequence[SampleRequest], lengths: Sequence[int], stop_at_eos: bool) -> tuple[float, int, list[dict[str, Any]], list[str]]:
+def run_traced(
+    engine, requests: Sequence[SampleRequest], lengths: Sequence[int], stop_at_eos: bool
+) -> tuple[float, int, list[dict[str, Any]], list[str]]:
     """Submit every request, step until all finish, reading the trace after each step.
 
     Returns (elapsed seconds, output tokens, the run's step records, request ids in order).
@@ -117,14 +128,16 @@ def per_step_memory(records: Sequence[dict[str, Any]], reservation: dict[str, in
             logger.warning("step %d: %d running requests in the trace, %d followed", rec["step"], rec["num_running"], len(held))
         if not held:
             continue
-        out.append({
-            "step": rec["step"],
-            "held": sum(held.values()),
-            "paged": rec["num_used_blocks"] * block_size,
-            "static": sum(reservation[rid] for rid in held),
-            "static_max_len": len(held) * max_model_len,
-            "running": len(held),
-        })
+        out.append(
+            {
+                "step": rec["step"],
+                "held": sum(held.values()),
+                "paged": rec["num_used_blocks"] * block_size,
+                "static": sum(reservation[rid] for rid in held),
+                "static_max_len": len(held) * max_model_len,
+                "running": len(held),
+            }
+        )
     return out
 
 
@@ -160,8 +173,13 @@ def _plot(path: str, rows: Sequence[dict[str, int]], pool_tokens: int) -> None:
     a.legend(fontsize=8)
     b.plot(steps, [r["held"] / r["paged"] if r["paged"] else 0 for r in rows], label="paged", color="tab:blue")
     b.plot(steps, [r["held"] / r["static"] for r in rows], label="static (prompt + max_tokens)", color="tab:red")
-    b.axhspan(PAPER["token_states_existing_systems"][0], PAPER["token_states_existing_systems"][1], color="tab:red", alpha=0.15,
-              label="paper: existing systems 20-38 %")
+    b.axhspan(
+        PAPER["token_states_existing_systems"][0],
+        PAPER["token_states_existing_systems"][1],
+        color="tab:red",
+        alpha=0.15,
+        label="paper: existing systems 20-38 %",
+    )
     b.set_ylim(0, 1.05)
     b.set_ylabel("token states / KV memory")
     b.set_xlabel("engine step")
@@ -185,8 +203,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
             raise ValueError(f"--kv-budget-fraction must be in (0, 1], got {args.kv_budget_fraction}")
         args.num_kv_blocks = max(math.ceil(max(reservations) / B), math.ceil(args.kv_budget_fraction * sum(reservations) / B))
     args.trace_buffer_steps = max(args.trace_buffer_steps, 1024)
-    print(f"Workload: {args.dataset_name}: {describe(requests)}; each stops after {min(lengths)}-{max(lengths)} output tokens "
-          f"({args.output_len_dist}; {sum(lengths)} in all); max_tokens sent = the output len")
+    print(
+        f"Workload: {args.dataset_name}: {describe(requests)}; each stops after {min(lengths)}-{max(lengths)} output tokens "
+        f"({args.output_len_dist}; {sum(lengths)} in all); max_tokens sent = the output len"
+    )
 
     engine = build_engine(args)
     pool_blocks = engine.core.info.num_blocks
@@ -202,8 +222,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
     mean_paged = sum(r["running"] for r in rows) / len(rows) if rows else 0.0
     max_static = static_fit(reservations, pool_tokens)
     max_static_len = max(1, pool_tokens // max_len)
-    paged_tp = {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
-                "max_num_seqs": engine.config.max_num_seqs, "num_preemptions": stats.num_preemptions}
+    paged_tp = {
+        "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "num_preemptions": stats.num_preemptions,
+    }
     del engine
     gc.collect()
     static_tp: Optional[dict[str, Any]] = None
@@ -220,27 +245,51 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     print(f"KV pool: {pool_blocks} blocks x {B} tokens = {pool_tokens} tokens; max_model_len {max_len}; {len(rows)} steps with requests running")
     print("Share of KV memory holding token states (sum over steps of computed tokens of running requests / memory for them):")
-    for label, u in ((f"paged (pagedserve, blocks of {B})", paged_u), ("static, prompt + max_tokens per request", static_u),
-                     (f"static, max_model_len ({max_len}) per request", maxlen_u)):
+    for label, u in (
+        (f"paged (pagedserve, blocks of {B})", paged_u),
+        ("static, prompt + max_tokens per request", static_u),
+        (f"static, max_model_len ({max_len}) per request", maxlen_u),
+    ):
         print(f"  {label:<46} {100 * u:5.1f} %" + (f"  (waste {100 * (1 - paged_u):.1f} %)" if u is paged_u else ""))
     print("  PagedAttention paper (Fig. 2): 20.4-38.2 % in the systems it measured (Orca Max / Pow2 / Oracle), vLLM 96.3 % (under 4 % waste)")
-    print(f"Requests at once in the same pool: paged {max_paged} (measured, mean {mean_paged:.1f}, {stats.num_preemptions} preemptions); "
-          f"static prompt + max_tokens {max_static}; static max_model_len slots {max_static_len}")
+    print(
+        f"Requests at once in the same pool: paged {max_paged} (measured, mean {mean_paged:.1f}, {stats.num_preemptions} preemptions); "
+        f"static prompt + max_tokens {max_static}; static max_model_len slots {max_static_len}"
+    )
     if static_tp:
-        print(f"Throughput: paged {paged_tp['output_tokens_per_s']:.1f} output tok/s (max_num_seqs {paged_tp['max_num_seqs']}), "
-              f"limited to the static batch {static_tp['output_tokens_per_s']:.1f} tok/s (max_num_seqs {static_tp['max_num_seqs']}): {ratio:.2f}x")
+        print(
+            f"Throughput: paged {paged_tp['output_tokens_per_s']:.1f} output tok/s (max_num_seqs {paged_tp['max_num_seqs']}), "
+            f"limited to the static batch {static_tp['output_tokens_per_s']:.1f} tok/s (max_num_seqs {static_tp['max_num_seqs']}): {ratio:.2f}x"
+        )
     if args.plot:
         _plot(args.plot, rows, pool_tokens)
     if args.output_json:
-        write_json(args.output_json, {
-            "command": "memory", "model": model_dir, "dataset": args.dataset_name, "num_prompts": len(requests),
-            "output_len_dist": args.output_len_dist, "total_prompt_tokens": sum(r.prompt_len for r in requests),
-            "total_max_tokens": sum(r.expected_output_len for r in requests), "total_output_tokens": out_tokens,
-            "block_size": B, "num_kv_blocks": pool_blocks, "kv_pool_tokens": pool_tokens, "max_model_len": max_len, "steps": len(rows),
-            "paged_utilization": paged_u, "static_utilization": static_u, "static_max_len_utilization": maxlen_u,
-            "max_concurrent_paged": max_paged, "mean_concurrent_paged": mean_paged,
-            "max_concurrent_static": max_static, "max_concurrent_static_max_len": max_static_len,
-            "throughput": {"paged": paged_tp, "static": static_tp, "ratio_output_tokens_per_s": ratio},
-            "paper": PAPER, "seed": args.seed,
-        })
+        write_json(
+            args.output_json,
+            {
+                "command": "memory",
+                "model": model_dir,
+                "dataset": args.dataset_name,
+                "num_prompts": len(requests),
+                "output_len_dist": args.output_len_dist,
+                "total_prompt_tokens": sum(r.prompt_len for r in requests),
+                "total_max_tokens": sum(r.expected_output_len for r in requests),
+                "total_output_tokens": out_tokens,
+                "block_size": B,
+                "num_kv_blocks": pool_blocks,
+                "kv_pool_tokens": pool_tokens,
+                "max_model_len": max_len,
+                "steps": len(rows),
+                "paged_utilization": paged_u,
+                "static_utilization": static_u,
+                "static_max_len_utilization": maxlen_u,
+                "max_concurrent_paged": max_paged,
+                "mean_concurrent_paged": mean_paged,
+                "max_concurrent_static": max_static,
+                "max_concurrent_static_max_len": max_static_len,
+                "throughput": {"paged": paged_tp, "static": static_tp, "ratio_output_tokens_per_s": ratio},
+                "paper": PAPER,
+                "seed": args.seed,
+            },
+        )
     return 0

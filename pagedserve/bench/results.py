@@ -16,6 +16,7 @@ Where the lines go: ``$PAGEDSERVE_BENCH_RESULTS`` (a directory; ``0`` writes not
 where ``$PAGEDSERVE_BENCH_RESULTS`` names a directory, so a smoke run never lands among the
 measured figures.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -104,8 +105,9 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
     return shlex.join(argv)
 
 
-def record(scenario: str, figures: dict[str, Any], *, tiny: bool = False, command: Optional[str] = None,
-           extra: Optional[dict[str, Any]] = None) -> Optional[str]:
+def record(
+    scenario: str, figures: dict[str, Any], *, tiny: bool = False, command: Optional[str] = None, extra: Optional[dict[str, Any]] = None
+) -> Optional[str]:
     """Append one result line for ``scenario`` (``benchmarks/results/<scenario>.jsonl``).
 
     Args:

@@ -15,6 +15,7 @@ Follows ``vllm bench serve``:
 ``--request-rates 1,2,4,inf`` sweeps rates one after another; ``--plot PNG`` draws latency
 percentiles against the request rate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,6 +47,7 @@ try:  # httpx, or its successor httpx2 (what openai installs here); same API
     import httpx
 except ImportError:  # pragma: no cover - depends on the environment
     import httpx2 as httpx  # type: ignore[no-redef]
+
 
 async def run_one_rate(
     args: argparse.Namespace, requests: Sequence[SampleRequest], model: str, url: str, headers: dict, rate: float, tokenizer, seed: int
@@ -199,7 +201,9 @@ def plot_sweep(runs: Sequence[dict[str, Any]], path: str, percentiles: Sequence[
     ax.set_xlabel("request rate (req/s)")
     ax.grid(alpha=0.3)
     first = runs[0]
-    fig.suptitle(f"{first['model_id']} - {first['dataset_name']}, {first['num_prompts']} prompts, burstiness {first['burstiness']}, max concurrency {first['max_concurrency'] or 'inf'}")
+    fig.suptitle(
+        f"{first['model_id']} - {first['dataset_name']}, {first['num_prompts']} prompts, burstiness {first['burstiness']}, max concurrency {first['max_concurrency'] or 'inf'}"
+    )
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)

@@ -1,6 +1,7 @@
 """The client side of ``pagedserve bench serve``: one streamed request and its timings, Poisson
 (or gamma) arrivals, and the metrics over a run (TTFT, TPOT, ITL, E2EL, goodput), named and
 defined as ``vllm bench serve`` defines them (see :mod:`pagedserve.bench.serve`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,12 @@ import numpy as np
 from pagedserve.bench.datasets import SampleRequest
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-METRIC_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)", "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+METRIC_NAMES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
 
 
 @dataclass
@@ -142,7 +148,12 @@ def parse_goodput(items: Optional[Sequence[str]]) -> dict[str, float]:
 
 
 def compute_metrics(
-    requests: Sequence[SampleRequest], results: Sequence[RequestResult], duration: float, tokenizer, percentiles: Sequence[float], slos: dict[str, float]
+    requests: Sequence[SampleRequest],
+    results: Sequence[RequestResult],
+    duration: float,
+    tokenizer,
+    percentiles: Sequence[float],
+    slos: dict[str, float],
 ) -> dict[str, Any]:
     out_lens, ttfts, tpots, e2els, itls = [], [], [], [], []
     all_tpots = []

@@ -11,6 +11,7 @@ EOS is ignored everywhere (greedy decoding), so each backend produces exactly th
 number of tokens per request. Token counts are the requested (useful) ones: the extra tokens
 HF makes for the shorter requests of a batch are its static-batching cost, not throughput.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -119,7 +120,9 @@ def warm_up_engine(engine, requests: Sequence[SampleRequest]) -> None:
     engine.reset_prefix_cache()
 
 
-def run_pagedserve(args: argparse.Namespace, requests: Sequence[SampleRequest], flops: ModelFlops, peak: Optional[float], engine=None) -> BackendResult:
+def run_pagedserve(
+    args: argparse.Namespace, requests: Sequence[SampleRequest], flops: ModelFlops, peak: Optional[float], engine=None
+) -> BackendResult:
     engine = engine or build_engine(args)
     if not args.no_warmup:
         warm_up_engine(engine, requests)
@@ -151,7 +154,9 @@ def run_pagedserve(args: argparse.Namespace, requests: Sequence[SampleRequest], 
     return res.finish(flops, _forward_tokens(requests, cached), peak)
 
 
-def run_hf(args: argparse.Namespace, requests: Sequence[SampleRequest], flops: ModelFlops, peak: Optional[float], model_dir: str, dtype, device) -> BackendResult:
+def run_hf(
+    args: argparse.Namespace, requests: Sequence[SampleRequest], flops: ModelFlops, peak: Optional[float], model_dir: str, dtype, device
+) -> BackendResult:
     model, tok = load_hf(model_dir, dtype, device)
     pad = hf_pad_id(model, tok)
     bs = max(1, args.hf_batch_size)
@@ -177,8 +182,12 @@ def run_hf(args: argparse.Namespace, requests: Sequence[SampleRequest], flops: M
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="pagedserve", choices=["pagedserve", "hf", "both"], help="both: one after the other, then the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
-    p.add_argument("--hf-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype of the hf backend (default: --dtype); e.g. float32 on a CPU without bf16 arithmetic, HF's faster dtype there")
+    p.add_argument(
+        "--hf-dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of the hf backend (default: --dtype); e.g. float32 on a CPU without bf16 arithmetic, HF's faster dtype there",
+    )
     p.add_argument("--disable-detokenize", action="store_true", help="pagedserve: do not detokenize outputs")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up request of each backend")
     p.add_argument("--peak-tflops", type=float, default=None, help="matmul peak for MFU (TFLOP/s); default: measured")
@@ -241,7 +250,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         peak = max(peak, peak_flops_for(hf_config, dtype, device, args.peak_measure_seconds))
         for r in results.values():
             r.mfu = r.achieved_flops_per_s / peak
-    how = "given" if args.peak_tflops else f"best measured, [256 x {hf_config.hidden_size}] @ [{hf_config.hidden_size} x {hf_config.intermediate_size}] and neighbours"
+    how = (
+        "given"
+        if args.peak_tflops
+        else f"best measured, [256 x {hf_config.hidden_size}] @ [{hf_config.hidden_size} x {hf_config.intermediate_size}] and neighbours"
+    )
     print(f"Peak matmul rate ({dtype_name(dtype)}, {how}): {peak / 1e9:.1f} GFLOP/s")
     for name, r in results.items():
         print(f"{('[' + name + ']').ljust(13)}{r.summary()}")

@@ -3,6 +3,7 @@ hidden 256, 4 query / 2 KV heads (head_dim 64, as SmolLM2's, so the bf16 kernels
 run), intermediate 512, tied embeddings, SmolLM2's tokenizer (from the default model). Built
 once (a few seconds) under ``$PAGEDSERVE_CACHE/bench/``; its text is noise, its timings mean
 nothing: smoke runs check that a script runs, never how fast."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,16 @@ def tiny_model_dir() -> str:
     from transformers import AutoTokenizer
 
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
         pad_token_id=2,
     )
     torch.manual_seed(0)

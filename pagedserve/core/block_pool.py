@@ -4,6 +4,7 @@ Design after vLLM v1's BlockPool / FreeKVCacheBlockQueue (PagedAttention, Kwon e
 automatic prefix caching as in vLLM's "prefix caching" design doc). Pure Python: no tensors live
 here, only block ids; the tensors are owned by the worker.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional

@@ -7,6 +7,7 @@ decode instance) compute the same hashes. SEED is derived from the model identit
 dtype), so a cache never serves KV computed by another model. A request's ``cache_salt`` is
 mixed into its first block only: requests with different salts never share a block.
 """
+
 from __future__ import annotations
 
 import struct

@@ -4,6 +4,7 @@ plain-value plan that travels to the worker side inside the ``SchedulerOutput``.
 themselves live in :mod:`pagedserve.distributed.kv_transfer` (see its ``base`` for the whole
 contract and the worker side).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -90,8 +91,7 @@ class KVConnectorScheduler(ABC):
         ``WAIT_FOR_OTHER_LOAD``. Called when a request without blocks is about to be admitted."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_computed_tokens: int,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_computed_tokens: int, num_external_tokens: int) -> None:
         """Blocks are allocated for ``num_external_tokens`` tokens after ``num_computed_tokens``."""
 
     @abstractmethod

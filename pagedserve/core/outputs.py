@@ -9,6 +9,7 @@ Each is a dataclass of ints, floats, strings, lists and dicts, so it can be enco
 msgpack (:mod:`pagedserve.messages`) to cross a process boundary. :class:`EngineCoreInfo` is
 the core's ready message.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,8 +76,15 @@ class KVConnectorOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.failed_recving or self.sent_tokens
-                    or self.received_tokens or self.transfer_seconds or self.failures)
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or self.failed_recving
+            or self.sent_tokens
+            or self.received_tokens
+            or self.transfer_seconds
+            or self.failures
+        )
 
 
 @dataclass

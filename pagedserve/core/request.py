@@ -1,4 +1,5 @@
 """Request state as the scheduler and KV cache manager see it."""
+
 from __future__ import annotations
 
 import enum

@@ -19,6 +19,7 @@ default xgrammar backend in strict mode). A regex that ends in a lone backslash 
 llguidance would drop the backslash.
 Torch-free; llguidance is imported on first use.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,23 @@ def close_objects(schema: Any) -> None:
 
 # JSON schema keywords whose values are subschemas: a map of them, or one (or a list of them).
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "additionalProperties", "contains", "propertyNames", "not",
-               "if", "then", "else", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf")
+_SUBSCHEMAS = (
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "additionalProperties",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+)
 
 
 def check_regex(rx: str, name: str) -> None:
@@ -76,8 +92,10 @@ def check_regex(rx: str, name: str) -> None:
     mean ``ab``). Its Rust parser reports every other invalid pattern itself."""
     if (len(rx) - len(rx.rstrip("\\"))) % 2:
         end = repr(rx) if len(rx) <= 40 else f"...{rx[-40:]!r}"
-        raise ValueError(f"{name} is invalid: regex parse error: incomplete escape sequence at the end of {end} "
-                         "(a lone trailing backslash; a literal backslash is written \\\\).")
+        raise ValueError(
+            f"{name} is invalid: regex parse error: incomplete escape sequence at the end of {end} "
+            "(a lone trailing backslash; a literal backslash is written \\\\)."
+        )
 
 
 def check_schema_regexes(schema: Any, name: str, where: str = "") -> None:
@@ -170,8 +188,7 @@ class StructuredOutputManager:
             grammar may end with any of them. None: the tokenizer's own EOS.
     """
 
-    def __init__(self, tokenizer_loader: Callable[[], Any], vocab_size: int,
-                 eos_loader: Optional[Callable[[Any], Any]] = None) -> None:
+    def __init__(self, tokenizer_loader: Callable[[], Any], vocab_size: int, eos_loader: Optional[Callable[[Any], Any]] = None) -> None:
         self._tokenizer_loader = tokenizer_loader
         self._eos_loader = eos_loader
         self.vocab_size = vocab_size

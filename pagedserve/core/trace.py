@@ -46,6 +46,7 @@ and lists, so it goes through msgpack and JSON unchanged:
 Building a record reads what the scheduler already holds (no walk over blocks); the block map
 (:func:`block_map`) walks every block and is built only when asked.
 """
+
 from __future__ import annotations
 
 import json
@@ -102,17 +103,19 @@ class StepTracer:
             before = req.num_computed_tokens - n
             num_prompt = req.num_prompt_tokens
             admitted = rid in new_ids
-            out.append({
-                "request_id": rid,
-                # Admitted = new (its hit stops short of the prompt's end) or resumed after a
-                # preemption (a recompute, even when the prefix cache leaves one token to run).
-                "phase": "prefill" if (admitted or before < num_prompt or before < req.num_tokens - 1) else "decode",
-                "num_tokens": n,
-                "num_computed_tokens": before,
-                "num_prompt_tokens": num_prompt,
-                "admitted": admitted,
-                "prefix_hit_tokens": before if admitted else 0,
-            })
+            out.append(
+                {
+                    "request_id": rid,
+                    # Admitted = new (its hit stops short of the prompt's end) or resumed after a
+                    # preemption (a recompute, even when the prefix cache leaves one token to run).
+                    "phase": "prefill" if (admitted or before < num_prompt or before < req.num_tokens - 1) else "decode",
+                    "num_tokens": n,
+                    "num_computed_tokens": before,
+                    "num_prompt_tokens": num_prompt,
+                    "admitted": admitted,
+                    "prefix_hit_tokens": before if admitted else 0,
+                }
+            )
             if admitted:
                 out[-1]["queued_s"] = max(0.0, now - req.arrival_time)
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
@@ -120,8 +123,7 @@ class StepTracer:
                 out[-1]["num_draft_tokens"] = len(drafts)
         return out
 
-    def record(self, start: float, scheduled: list[dict[str, Any]], scheduler: Any, scheduler_output: Any,
-               core_outputs: Any) -> dict[str, Any]:
+    def record(self, start: float, scheduled: list[dict[str, Any]], scheduler: Any, scheduler_output: Any, core_outputs: Any) -> dict[str, Any]:
         """Finish this step's record (after ``update_from_output``), store and/or write it."""
         now = time.monotonic()
         pool = scheduler.kv_cache_manager.block_pool

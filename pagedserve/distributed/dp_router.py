@@ -30,6 +30,7 @@ Block hashes are computed with the replicas' own function and seed
 (:func:`pagedserve.core.kv_cache_manager.hash_block_tokens`, seed from each replica's ready
 message), over the prompt's full blocks up to ``num_tokens - 1`` (a replica's hit cap).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -48,7 +49,7 @@ def prompt_block_hashes(seed: bytes, token_ids: Sequence[int], block_size: int, 
     parent = seed
     for i in range((len(token_ids) - 1) // block_size):
         extra = cache_salt.encode() if (i == 0 and cache_salt) else None
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out
 
@@ -68,8 +69,14 @@ class DPRouter:
         ValueError: an unknown policy or a bad size.
     """
 
-    def __init__(self, num_replicas: int, policy: str = "kv-aware", block_size: int = 16,
-                 seeds: Optional[Sequence[bytes]] = None, balance_slack: int = DEFAULT_BALANCE_SLACK) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        policy: str = "kv-aware",
+        block_size: int = 16,
+        seeds: Optional[Sequence[bytes]] = None,
+        balance_slack: int = DEFAULT_BALANCE_SLACK,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"router must be one of {', '.join(POLICIES)}, got {policy!r}")
         if num_replicas < 1 or block_size < 1:

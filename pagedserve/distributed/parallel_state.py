@@ -7,6 +7,7 @@ given), not torch.distributed's global default group, so one process can hold se
 (and a user's own default group is left alone). Rank 0 hosts the store; gloo binds to loopback
 unless a host is given.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -68,8 +69,9 @@ class TPGroup:
         RuntimeError: the rendezvous failed or timed out (from torch.distributed).
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device, host: Optional[str] = None,
-                 timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, device: torch.device, host: Optional[str] = None, timeout_s: float = COLLECTIVE_TIMEOUT_S
+    ) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         timeout = datetime.timedelta(seconds=timeout_s)
         # A prefix per group: a store could be shared by several groups.

@@ -16,6 +16,7 @@ per-rank shapes and head counts, so the KV cache each rank allocates holds its o
 then :func:`shard_checkpoint` slices each checkpoint tensor as it streams into ``load_weights``.
 Packing for oneDNN (``pack_for_cpu``) comes after, on the sharded weights.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional
@@ -51,7 +52,9 @@ def _resize(linear: nn.Linear, out_features: Optional[int] = None, in_features: 
     w = linear.weight
     linear.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=w.dtype, device=w.device), requires_grad=False)
     b = linear.bias
-    linear.bias = nn.Parameter(torch.empty(out_features, dtype=b.dtype, device=b.device), requires_grad=False) if b is not None and keep_bias else None
+    linear.bias = (
+        nn.Parameter(torch.empty(out_features, dtype=b.dtype, device=b.device), requires_grad=False) if b is not None and keep_bias else None
+    )
     linear.out_features, linear.in_features = out_features, in_features
 
 

@@ -20,6 +20,7 @@ outputs are detokenized here and handed to asyncio consumers (vLLM v1's ``AsyncL
   (N replicas, one router): stats and metrics are kept per engine (``get_stats`` sums them),
   and a replica's death ends only the requests it was running (a FAILED message).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,15 @@ class AsyncLLM:
         llm.shutdown()
     """
 
-    def __init__(self, config: EngineConfig, *, engine_process: bool = True, metrics: Any = None,
-                 on_engine_dead: Optional[Callable[[], None]] = None, log_level: str = "info") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        engine_process: bool = True,
+        metrics: Any = None,
+        on_engine_dead: Optional[Callable[[], None]] = None,
+        log_level: str = "info",
+    ) -> None:
         from pagedserve.engine.core_client import MPClient, ThreadClient
         from pagedserve.model.files import resolve_model
 
@@ -86,9 +94,14 @@ class AsyncLLM:
         self.vocab_size = self.input_processor.vocab_size
         self.metrics = metrics if metrics is not None else EngineMetrics(self.model_name)
         self.outputs = OutputHandler(
-            self.client, self.output_processor, SchedulerStats(num_total_blocks=info.num_blocks, num_free_blocks=info.num_blocks),
-            data_parallel_size=self.data_parallel_size, replica_stats=tuple(getattr(self.client, "replica_stats", ())),
-            metrics=self.metrics, on_engine_dead=on_engine_dead)
+            self.client,
+            self.output_processor,
+            SchedulerStats(num_total_blocks=info.num_blocks, num_free_blocks=info.num_blocks),
+            data_parallel_size=self.data_parallel_size,
+            replica_stats=tuple(getattr(self.client, "replica_stats", ())),
+            metrics=self.metrics,
+            on_engine_dead=on_engine_dead,
+        )
         self.outputs.start()
 
     # -- public API (any event loop) ------------------------------------------------------------
@@ -121,8 +134,9 @@ class AsyncLLM:
         with self.outputs.lock:
             return len(self.outputs.not_started)
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, cache_salt: Optional[str] = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Validate an offline-style prompt (see ``InputProcessor.process``) and stream its outputs.
 
         Raises:

@@ -5,6 +5,7 @@ no tokenization, detokenization or output shaping (the frontend's input and outp
 do). It runs in the caller's process (``LLM``) or in a process of its own behind ZeroMQ
 (``pagedserve serve``, see :mod:`pagedserve.engine.core_proc`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,7 @@ def _describe_spec(spec) -> str:
     if spec is None:
         return "off"
     off_at = f", off from {spec.disable_by_batch_size} running" if spec.disable_by_batch_size else ""
-    return (f"{spec.method} ({spec.num_speculative_tokens} drafts from suffixes of "
-            f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens{off_at})")
+    return f"{spec.method} ({spec.num_speculative_tokens} drafts from suffixes of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens{off_at})"
 
 
 class EngineCore:
@@ -61,37 +61,59 @@ class EngineCore:
         kv = KVCacheManager(spec.num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.worker.model_identity)
         tokenizer_dir = config.tokenizer or self.worker.model_dir
         hf_config = self.worker.hf_config
-        grammars = StructuredOutputManager(lambda: load_tokenizer(tokenizer_dir), hf_config.vocab_size,
-                                           lambda tok: load_eos_token_ids(self.worker.model_dir, hf_config, tok))
+        grammars = StructuredOutputManager(
+            lambda: load_tokenizer(tokenizer_dir), hf_config.vocab_size, lambda tok: load_eos_token_ids(self.worker.model_dir, hf_config, tok)
+        )
         connector = None
         if self.config.kv_transfer_config is not None:
             from pagedserve.distributed.kv_transfer.scheduler_side import NetworkConnectorScheduler
 
-            connector = NetworkConnectorScheduler(self.config.kv_transfer, self.config.block_size, kv.block_hashes,
-                                                  -(-self.config.max_model_len // self.config.block_size))
+            connector = NetworkConnectorScheduler(
+                self.config.kv_transfer, self.config.block_size, kv.block_hashes, -(-self.config.max_model_len // self.config.block_size)
+            )
         self.scheduler = Scheduler(self.config, kv, grammars, connector)
         tracer = StepTracer(self.config.trace_buffer_steps, self.config.trace_file)
         self.tracer: Optional[StepTracer] = tracer if tracer.enabled else None
         self.info = EngineCoreInfo(
-            self.config, spec.num_blocks, spec.block_bytes, str(self.worker.dtype).replace("torch.", ""),
-            str(self.worker.device), self.worker.model_dir, kv.seed_hash,
+            self.config,
+            spec.num_blocks,
+            spec.block_bytes,
+            str(self.worker.dtype).replace("torch.", ""),
+            str(self.worker.device),
+            self.worker.model_dir,
+            kv.seed_hash,
         )
         B = self.config.block_size
         logger.info(
             "pagedserve: KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token, %s), max_model_len %d, "
             "token budget %d, step-time target %s, speculative decoding %s, engine ready in %.1fs",
-            spec.num_blocks, B, spec.num_blocks * B, spec.num_blocks * spec.block_bytes / 2**20, spec.block_bytes // B,
+            spec.num_blocks,
+            B,
+            spec.num_blocks * B,
+            spec.num_blocks * spec.block_bytes / 2**20,
+            spec.block_bytes // B,
             "int8" if self.config.kv_cache_dtype == "int8" else str(self.worker.dtype).replace("torch.", ""),
-            self.config.max_model_len, self.config.max_num_batched_tokens,
+            self.config.max_model_len,
+            self.config.max_num_batched_tokens,
             _describe_step_target(self.config) if self.scheduler.step_cost is not None else "off",
-            _describe_spec(self.config.speculative), time.monotonic() - t0,
+            _describe_spec(self.config.speculative),
+            time.monotonic() - t0,
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a validated request. Raises ValueError when its id is in use."""
         self.scheduler.add_request(
-            Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids, req.arrival_time, req.cache_salt,
-                    req.deadline, req.kv_transfer_params, req.priority)
+            Request(
+                req.request_id,
+                req.prompt_token_ids,
+                req.sampling_params,
+                req.eos_token_ids,
+                req.arrival_time,
+                req.cache_salt,
+                req.deadline,
+                req.kv_transfer_params,
+                req.priority,
+            )
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -12,6 +12,7 @@ message or None),
 * :class:`ThreadClient`: the core in a thread of this process, over two queues (no encoding).
   For tests and for callers that want one process.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,9 +59,17 @@ class MPClient:
     core refuses the config or model; RuntimeError when it dies or does not get ready in time.
     """
 
-    def __init__(self, config: EngineConfig, log_level: str = "info", startup_timeout_s: float = STARTUP_TIMEOUT_S, *,
-                 kv_events: bool = False, cpus: Optional[list[int]] = None, extra_env: Optional[dict[str, str]] = None,
-                 wait_ready: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_level: str = "info",
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        *,
+        kv_events: bool = False,
+        cpus: Optional[list[int]] = None,
+        extra_env: Optional[dict[str, str]] = None,
+        wait_ready: bool = True,
+    ) -> None:
         import zmq
 
         from pagedserve import messages
@@ -79,9 +88,19 @@ class MPClient:
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(f"ipc://{self._dir}/output")
         self._send_lock = threading.Lock()
-        cmd = [sys.executable, "-m", "pagedserve.engine.core_proc", "--input-address", f"ipc://{self._dir}/input",
-               "--output-address", f"ipc://{self._dir}/output", "--config-json", json.dumps(config.to_dict()),
-               "--log-level", log_level]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedserve.engine.core_proc",
+            "--input-address",
+            f"ipc://{self._dir}/input",
+            "--output-address",
+            f"ipc://{self._dir}/output",
+            "--config-json",
+            json.dumps(config.to_dict()),
+            "--log-level",
+            log_level,
+        ]
         if kv_events:
             cmd.append("--kv-events")
         if cpus:

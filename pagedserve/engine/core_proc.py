@@ -16,6 +16,7 @@ dropped, never fatal.
 Also here, :func:`freeze_gc_heap`: the collector's start-up freeze of a serving process (this
 one and the server's front).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,13 @@ def freeze_gc_heap() -> int:
     return gc.get_freeze_count()
 
 
-def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[Message]], send: Callable[[Message], None],
-                  parent_alive: Callable[[], bool] = lambda: True, kv_events: bool = False) -> None:
+def run_busy_loop(
+    core: Any,
+    recv: Callable[[Optional[float]], Optional[Message]],
+    send: Callable[[Message], None],
+    parent_alive: Callable[[], bool] = lambda: True,
+    kv_events: bool = False,
+) -> None:
     """Serve ``core`` (an :class:`EngineCore`) until a shutdown message or the parent's death.
 
     ``recv(timeout_s)`` returns the next (type, payload) or None after the timeout (0 = poll);
@@ -96,8 +102,7 @@ def run_busy_loop(core: Any, recv: Callable[[Optional[float]], Optional[Message]
                 out.kv_events = core.take_kv_events()
             # A step that only polled KV transfers and changed nothing is not worth a message.
             key = _stats_key(out)
-            worth = (out.outputs or out.num_scheduled_tokens or changed or key != last_key or out.scheduler_stats.kv_transfer_seconds
-                     or out.kv_events)
+            worth = out.outputs or out.num_scheduled_tokens or changed or key != last_key or out.scheduler_stats.kv_transfer_seconds or out.kv_events
             last_key = key
             if not worth:
                 continue
@@ -115,8 +120,14 @@ def _stats_key(outputs: EngineCoreOutputs) -> Optional[tuple]:
     s = outputs.scheduler_stats
     if s is None:
         return None
-    return (s.num_free_blocks, s.num_waiting, s.num_running, s.kv_transfer_sent_tokens, s.kv_transfer_received_tokens,
-            sum(s.kv_transfer_failures.values()))
+    return (
+        s.num_free_blocks,
+        s.num_waiting,
+        s.num_running,
+        s.kv_transfer_sent_tokens,
+        s.kv_transfer_received_tokens,
+        sum(s.kv_transfer_failures.values()),
+    )
 
 
 def _handle(core: Any, msg: Message, send: Callable[[Message], None]) -> bool:
@@ -158,13 +169,12 @@ def _remove_socket_dir(address: str) -> None:
     import shutil
 
     if address.startswith("ipc://"):
-        d = os.path.dirname(address[len("ipc://"):])
+        d = os.path.dirname(address[len("ipc://") :])
         if os.path.basename(d).startswith("pagedserve-core-"):
             shutil.rmtree(d, ignore_errors=True)
 
 
-def serve_core(input_address: str, output_address: str, config: dict, parent_alive: Callable[[], bool],
-               kv_events: bool = False) -> int:
+def serve_core(input_address: str, output_address: str, config: dict, parent_alive: Callable[[], bool], kv_events: bool = False) -> int:
     """Connect to the front's sockets, build the core, send ``ready``, run the busy loop.
     Returns 0 after a shutdown message or the parent's death, 1 after an error (which was sent
     to the front as an ``error`` message). Used by this module's main and by the Ray replica
@@ -242,10 +252,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
-    rc = serve_core(args.input_address, args.output_address, json.loads(args.config_json),
-                    parent_alive=lambda: os.getppid() == parent, kv_events=args.kv_events)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
+    rc = serve_core(
+        args.input_address, args.output_address, json.loads(args.config_json), parent_alive=lambda: os.getppid() == parent, kv_events=args.kv_events
+    )
     if os.getppid() != parent:  # the front died without cleaning up: remove its socket directory
         _remove_socket_dir(args.input_address)
     return rc

@@ -11,6 +11,7 @@ one UTF-8 character (CJK, emoji) over several tokens, and SentencePiece / Metasp
 or keep the leading space of a word depending on its left context. The two decoders of
 :mod:`pagedserve.engine.token_decoders` handle this.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -25,9 +26,7 @@ from pagedserve.engine.token_decoders import (  # noqa: F401  (re-exported for t
 from pagedserve.sampling_params import SamplingParams
 
 
-def check_stop_strings(
-    output_text: str, new_char_count: int, stop: list[str], include_in_output: bool
-) -> Optional[tuple[str, int]]:
+def check_stop_strings(output_text: str, new_char_count: int, stop: list[str], include_in_output: bool) -> Optional[tuple[str, int]]:
     """Find a stop string in the last ``new_char_count`` characters of ``output_text``.
 
     Each stop string ``s`` is searched only where it could newly end: from
@@ -159,8 +158,7 @@ class IncrementalDetokenizer:
             self._output_text += self.decoder.decode_next(tid)
             if not self.stop or len(self.token_ids) <= self.min_tokens:
                 continue  # stop strings do not count within the first min_tokens tokens
-            match = check_stop_strings(self._output_text, len(self._output_text) - stop_check_offset, self.stop,
-                                       self.include_stop_str_in_output)
+            match = check_stop_strings(self._output_text, len(self._output_text) - stop_check_offset, self.stop, self.include_stop_str_in_output)
             if match is not None:
                 self.num_token_ids_dropped = len(new_token_ids) - n + (skipped_stop_token is not None)
                 self.stop_string, truncate_to = match

@@ -18,6 +18,7 @@ interface of :class:`pagedserve.engine.core_client.MPClient`, so :class:`AsyncLL
   :class:`EngineDeadError` for those requests only); its gauges go to zero. When none is left,
   recv returns an ERROR message and AsyncLLM fails as when its one core dies.
 """
+
 from __future__ import annotations
 
 import collections
@@ -67,10 +68,11 @@ def plan_cpus(num_replicas: int, threads: int) -> Optional[list[list[int]]]:
     (no pinning) when they do not fit."""
     cores = sorted(os.sched_getaffinity(0))
     if num_replicas * threads > len(cores):
-        logger.warning("pagedserve: %d replicas x %d threads > %d usable cores: replicas are not pinned and will share cores",
-                       num_replicas, threads, len(cores))
+        logger.warning(
+            "pagedserve: %d replicas x %d threads > %d usable cores: replicas are not pinned and will share cores", num_replicas, threads, len(cores)
+        )
         return None
-    return [cores[i * threads:(i + 1) * threads] for i in range(num_replicas)]
+    return [cores[i * threads : (i + 1) * threads] for i in range(num_replicas)]
 
 
 @dataclass
@@ -115,8 +117,16 @@ class DPClient:
                 plan = plan_cpus(n, threads) if config.pin_replica_cores and config.tensor_parallel_size == 1 else None
                 for i in range(n):
                     self.cpus[i] = plan[i] if plan else None
-                    self.replicas.append(MPClient(replica_cfg, log_level, kv_events=kv_events, cpus=self.cpus[i],
-                                                  extra_env={"OMP_NUM_THREADS": str(threads)}, wait_ready=False))
+                    self.replicas.append(
+                        MPClient(
+                            replica_cfg,
+                            log_level,
+                            kv_events=kv_events,
+                            cpus=self.cpus[i],
+                            extra_env={"OMP_NUM_THREADS": str(threads)},
+                            wait_ready=False,
+                        )
+                    )
             else:
                 from pagedserve.engine import ray_client
 
@@ -132,8 +142,13 @@ class DPClient:
             logger.warning("pagedserve: --router kv-aware needs prefix caching; routing least-loaded")
             policy = "least-loaded"
         self.router = DPRouter(n, policy, infos[0].config.block_size, seeds=[i.block_hash_seed for i in infos])
-        front_cfg = dataclasses.replace(infos[0].config, data_parallel_size=n, num_threads=config.num_threads,
-                                        threads_per_replica=threads, max_model_len=min(i.config.max_model_len for i in infos))
+        front_cfg = dataclasses.replace(
+            infos[0].config,
+            data_parallel_size=n,
+            num_threads=config.num_threads,
+            threads_per_replica=threads,
+            max_model_len=min(i.config.max_model_len for i in infos),
+        )
         self.info = dataclasses.replace(infos[0], config=front_cfg, num_blocks=sum(i.num_blocks for i in infos))
         self._zmq = zmq
         self._lock = threading.Lock()
@@ -314,9 +329,17 @@ class DPClient:
         sequences, cached blocks the router knows of, and why it died."""
         with self._lock:
             return [
-                {"engine": i, "alive": self.router.alive[i], "backend": self.backend, "pid": r.pid,
-                 "node": getattr(r, "node_ip", "localhost"), "cpus": self.cpus[i], "in_flight": self.router.load[i],
-                 "cached_blocks": len(self.router.cached[i]), "error": self.dead_reason[i]}
+                {
+                    "engine": i,
+                    "alive": self.router.alive[i],
+                    "backend": self.backend,
+                    "pid": r.pid,
+                    "node": getattr(r, "node_ip", "localhost"),
+                    "cpus": self.cpus[i],
+                    "in_flight": self.router.load[i],
+                    "cached_blocks": len(self.router.cached[i]),
+                    "error": self.dead_reason[i],
+                }
                 for i, r in enumerate(self.replicas)
             ]
 

@@ -5,6 +5,7 @@ UTILITY message (:class:`pagedserve.messages.UtilityResult`) AsyncLLM awaits.
 ``reset_prefix_cache`` goes to every live replica and is True only when each reset; every
 other call goes to the first live replica. A replica that dies stops being waited for.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -7,6 +7,7 @@ valid token ids, a prompt that leaves room to generate, ``max_tokens`` filled in
 parameters in range. Everything refused raises :class:`RequestError` (a ``ValueError``) whose
 ``param`` names the request field, set where the field is checked.
 """
+
 from __future__ import annotations
 
 import operator
@@ -58,8 +59,7 @@ class InputProcessor:
             request's priority must be 0.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: set[int],
-                 scheduling_policy: str = "fcfs") -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: set[int], scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
@@ -81,8 +81,10 @@ class InputProcessor:
         if isinstance(keep, bool) or not isinstance(keep, int) or not (keep == -1 or keep >= 1):
             raise RequestError(f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {keep!r}.", param="truncate_prompt_tokens")
         if keep > self.max_model_len:
-            raise RequestError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.max_model_len}). "
-                               "Please select a smaller truncation size.", param="truncate_prompt_tokens")
+            raise RequestError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.max_model_len}). Please select a smaller truncation size.",
+                param="truncate_prompt_tokens",
+            )
         keep = self.max_model_len if keep == -1 else keep
         return ids[-keep:] if len(ids) > keep else ids
 
@@ -119,8 +121,9 @@ class InputProcessor:
             raise RequestError("prompt_token_ids must be a list of integers", param="prompt") from None
 
     # -- lengths ----------------------------------------------------------------------------
-    def resolve_max_tokens(self, requested: Optional[int], prompt_len: int, field_name: str = "max_tokens",
-                           prompt_field: str = "prompt", strict: bool = True) -> int:
+    def resolve_max_tokens(
+        self, requested: Optional[int], prompt_len: int, field_name: str = "max_tokens", prompt_field: str = "prompt", strict: bool = True
+    ) -> int:
         """``max_tokens`` for a prompt of ``prompt_len`` tokens (None = up to max_model_len).
 
         With ``strict`` (the OpenAI API), prompt + max_tokens over max_model_len is refused;
@@ -132,7 +135,8 @@ class InputProcessor:
         if prompt_len >= self.max_model_len:
             raise RequestError(
                 f"{prompt_field} is {prompt_len} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len}. Please shorten the {prompt_field}.", param=prompt_field,
+                f"max_model_len={self.max_model_len}. Please shorten the {prompt_field}.",
+                param=prompt_field,
             )
         if requested is None:
             return self.max_model_len - prompt_len
@@ -170,11 +174,14 @@ class InputProcessor:
             allowed = set(params.allowed_token_ids)
             usable = allowed - {w[-1] for w in params._bad_words_token_ids if allowed.issuperset(w[:-1])}
             if not usable:
-                raise RequestError("bad_words can ban every token of allowed_token_ids (after the words' other tokens): "
-                                   "nothing could be sampled.", param="bad_words")
+                raise RequestError(
+                    "bad_words can ban every token of allowed_token_ids (after the words' other tokens): nothing could be sampled.", param="bad_words"
+                )
             if params.min_tokens and usable <= set(self.eos_token_ids) | set(params.stop_token_ids):
-                raise RequestError("allowed_token_ids holds only EOS and stop token ids (and bad words), which min_tokens bans: "
-                                   "nothing could be sampled.", param="allowed_token_ids")
+                raise RequestError(
+                    "allowed_token_ids holds only EOS and stop token ids (and bad words), which min_tokens bans: nothing could be sampled.",
+                    param="allowed_token_ids",
+                )
 
     def check_ban_budget(self, params: SamplingParams, num_prompts: int = 1) -> None:
         """Each sequence carries its own copy of ``allowed_token_ids`` and the bad words' ids to
@@ -183,8 +190,11 @@ class InputProcessor:
         size = len(params.allowed_token_ids or ()) + sum(len(w) for w in params._bad_words_token_ids)
         if size * params.n * num_prompts > MAX_BAN_IDS_PER_REQUEST:
             name = "allowed_token_ids" if params.allowed_token_ids else "bad_words"
-            raise RequestError(f"{name}: {size} token ids for each of {params.n * num_prompts} sequences exceed the "
-                               f"{MAX_BAN_IDS_PER_REQUEST:,} one request may carry; lower n or shorten the list.", param=name)
+            raise RequestError(
+                f"{name}: {size} token ids for each of {params.n * num_prompts} sequences exceed the "
+                f"{MAX_BAN_IDS_PER_REQUEST:,} one request may carry; lower n or shorten the list.",
+                param=name,
+            )
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """The token ids of each bad word as it stands (leading spaces stripped) and after a
@@ -211,14 +221,23 @@ class InputProcessor:
             raise RequestError(f"priority must be an integer in [-2**63, 2**63), got {priority!r}.", param="priority")
         priority = value
         if priority != 0 and self.scheduling_policy != "priority":
-            raise RequestError(f"priority {priority} needs priority scheduling, which is not enabled "
-                               "(start the engine with --scheduling-policy priority, or LLM(scheduling_policy=\"priority\")).",
-                               param="priority")
+            raise RequestError(
+                f"priority {priority} needs priority scheduling, which is not enabled "
+                '(start the engine with --scheduling-policy priority, or LLM(scheduling_policy="priority")).',
+                param="priority",
+            )
         return priority
 
     # -- requests ---------------------------------------------------------------------------
-    def process(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
-                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None, priority: int = 0) -> ProcessedRequest:
+    def process(
+        self,
+        request_id: Optional[str],
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
         """Validate an offline prompt (any :data:`PromptType`) and fan it out.
 
         Raises:
@@ -233,13 +252,20 @@ class InputProcessor:
         ids = self.truncate_prompt(ids, params.truncate_prompt_tokens)
         params.max_tokens = self.resolve_max_tokens(params.max_tokens, len(ids), strict=False)
         self.check_params(params)
-        return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt,
-                                 priority=priority)
+        return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt, priority=priority)
 
-    def make_request(self, request_id: Optional[str], prompt_text: Optional[str], prompt_token_ids: list[int],
-                     params: SamplingParams, arrival_time: Optional[float] = None,
-                     cache_salt: Optional[str] = None, timeout_s: Optional[float] = None,
-                     kv_transfer_params: Optional[dict] = None, priority: int = 0) -> ProcessedRequest:
+    def make_request(
+        self,
+        request_id: Optional[str],
+        prompt_text: Optional[str],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+        timeout_s: Optional[float] = None,
+        kv_transfer_params: Optional[dict] = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
         """Fan out checked token ids and params (``check_params`` passed, ``max_tokens`` set,
         ``priority`` checked) into the core's requests (each child carries
         ``kv_transfer_params``: siblings of one remote prefill share its load)."""
@@ -258,6 +284,7 @@ class InputProcessor:
                 if params.seed is not None:
                     child.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt, deadline,
-                                              kv_transfer_params, priority))
+            children.append(
+                EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt, deadline, kv_transfer_params, priority)
+            )
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, children)

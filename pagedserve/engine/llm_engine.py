@@ -5,6 +5,7 @@ Glue only: the :class:`InputProcessor` validates and tokenizes, the :class:`Engi
 detokenizes and shapes :class:`RequestOutput`s. A sequence that hits a stop string is aborted in
 the core in the same step, so its blocks are freed at once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -74,8 +75,15 @@ class LLMEngine:
         return self.input_processor.vocab_size
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None, priority: int = 0) -> str:
+    def add_request(
+        self,
+        request_id: Optional[str],
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+        priority: int = 0,
+    ) -> str:
         """Validate and queue a request; returns its id. ``priority``: see ``EngineConfig.scheduling_policy``.
 
         Raises:
@@ -138,5 +146,9 @@ class LLMEngine:
 def log_stats(s: SchedulerStats) -> None:
     logger.info(
         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d",
-        s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate, s.num_preemptions,
+        s.num_running,
+        s.num_waiting,
+        100 * s.kv_cache_usage,
+        100 * s.prefix_cache_hit_rate,
+        s.num_preemptions,
     )

@@ -5,6 +5,7 @@ contends for the GIL with the output thread, so a step's outputs go to each loop
 (py-spy over W1 over HTTP: 57 of the output thread's 190 samples were in those writes when each
 request's output was its own call).
 """
+
 from __future__ import annotations
 
 import asyncio

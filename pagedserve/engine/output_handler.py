@@ -5,6 +5,7 @@ step (:mod:`pagedserve.engine.loop_handoff`); it resolves utility calls; when th
 ends every live request. :class:`OutputHandler` owns the state the thread shares with the
 callers (streams, pending utility calls, the latest stats), behind one lock.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,8 +54,17 @@ class OutputHandler:
         on_engine_dead: called once (from the thread) when the core dies or fails.
     """
 
-    def __init__(self, client: Any, output_processor: Any, stats: SchedulerStats, *, data_parallel_size: int = 1,
-                 replica_stats: tuple = (), metrics: Any = None, on_engine_dead: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        output_processor: Any,
+        stats: SchedulerStats,
+        *,
+        data_parallel_size: int = 1,
+        replica_stats: tuple = (),
+        metrics: Any = None,
+        on_engine_dead: Optional[Callable[[], None]] = None,
+    ) -> None:
         self.client = client
         self.output_processor = output_processor
         self.data_parallel_size = data_parallel_size

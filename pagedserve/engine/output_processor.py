@@ -7,6 +7,7 @@ new tokens, checks stop strings (a sequence that hits one finishes here, and its
 so the caller aborts it in the core), gathers the ``n`` sequences of a request, and shapes
 outputs by ``output_kind`` (cumulative, delta, final only).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,9 +86,13 @@ class OutputProcessor:
                 raise ValueError(f"request_id {c.request_id!r} is already in use")
         wants_logprobs = req.params.logprobs is not None
         seqs = [
-            SequenceState(c.request_id, i, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, c.sampling_params),
-                          logprobs=[] if wants_logprobs else None,
-                          terminators=frozenset(c.eos_token_ids) | frozenset(c.sampling_params.stop_token_ids or ()))
+            SequenceState(
+                c.request_id,
+                i,
+                IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, c.sampling_params),
+                logprobs=[] if wants_logprobs else None,
+                terminators=frozenset(c.eos_token_ids) | frozenset(c.sampling_params.stop_token_ids or ()),
+            )
             for i, c in enumerate(req.children)
         ]
         state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, req.params, req.children[0].arrival_time, seqs)
@@ -176,7 +181,7 @@ class OutputProcessor:
         elif out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.error if out.finish_reason == "error" else out.stop_reason
         if seq.logprobs is not None and out.new_logprobs is not None:
-            for ids, lps, rank in out.new_logprobs[:len(out.new_logprobs) - dropped]:
+            for ids, lps, rank in out.new_logprobs[: len(out.new_logprobs) - dropped]:
                 seq.logprobs.append(self._logprob_entry(ids, lps, rank))
                 seq.cumulative_logprob += lps[0]
         if seq.finished:
@@ -212,9 +217,13 @@ class OutputProcessor:
                 continue
             outs.append(
                 CompletionOutput(
-                    index=s.index, text=text, token_ids=list(token_ids),
+                    index=s.index,
+                    text=text,
+                    token_ids=list(token_ids),
                     cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                    logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                    logprobs=logprobs,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
                 )
             )
         prompt_logprobs = None if delta and state.prompt_logprobs_sent else state.prompt_logprobs
@@ -222,7 +231,13 @@ class OutputProcessor:
         s0 = state.sequences[0]
         metrics = RequestMetrics(state.arrival_time, s0.first_scheduled_time, s0.first_token_time, s0.last_token_time, s0.finished_time)
         return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids, outputs=outs,
-            finished=finished, num_cached_tokens=s0.num_cached_tokens, metrics=metrics,
-            kv_transfer_params=s0.kv_transfer_params if finished else None, prompt_logprobs=prompt_logprobs,
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=s0.num_cached_tokens,
+            metrics=metrics,
+            kv_transfer_params=s0.kv_transfer_params if finished else None,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -12,6 +12,7 @@ so a cluster must sit on a trusted network.
 
 An actor is owned by the server's Ray driver: if the server dies, Ray stops its actors.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,7 @@ class EngineCoreActor:
         """The busy loop; returns when the front sends shutdown (0) or a step fails (1)."""
         from pagedserve.engine.core_proc import serve_core
 
-        logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
-                            format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
+        logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
         return serve_core(input_address, output_address, config, parent_alive=lambda: True, kv_events=kv_events)
 
 
@@ -67,8 +67,13 @@ def init_ray(address: Optional[str], num_cpus: int) -> bool:
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}}
     if address is None:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus), include_dashboard=False,
-                 runtime_env=runtime_env, logging_level=logging.WARNING)
+        ray.init(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, num_cpus),
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            logging_level=logging.WARNING,
+        )
         return True
     ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
     return False
@@ -95,8 +100,10 @@ def placement_group(num_replicas: int, threads: int) -> Any:
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         remove_placement_group(pg)
-        raise RuntimeError(f"Ray could not place {num_replicas} replicas of {threads} CPUs each within {PLACEMENT_TIMEOUT_S:.0f} s "
-                           f"(cluster resources: {ray.cluster_resources()})")
+        raise RuntimeError(
+            f"Ray could not place {num_replicas} replicas of {threads} CPUs each within {PLACEMENT_TIMEOUT_S:.0f} s "
+            f"(cluster resources: {ray.cluster_resources()})"
+        )
     return pg
 
 
@@ -137,8 +144,18 @@ class RayCoreClient(MPClient):
     ``bundle_index`` of ``pg``), its sockets on TCP at ``host``. Start-up waits as MPClient's
     (``wait_ready``); ``node_ip`` says where the actor runs."""
 
-    def __init__(self, config: EngineConfig, pg: Any, bundle_index: int, host: str, log_level: str = "info",
-                 startup_timeout_s: float = STARTUP_TIMEOUT_S, *, kv_events: bool = False, wait_ready: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pg: Any,
+        bundle_index: int,
+        host: str,
+        log_level: str = "info",
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        *,
+        kv_events: bool = False,
+        wait_ready: bool = True,
+    ) -> None:
         import ray
         import zmq
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -160,8 +177,7 @@ class RayCoreClient(MPClient):
         threads = config.num_threads or 1
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
         try:
-            actor = ray.remote(EngineCoreActor).options(num_cpus=threads, scheduling_strategy=strategy,
-                                                        max_restarts=0).remote()
+            actor = ray.remote(EngineCoreActor).options(num_cpus=threads, scheduling_strategy=strategy, max_restarts=0).remote()
             pid, self.node_ip = ray.get(actor.where.remote(), timeout=startup_timeout_s)
             run_ref = actor.run.remote(f"tcp://{host}:{in_port}", f"tcp://{host}:{out_port}", config.to_dict(), kv_events, log_level)
         except BaseException:
@@ -231,6 +247,7 @@ class RayCluster:
 
     def shutdown(self) -> None:
         """Remove the placement group and stop a head this object started; idempotent."""
+
         def stop() -> None:
             import ray
             from ray.util.placement_group import remove_placement_group

@@ -12,6 +12,7 @@ UTF-8 character and keep the tokenizer's spacing (see :mod:`pagedserve.engine.de
 Both are primed with the last few prompt tokens, so the first output token is spaced as if
 decoded after the prompt.
 """
+
 from __future__ import annotations
 
 import logging
@@ -169,7 +170,7 @@ class OffsetTokenDecoder:
         self.added_vocab = {} if getattr(tokenizer, "is_fast", False) else dict(added)
         self.all_special_tokens = set(getattr(tokenizer, "all_special_tokens", []) or [])
 
-        context = prompt_token_ids[-(_INITIAL_OFFSET + 2):]
+        context = prompt_token_ids[-(_INITIAL_OFFSET + 2) :]
         self.tokens: list[str] = self._to_tokens(context)
         self.read_offset = len(self.tokens)
         self.prefix_offset = max(self.read_offset - _INITIAL_OFFSET, 0)

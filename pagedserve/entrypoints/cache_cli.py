@@ -1,5 +1,6 @@
 """``pagedserve cache list|clear``: what pagedserve keeps on disk, and removing it (see
 :data:`DESCRIPTION`; the folder is ``pagedserve.model.loader.cache_dir``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -215,22 +216,30 @@ def cmd_cache(args: argparse.Namespace) -> int:
             note = f"  [stale: {e.stale}]" if e.stale else ""
             print(f"  {human(e.size):>10}  {e.name:<{width}}  {e.what}{note}")
         total, stale = sum(e.size for e in entries), sum(e.size for e in entries if e.stale)
-        print(f"  {human(total):>10}  total in {len(entries)} entries; {human(stale)} stale "
-              "(`pagedserve cache clear` removes the stale entries, `--all` everything: it is rebuilt when needed)")
+        print(
+            f"  {human(total):>10}  total in {len(entries)} entries; {human(stale)} stale "
+            "(`pagedserve cache clear` removes the stale entries, `--all` everything: it is rebuilt when needed)"
+        )
         return 0
     if args.all and args.entries:
         raise ValueError("--all removes every entry: name no ENTRY with it")
     removed = clear(root, args.all, args.entries)
     for e in removed:
         print(f"removed {e.name} ({human(e.size)})")
-    print(f"pagedserve cache: freed {human(sum(e.size for e in removed))} in {root}"
-          + ("" if removed or args.all or args.entries else " (nothing stale; `--all` removes everything)"))
+    print(
+        f"pagedserve cache: freed {human(sum(e.size for e in removed))} in {root}"
+        + ("" if removed or args.all or args.entries else " (nothing stale; `--all` removes everything)")
+    )
     return 0
 
 
 def add_cache_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("cache", help="the converted models and compiled kernels pagedserve keeps on disk: list, clear",
-                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "cache",
+        help="the converted models and compiled kernels pagedserve keeps on disk: list, clear",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cache_command", required=True)
     sub.add_parser("list", help="each entry, its size and whether it is stale")
     c = sub.add_parser("clear", help="remove the stale entries (or --all, or the entries named)")

@@ -6,6 +6,7 @@ answer streams stops that answer (its request is aborted) and keeps the conversa
 partial answer included. Engine log lines stay out of the conversation (warnings and errors
 only, unless ``--log-level`` says otherwise).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,13 @@ class ServerChat:
             self.model = model or self.http.get(self.base + "/models").json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
             raise ValueError(f"no OpenAI-compatible server answers at {self.base}: {e}") from None
-        self.body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                     "seed": args.sampling_seed}
+        self.body = {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "seed": args.sampling_seed,
+        }
 
     def stream(self, history: list[dict]) -> Iterator[str]:
         body = {"model": self.model, "messages": history, "stream": True, **self.body}

@@ -1,4 +1,5 @@
 """The ``pagedserve`` command: generate, chat, serve, proxy, bench, cache, explain."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _params(args: argparse.Namespace):
     from pagedserve.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed
-    )
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -115,7 +114,9 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
 
     from pagedserve.entrypoints.proxy import add_proxy_args, cmd_proxy
 
-    x = sub.add_parser("proxy", parents=[common], help="prefill/decode disaggregation proxy in front of kv_producer and kv_consumer instances (experimental)")
+    x = sub.add_parser(
+        "proxy", parents=[common], help="prefill/decode disaggregation proxy in front of kv_producer and kv_consumer instances (experimental)"
+    )
     add_proxy_args(x)
     x.set_defaults(func=cmd_proxy)
 
@@ -135,7 +136,13 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
 
 def _add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server")
-    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct; --model works too)")
+    s.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct; --model works too)",
+    )
     ServerArgs.add_cli_args(s)
     EngineConfig.add_cli_args(s, usage="serve")
     s.set_defaults(func=cmd_serve)

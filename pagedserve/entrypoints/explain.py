@@ -12,6 +12,7 @@ Scenarios:
 
 The script only adds requests and steps the engine; every number printed comes from the trace.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,7 @@ def _prompt(tokenizer, n: int, offset: int) -> list[int]:
     ids = tokenizer(_TEXT, add_special_tokens=False)["input_ids"]
     out = []
     while len(out) < n:
-        out.extend(ids[(offset + len(out)) % len(ids):])
+        out.extend(ids[(offset + len(out)) % len(ids) :])
     return out[:n]
 
 
@@ -120,7 +121,12 @@ def prefix_caching(make_engine, prefix_tokens: int = 64, suffix_tokens: int = 8,
         _run(eng, lambda: False)
     recs = eng.get_step_trace()
     n = prefix_tokens + suffix_tokens
-    ex = Explanation("prefix-caching", recs, {"first": f"{prefix_tokens} shared + {suffix_tokens}", "second": f"{prefix_tokens} shared + {suffix_tokens}"}, block_size=B)
+    ex = Explanation(
+        "prefix-caching",
+        recs,
+        {"first": f"{prefix_tokens} shared + {suffix_tokens}", "second": f"{prefix_tokens} shared + {suffix_tokens}"},
+        block_size=B,
+    )
     for rid in ("first", "second"):
         rec = next(r for r in recs if (e := _entry(r, rid)) is not None and e["admitted"])
         e = _entry(rec, rid)
@@ -134,8 +140,9 @@ def prefix_caching(make_engine, prefix_tokens: int = 64, suffix_tokens: int = 8,
     return ex
 
 
-def preemption(make_engine, num_requests: int = 3, prompt_tokens: int = 20, max_tokens: int = 40, num_kv_blocks: Optional[int] = None,
-               block_size: int = 16) -> Explanation:
+def preemption(
+    make_engine, num_requests: int = 3, prompt_tokens: int = 20, max_tokens: int = 40, num_kv_blocks: Optional[int] = None, block_size: int = 16
+) -> Explanation:
     per_request = -(-(prompt_tokens + max_tokens) // block_size)
     blocks = num_kv_blocks or max(per_request, (num_requests * per_request) // 2)
     eng = make_engine(num_kv_blocks=blocks, max_model_len=blocks * block_size)
@@ -145,7 +152,9 @@ def preemption(make_engine, num_requests: int = 3, prompt_tokens: int = 20, max_
     _run(eng, lambda: False)
     recs = eng.get_step_trace()
     ex = Explanation("preemption", recs, {rid: f"{prompt_tokens}+{max_tokens} tokens" for rid in ids}, block_size=eng.config.block_size)
-    ex.notes.append(f"Pool: {blocks} blocks of {block_size} tokens; each request needs up to {per_request} blocks, all {num_requests} together {num_requests * per_request}.")
+    ex.notes.append(
+        f"Pool: {blocks} blocks of {block_size} tokens; each request needs up to {per_request} blocks, all {num_requests} together {num_requests * per_request}."
+    )
     computed: dict[str, int] = {}  # tokens in the cache per request, followed through the trace
     preempted: set[str] = set()
     recomputed = 0
@@ -160,12 +169,16 @@ def preemption(make_engine, num_requests: int = 3, prompt_tokens: int = 20, max_
                 if rid in preempted:
                     preempted.discard(rid)
                     recomputed += e["num_tokens"]
-                    ex.notes.append(f"step {r['step']}: {rid} resumed: {e['prefix_hit_tokens']} tokens from the prefix cache, "
-                                    f"{e['num_tokens']} recomputed ({e['phase']}).")
+                    ex.notes.append(
+                        f"step {r['step']}: {rid} resumed: {e['prefix_hit_tokens']} tokens from the prefix cache, "
+                        f"{e['num_tokens']} recomputed ({e['phase']})."
+                    )
             computed[rid] = computed.get(rid, 0) + e["num_tokens"]
     n = sum(len(r["preempted"]) for r in recs)
-    ex.notes.append(f"{n} preemptions, {recomputed} tokens recomputed; every request finished: "
-                    f"{sorted(f['request_id'] for r in recs for f in r['finished']) == sorted(ids)}.")
+    ex.notes.append(
+        f"{n} preemptions, {recomputed} tokens recomputed; every request finished: "
+        f"{sorted(f['request_id'] for r in recs for f in r['finished']) == sorted(ids)}."
+    )
     return ex
 
 
@@ -205,8 +218,15 @@ def format_table(ex: Explanation) -> str:
                 j += 1
         r = recs[j]
         step = str(recs[i]["step"]) if i == j else f"{recs[i]['step']}-{r['step']}"
-        rows.append([step] + [_cell(r, rid) for rid in ids] + [f"{r['num_scheduled_tokens']}/{r['token_budget']}", f"{r['num_running']}/{r['num_waiting']}",
-                                                               f"{r['num_used_blocks']}/{r['num_free_blocks']}/{r['num_cached_free_blocks']}"])
+        rows.append(
+            [step]
+            + [_cell(r, rid) for rid in ids]
+            + [
+                f"{r['num_scheduled_tokens']}/{r['token_budget']}",
+                f"{r['num_running']}/{r['num_waiting']}",
+                f"{r['num_used_blocks']}/{r['num_free_blocks']}/{r['num_cached_free_blocks']}",
+            ]
+        )
         i = j + 1
     widths = [max(len(x[k]) for x in [head] + rows) for k in range(len(head))]
     lines = [f"pagedserve explain {ex.scenario} (block size {ex.block_size}; every number is from the engine's step trace)", ""]
@@ -275,8 +295,9 @@ def add_explain_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    engine_kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size, num_threads=args.num_threads,
-                         trace_file=args.trace_file)
+    engine_kwargs = dict(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size, num_threads=args.num_threads, trace_file=args.trace_file
+    )
     params = {k: getattr(args, k) for k in _PARAMS[args.scenario] if getattr(args, k) is not None}
     ex = explain(args.scenario, engine_kwargs, **params)
     if args.json:

@@ -1,4 +1,5 @@
 """Offline API: ``LLM.generate`` and ``LLM.chat``, with vLLM's names and shapes."""
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union

@@ -38,6 +38,7 @@ of the NixlConnector) and SGLang's mini load balancer (``sglang.srt.disaggregati
 It does not: pick instances by load or cached prefix, retry a request once it reached an
 instance, speak anything but the two completion routes, or batch prefills.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,15 @@ class _PrefillFailed(Exception):
 class Proxy:
     """The state of one proxy: upstream pools, the HTTP client and counters."""
 
-    def __init__(self, prefill: list[str], decode: list[str], prefill_timeout: float = 30.0, decode_timeout: float = 600.0,
-                 on_prefill_failure: str = "fallback", down_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        prefill_timeout: float = 30.0,
+        decode_timeout: float = 600.0,
+        on_prefill_failure: str = "fallback",
+        down_s: float = 5.0,
+    ) -> None:
         if on_prefill_failure not in ("fallback", "error"):
             raise ValueError(f"--on-prefill-failure must be fallback or error, got {on_prefill_failure!r}")
         if not (prefill_timeout > 0 and decode_timeout > 0):
@@ -290,9 +298,18 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None, help="key the proxy's clients must send (Bearer or X-Api-Key); forwarded to the instances")
     p.add_argument("--prefill-timeout", type=float, default=30.0, help="seconds a prefill may take before the failure policy applies (default 30)")
-    p.add_argument("--decode-timeout", type=float, default=600.0, help="longest silence of a decode instance, in seconds, before a 504 or a stream error (default 600)")
-    p.add_argument("--on-prefill-failure", choices=("fallback", "error"), default="fallback",
-                   help="fallback: the decode instance computes the prompt itself; error: 503 (default fallback)")
+    p.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=600.0,
+        help="longest silence of a decode instance, in seconds, before a 504 or a stream error (default 600)",
+    )
+    p.add_argument(
+        "--on-prefill-failure",
+        choices=("fallback", "error"),
+        default="fallback",
+        help="fallback: the decode instance computes the prompt itself; error: 503 (default fallback)",
+    )
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -300,8 +317,14 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     for name in ("httpx", "httpx2", "httpcore"):  # one INFO line per upstream request would bury the log
         logging.getLogger(name).setLevel(logging.WARNING)
-    app = build_app(args.prefill, args.decode, api_key=args.api_key, prefill_timeout=args.prefill_timeout,
-                    decode_timeout=args.decode_timeout, on_prefill_failure=args.on_prefill_failure)
+    app = build_app(
+        args.prefill,
+        args.decode,
+        api_key=args.api_key,
+        prefill_timeout=args.prefill_timeout,
+        decode_timeout=args.decode_timeout,
+        on_prefill_failure=args.on_prefill_failure,
+    )
     logger.info("pagedserve proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

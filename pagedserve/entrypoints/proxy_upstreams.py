@@ -1,6 +1,7 @@
 """The proxy's pieces that do not need its app: the two request bodies of vLLM's
 disaggregation contract, the round-robin pool of instance URLs, and the response that cancels
 its upstream request when the client disconnects (see :mod:`pagedserve.entrypoints.proxy`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,14 @@ from fastapi.responses import Response
 
 logger = logging.getLogger("pagedserve.proxy")
 
-PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def prefill_body(body: dict) -> dict:

@@ -2,6 +2,7 @@
 as Ray actors (``ray``). Both run :func:`pagedserve.executor.worker_proc.run_worker`, which
 talks to rank 0 over the same ZeroMQ control socket; only the process launcher differs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,21 @@ class MpLauncher:
     def start(self, control_address: str, world_size: int) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
         for rank in range(1, world_size):
-            cmd = [sys.executable, "-m", "pagedserve.executor.worker_proc", "--control-address", control_address,
-                   "--rank", str(rank), "--world-size", str(world_size), "--parent-pid", str(os.getpid()),
-                   "--log-level", logging.getLevelName(logger.getEffectiveLevel()).lower()]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pagedserve.executor.worker_proc",
+                "--control-address",
+                control_address,
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(world_size),
+                "--parent-pid",
+                str(os.getpid()),
+                "--log-level",
+                logging.getLevelName(logger.getEffectiveLevel()).lower(),
+            ]
             self.procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
     def check_alive(self) -> None:

@@ -12,6 +12,7 @@ the group forms, every rank loads and shards its weights and reports the KV bloc
 rank 0 takes the smallest and every rank allocates that many. The control socket and the store
 bind to ``distributed_host`` (default 127.0.0.1) on free ports.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,8 +100,13 @@ class TPExecutor:
         except BaseException:
             self.shutdown()
             raise
-        logger.info("pagedserve: tensor parallel x%d (%s backend), %d torch threads per rank, started in %.1fs", n,
-                    config.distributed_executor_backend, threads, time.monotonic() - t0)
+        logger.info(
+            "pagedserve: tensor parallel x%d (%s backend), %d torch threads per rank, started in %.1fs",
+            n,
+            config.distributed_executor_backend,
+            threads,
+            time.monotonic() - t0,
+        )
 
     # -- the Worker's interface (rank 0's values) -------------------------------------------
     model_dir = property(lambda self: self.worker.model_dir)

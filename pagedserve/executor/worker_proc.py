@@ -16,6 +16,7 @@ Any exception is sent as ERROR (rank, type name, message) and the worker exits 1
 idle it checks every second that its parent (the engine core) is alive and exits when not;
 under Ray the actor shares its owner's fate instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,8 +124,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     # its workers itself (a shutdown message, then a kill after a timeout).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format=f"%(levelname)s %(asctime)s %(name)s[tp{args.rank}]: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO), format=f"%(levelname)s %(asctime)s %(name)s[tp{args.rank}]: %(message)s"
+    )
     return run_worker(args.control_address, args.rank, args.world_size, args.parent_pid)
 
 

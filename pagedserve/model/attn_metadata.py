@@ -6,6 +6,7 @@ Algorithm: PagedAttention (Kwon et al., "Efficient Memory Management for Large L
 Serving with PagedAttention", SOSP 2023): token ``p`` of a request lives in slot
 ``block_table[p // B] * B + p % B`` of a pool of fixed-size blocks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -14,6 +14,7 @@ shapes are validated against each other and the file sizes before anything is al
 them, and every problem with a file is a :class:`ModelFileError` (a ValueError) whose text is
 one line naming the file.
 """
+
 from __future__ import annotations
 
 import glob
@@ -101,8 +102,7 @@ def resolve_model(model: Optional[str]) -> str:
         return path
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"model {model!r} not found: pass a local HF model directory or a .gguf file "
-            "(pagedserve never downloads from a model hub)"
+            f"model {model!r} not found: pass a local HF model directory or a .gguf file (pagedserve never downloads from a model hub)"
         )
     if path.endswith(".gguf"):
         return convert_gguf(path)
@@ -266,8 +266,7 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
         config.tie_word_embeddings = True
     check_config(path, config.to_dict())
     # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.
-    check_weights(path, config, {hf: TensorSpec(hf, "F32", tuple(reversed(header.tensors[g].shape)), path)
-                                 for g, hf in names.items()}, shape_check())
+    check_weights(path, config, {hf: TensorSpec(hf, "F32", tuple(reversed(header.tensors[g].shape)), path) for g, hf in names.items()}, shape_check())
     try:
         tokenizer = AutoTokenizer.from_pretrained(d or ".", gguf_file=f)
     except Exception as e:

@@ -1,5 +1,6 @@
 """Building blocks of the Llama family shared by the model and its backends: RMSNorm and RoPE,
 computed as HF transformers computes them."""
+
 from __future__ import annotations
 
 import torch

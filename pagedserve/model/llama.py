@@ -9,6 +9,7 @@ carried between layers beside the hidden states (vLLM's layout: each layer start
 "residual add + RMSNorm"). Every op that is not a projection goes through the model's backend
 (``pagedserve.model.backends``), chosen once at load time: PyTorch or the CPU C kernels.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
@@ -42,8 +43,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.layer_idx = layer_idx
 
-    def forward(self, hidden, positions, state, rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: TorchBackend) -> torch.Tensor:
+    def forward(
+        self, hidden, positions, state, rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: TorchBackend
+    ) -> torch.Tensor:
         """``hidden [T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V."""
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -52,8 +54,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = qk.reshape(T, self.num_heads + self.num_kv_heads, self.head_dim).split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(T, qk_end)
-        q, k, v = backend.rope_and_write_kv(qk, qkv[:, qk_end:], positions, state, rope, kv_cache, meta, self.num_heads,
-                                            self.num_kv_heads, self.head_dim)
+        q, k, v = backend.rope_and_write_kv(
+            qk, qkv[:, qk_end:], positions, state, rope, kv_cache, meta, self.num_heads, self.num_kv_heads, self.head_dim
+        )
         o = backend.attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.view(T, self.q_size))
 
@@ -85,8 +88,6 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, state, rope, kv_cache, meta, backend)
         h, residual = backend.add_rms_norm(h, residual, self.post_attention_layernorm)
         return self.mlp(h, backend), residual
-
-
 
 
 class LlamaForCausalLM(nn.Module):

@@ -3,6 +3,7 @@ GGUF file, and the dtype the engine computes in. Finding, converting and reading
 config and tokenizer is torch-free and lives in :mod:`pagedserve.model.files`; its names are
 re-exported here (``pagedserve.model.loader.resolve_model`` is public).
 """
+
 from __future__ import annotations
 
 import glob

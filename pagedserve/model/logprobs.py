@@ -2,14 +2,13 @@
 raw logprobs (``log_softmax`` of the logits the sampler got), the rank of the chosen token,
 and the top-k with exact ties broken by the smaller token id, so that the answer does not
 depend on what else was sampled in the same step."""
+
 from __future__ import annotations
 
 import torch
 
 
-def gather_logprobs(
-    logprobs: torch.Tensor, sampled: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sampled-token and top-``k`` logprobs.
 
     Args:
@@ -49,7 +48,7 @@ def top_k_by_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if bool(cut_tie.any()):
         rows = cut_tie.nonzero()[:, 0]
         xr = x[rows]
-        kth = vals[rows, k - 1:]
+        kth = vals[rows, k - 1 :]
         above = xr > kth
         tied = xr == kth
         take = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))

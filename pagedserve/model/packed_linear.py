@@ -37,6 +37,7 @@ to 2 MiB pages where Linux allows it.
 Disable with ``PAGEDSERVE_PACK_WEIGHTS=0`` (packing), ``PAGEDSERVE_AMX=0`` (the AMX matmul),
 ``PAGEDSERVE_AVX2_GEMM=0`` (the AVX2 bf16 matmul) or ``PAGEDSERVE_SMALL_GEMM=0`` (small-M path).
 """
+
 from __future__ import annotations
 
 import functools
@@ -74,8 +75,7 @@ def avx2_bf16(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` projections take the AVX2 bf16 matmul: bf16 where oneDNN cannot pack
     bf16 weights (no AVX-512), the CPU has AVX2 + FMA (``matmul.avx2_gemm_available``) and
     ``PAGEDSERVE_AVX2_GEMM`` is not 0."""
-    return (dtype == torch.bfloat16 and not onednn_packs(dtype) and platform.switch_on("PAGEDSERVE_AVX2_GEMM")
-            and cpu_kernels.avx2_gemm_available())
+    return dtype == torch.bfloat16 and not onednn_packs(dtype) and platform.switch_on("PAGEDSERVE_AVX2_GEMM") and cpu_kernels.avx2_gemm_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,8 +89,11 @@ def onednn_packs(dtype: torch.dtype) -> bool:
         x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
         got = packed_linear(x, pack_weight(w)).float()
     except RuntimeError as e:
-        logger.info("oneDNN cannot pack %s weights on this CPU (%s); those projections take the AVX2 bf16 matmul where it runs, "
-                    "else F.linear", dtype, str(e).splitlines()[0])
+        logger.info(
+            "oneDNN cannot pack %s weights on this CPU (%s); those projections take the AVX2 bf16 matmul where it runs, else F.linear",
+            dtype,
+            str(e).splitlines()[0],
+        )
         return False
     return bool(torch.allclose(got, x.float() @ w.float().t(), rtol=2e-2, atol=2e-2))
 
@@ -111,7 +114,9 @@ def rows_independent(packed: torch.Tensor, out_features: int, in_features: int) 
         full = packed_linear(x, packed)
         _rows_independent[key] = all(torch.equal(packed_linear(x[:m].contiguous(), packed), full[:m]) for m in _PROBE_ROWS)
         if not _rows_independent[key]:
-            logger.info("oneDNN's %s rows for weight %s x %s depend on the row count; exact row counts there", packed.dtype, out_features, in_features)
+            logger.info(
+                "oneDNN's %s rows for weight %s x %s depend on the row count; exact row counts there", packed.dtype, out_features, in_features
+            )
     return _rows_independent[key]
 
 
@@ -145,8 +150,13 @@ class PackedLinear(nn.Module):
             self.avx2_weight = cpu_kernels.avx2_layout(weight)
             cpu_kernels.collapse_to_huge_pages(self.avx2_weight.data_ptr(), self.avx2_weight.numel() * 2)
         # The weight in pagedserve's own layout and its matmul, or None: oneDNN's packed copy.
-        self._own = (self.amx_weight, cpu_kernels.amx_gemm) if self.amx_weight is not None else \
-            (self.avx2_weight, cpu_kernels.avx2_gemm) if self.avx2_weight is not None else None
+        self._own = (
+            (self.amx_weight, cpu_kernels.amx_gemm)
+            if self.amx_weight is not None
+            else (self.avx2_weight, cpu_kernels.avx2_gemm)
+            if self.avx2_weight is not None
+            else None
+        )
         self.packed_weight: Optional[torch.Tensor] = None if self._own else pack_weight(weight)
         self.small_plan: Optional[tuple[int, int]] = None
         self.pad_rows = self.packed_weight is not None and rows_independent(self.packed_weight, self.out_features, self.in_features)
@@ -197,15 +207,24 @@ def amx_copy(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[tor
 
 
 def packed_or_small_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, small_plan: Optional[tuple[int, int]],
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_features: int,
+    small_plan: Optional[tuple[int, int]],
     pad_rows: bool = False,
 ) -> torch.Tensor:
     """:func:`packed_linear` (on :func:`onednn_rows` rows when ``pad_rows``, which
     :func:`rows_independent` decides per weight shape), or the small-M kernel for a contiguous
     bf16 ``x [M <= SMALL_GEMM_MAX_ROWS, in]`` when ``small_plan`` is set (the same result bit
     for bit as oneDNN's batched kernel)."""
-    if (small_plan is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS
-            and x.is_contiguous() and x.dtype == torch.bfloat16):
+    if (
+        small_plan is not None
+        and x.dim() == 2
+        and 0 < x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS
+        and x.is_contiguous()
+        and x.dtype == torch.bfloat16
+    ):
         return cpu_kernels.small_gemm(x, packed, bias, out_features, small_plan)
     if not pad_rows:
         if x.dim() == 2 and x.shape[0] == 1:  # see onednn_rows: never one row
@@ -266,7 +285,9 @@ def onednn_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def prepare_small_gemm(packed: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor], plans: dict) -> Optional[tuple[int, int]]:
+def prepare_small_gemm(
+    packed: torch.Tensor, out_features: int, in_features: int, bias: Optional[torch.Tensor], plans: dict
+) -> Optional[tuple[int, int]]:
     """Move ``packed``'s buffer to huge pages and return its small-M plan (cached in ``plans``
     per (out, in, has bias)); None when the small-M path is unavailable (``PAGEDSERVE_SMALL_GEMM=0``
     among others) or does not match."""

@@ -20,6 +20,7 @@ Row ``j``'s sampling state counts drafts ``d_0 .. d_{j-1}`` as already output (t
 at a time; a grammar's mask for row ``j`` (its state after those drafts) is applied to the
 logits before this is called.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ from pagedserve.model.sampler import Sampler, random_sample, sampling_probs, tor
 from pagedserve.model.sampling_metadata import SamplingMetadata
 
 
-def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata, draft_token_ids: torch.Tensor,
-                     num_drafts: list[int], argmax=torch_argmax) -> tuple[list[int], list[int]]:
+def rejection_sample(
+    logits: torch.Tensor, metadata: SamplingMetadata, draft_token_ids: torch.Tensor, num_drafts: list[int], argmax=torch_argmax
+) -> tuple[list[int], list[int]]:
     """Verify the drafts of a batch of requests.
 
     Args:

@@ -17,6 +17,7 @@ sample this step (row ``i`` of the logits belongs to the ``i``-th of them), then
    Seeded requests draw their row of ``q`` from their own generator, so their tokens do not
    depend on the rest of the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -118,9 +119,7 @@ class Sampler(torch.nn.Module):
             if not copied:
                 logits = logits.clone()
                 copied = True
-            logits.index_put_(
-                (metadata.logit_bias_rows, metadata.logit_bias_cols), metadata.logit_bias_values, accumulate=True
-            )
+            logits.index_put_((metadata.logit_bias_rows, metadata.logit_bias_cols), metadata.logit_bias_values, accumulate=True)
         if not metadata.no_penalties:
             logits = apply_penalties(
                 logits,
@@ -201,9 +200,7 @@ def apply_penalties(
     return logits.clone().scatter_(1, ids, torch.where(has_seen, val, x))
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """Mask ``[B, V]`` logits to ``-inf`` outside each row's top-k, then outside its top-p set.
 
     One descending sort for the batch. ``top_k`` (``[B]`` int64, 0 = off) keeps the tokens whose
@@ -243,8 +240,9 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _processes_logits(metadata: SamplingMetadata) -> bool:
     """Whether ``process_logits`` changes anything for this batch."""
-    return (metadata.min_tokens_rows is not None or metadata.logit_bias_rows is not None or metadata.banned_mask is not None
-            or not metadata.no_penalties)
+    return (
+        metadata.min_tokens_rows is not None or metadata.logit_bias_rows is not None or metadata.banned_mask is not None or not metadata.no_penalties
+    )
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -3,6 +3,7 @@
 Built by the worker's persistent input batch (``pagedserve.worker.input_batch``) from the rows
 that sample this step, consumed by :class:`pagedserve.model.sampler.Sampler`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

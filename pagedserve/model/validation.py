@@ -21,6 +21,7 @@ tensors later):
   the rule is the one the real load applies, with nothing allocated).
 - :func:`validate_model_dir`: all of the above for an HF folder (remembered per file state).
 """
+
 from __future__ import annotations
 
 import json
@@ -56,9 +57,28 @@ FLOAT_WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 # safetensors dtype -> bits per element (every dtype the format defines).
 SAFETENSORS_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
 }
 
 
@@ -145,7 +165,9 @@ def read_safetensors_header(path: str) -> dict[str, TensorSpec]:
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         if n > size - 8:
-            raise ModelFileError(path, f"safetensors header length {n} runs past the end of the file ({size} bytes): truncated or not a safetensors file")
+            raise ModelFileError(
+                path, f"safetensors header length {n} runs past the end of the file ({size} bytes): truncated or not a safetensors file"
+            )
         if n > SAFETENSORS_MAX_HEADER:
             raise ModelFileError(path, f"safetensors header length {n} is over the {SAFETENSORS_MAX_HEADER} byte limit")
         raw = fh.read(n)
@@ -179,12 +201,14 @@ def read_safetensors_header(path: str) -> dict[str, TensorSpec]:
         if not 0 <= begin <= end:
             raise ModelFileError(path, f"tensor {short(name)}: data_offsets {short(offsets)} are not an increasing pair")
         if end > data_len:
-            raise ModelFileError(path, f"tensor {short(name)}: data [{begin}, {end}) runs past the end of the file "
-                                       f"({data_len} data bytes): truncated?")
+            raise ModelFileError(
+                path, f"tensor {short(name)}: data [{begin}, {end}) runs past the end of the file ({data_len} data bytes): truncated?"
+            )
         bits = math.prod(shape) * SAFETENSORS_BITS[dtype]
         if bits % 8 or bits // 8 != end - begin:
-            raise ModelFileError(path, f"tensor {short(name)}: shape {list(shape)} of {dtype} needs {bits / 8:g} bytes, "
-                                       f"its data_offsets hold {end - begin}")
+            raise ModelFileError(
+                path, f"tensor {short(name)}: shape {list(shape)} of {dtype} needs {bits / 8:g} bytes, its data_offsets hold {end - begin}"
+            )
         specs[name] = TensorSpec(name, dtype, shape, path, data_start + begin, data_start + end)
     pos = data_start
     for spec in sorted(specs.values(), key=lambda s: (s.start, s.end)):
@@ -229,8 +253,9 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if n > self.size - self.pos:
-            raise ModelFileError(self.path, f"GGUF header truncated: {what} at byte {self.pos} needs {n} bytes, "
-                                            f"the file has {self.size - self.pos} left")
+            raise ModelFileError(
+                self.path, f"GGUF header truncated: {what} at byte {self.pos} needs {n} bytes, the file has {self.size - self.pos} left"
+            )
 
     def unpack(self, fmt: str, what: str):
         n = struct.calcsize(fmt)
@@ -248,7 +273,7 @@ class _Cursor:
         if not keep:
             return None
         try:
-            return bytes(self.buf[start:self.pos]).decode("utf-8")
+            return bytes(self.buf[start : self.pos]).decode("utf-8")
         except UnicodeDecodeError:
             raise ModelFileError(self.path, f"GGUF {what} at byte {start} is not UTF-8") from None
 
@@ -304,8 +329,11 @@ def read_gguf_header(path: str) -> GGUFHeader:
         n_kv = cur.unpack("<Q", "metadata count")
         # Each entry takes at least 13 (metadata) / 24 (tensor) bytes: a count past that is a lie.
         if n_kv * 13 > size - cur.pos or n_tensors * 24 > size - cur.pos or n_kv > MAX_GGUF_KV or n_tensors > MAX_GGUF_TENSORS:
-            raise ModelFileError(path, f"GGUF header counts ({n_kv} metadata entries, {n_tensors} tensors) do not fit in a {size} byte file "
-                                       f"(or are over the limits of {MAX_GGUF_KV} and {MAX_GGUF_TENSORS})")
+            raise ModelFileError(
+                path,
+                f"GGUF header counts ({n_kv} metadata entries, {n_tensors} tensors) do not fit in a {size} byte file "
+                f"(or are over the limits of {MAX_GGUF_KV} and {MAX_GGUF_TENSORS})",
+            )
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string("metadata key", limit=MAX_NAME_BYTES)
@@ -345,8 +373,9 @@ def read_gguf_header(path: str) -> GGUFHeader:
             raise ModelFileError(path, f"tensor {short(name)}: data offset {offset} is not aligned to {alignment} bytes")
         start = data_start + offset
         if start + nbytes > size:
-            raise ModelFileError(path, f"tensor {short(name)}: data ({nbytes} bytes at byte {start}) runs past the end of the "
-                                       f"file ({size} bytes): truncated?")
+            raise ModelFileError(
+                path, f"tensor {short(name)}: data ({nbytes} bytes at byte {start}) runs past the end of the file ({size} bytes): truncated?"
+            )
         tensors[name] = TensorSpec(name, qtype.name, tuple(dims), path, start, start + nbytes)
     prev: Optional[TensorSpec] = None
     for spec in sorted(tensors.values(), key=lambda s: (s.start, s.end)):
@@ -459,8 +488,9 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
         raise bad("head_dim", head_dim, "is odd (RoPE needs an even head_dim)")
     max_pos = cfg.get("max_position_embeddings")
     if max_pos is not None and head_dim is not None and max_pos * head_dim > MAX_ROPE_TABLE:
-        raise ModelFileError(path, f"config max_position_embeddings={max_pos} x head_dim={head_dim} is over {MAX_ROPE_TABLE} "
-                                   "(the RoPE table would not fit in memory)")
+        raise ModelFileError(
+            path, f"config max_position_embeddings={max_pos} x head_dim={head_dim} is over {MAX_ROPE_TABLE} (the RoPE table would not fit in memory)"
+        )
 
 
 # GGUF metadata (after "<architecture>.") -> the config field transformers makes of it.
@@ -523,13 +553,15 @@ def check_weights(config_path: str, hf_config, tensors: Mapping[str, TensorSpec]
     """
     for spec in tensors.values():
         if spec.dtype not in FLOAT_WEIGHT_DTYPES:
-            raise ModelFileError(spec.path, f"tensor {short(spec.name)} has dtype {spec.dtype}; weights must be one of "
-                                            + ", ".join(FLOAT_WEIGHT_DTYPES))
+            raise ModelFileError(
+                spec.path, f"tensor {short(spec.name)} has dtype {spec.dtype}; weights must be one of " + ", ".join(FLOAT_WEIGHT_DTYPES)
+            )
     layers = {int(m.group(1)) for m in map(_LAYER.match, tensors) if m}
     n_layers = len(layers) and max(layers) + 1
     if hf_config.num_hidden_layers != n_layers:
-        raise ModelFileError(config_path, f"config num_hidden_layers={hf_config.num_hidden_layers} but the checkpoint has "
-                                          f"weights for {n_layers} layers")
+        raise ModelFileError(
+            config_path, f"config num_hidden_layers={hf_config.num_hidden_layers} but the checkpoint has weights for {n_layers} layers"
+        )
     # Dimensions the RoPE table (built on the CPU even under the meta device) needs bounded.
     check_config(config_path, {k: getattr(hf_config, k, None) for k in ("model_type", "hidden_size", "num_attention_heads", "head_dim")})
     if shape_check is not None:
@@ -551,8 +583,7 @@ def _state(paths: Iterable[str]) -> tuple:
     return tuple(out)
 
 
-def validate_model_dir(model_dir: str, load_config: Optional[Callable[[str], Any]] = None,
-                       shape_check: Optional[ShapeCheck] = None) -> None:
+def validate_model_dir(model_dir: str, load_config: Optional[Callable[[str], Any]] = None, shape_check: Optional[ShapeCheck] = None) -> None:
     """Check an HF model folder's config.json and weight headers against each other before
     anything is allocated from them; remembered until one of those files changes. Without
     ``shape_check`` (a process without torch: a server front) the names and shapes against the
@@ -579,6 +610,7 @@ def validate_model_dir(model_dir: str, load_config: Optional[Callable[[str], Any
 
         def load_config(d: str):
             return AutoConfig.from_pretrained(d, local_files_only=True)
+
     try:
         hf_config = load_config(model_dir)
     except ModelFileError:

@@ -15,6 +15,7 @@ vLLM's per-token-head dynamic KV quantization): ``scale = max|x| / 127``,
 quantized is the one a bf16/float32 cache would store (after RoPE, rounded to the model dtype).
 For head_dim 64 a token costs 68 bytes per KV head instead of 128 in bf16 (1.88x the blocks).
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ request and field.
 A request's sampling state that must survive preemption (its seeded ``torch.Generator``) lives
 in :class:`CachedRequestState`, kept by the model runner while the request is alive.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -116,7 +117,9 @@ class InputBatch:
         return len(self.row_of)
 
     # -- rows -------------------------------------------------------------------------------
-    def add_request(self, state: CachedRequestState, prompt_token_ids: list[int], output_token_ids: list[int], block_ids: list[int], num_computed_tokens: int) -> int:
+    def add_request(
+        self, state: CachedRequestState, prompt_token_ids: list[int], output_token_ids: list[int], block_ids: list[int], num_computed_tokens: int
+    ) -> int:
         """Give a request a row; returns it.
 
         Raises:
@@ -302,5 +305,8 @@ class InputBatch:
         if not r_idx:
             return None
         dev = self.device
-        return (torch.tensor(r_idx, dtype=torch.int64, device=dev), torch.tensor(cols, dtype=torch.int64, device=dev),
-                torch.tensor(vals, dtype=torch.float32, device=dev))
+        return (
+            torch.tensor(r_idx, dtype=torch.int64, device=dev),
+            torch.tensor(cols, dtype=torch.int64, device=dev),
+            torch.tensor(vals, dtype=torch.float32, device=dev),
+        )

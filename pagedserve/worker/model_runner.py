@@ -16,6 +16,7 @@ Under tensor parallelism every rank runs this same code on the same message: the
 collectives pair the ranks' forwards, rank 0 gets the full logits, samples and broadcasts the
 token ids, and the other ranks append those (their output is empty).
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,17 @@ class ModelRunner:
         max_num_reqs, max_model_len: size of the input batch (rows, tokens per row).
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 max_num_reqs: int, max_model_len: int, kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_num_reqs: int,
+        max_model_len: int,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         cfg = model.config
         self.model = model
         self.device = device
@@ -125,7 +135,7 @@ class ModelRunner:
         for rid, drafts in spec.items():  # drafts go after the known tokens; kept ones stay there
             row = batch.row_of[rid]
             n = int(batch.num_tokens[row])
-            batch.token_ids[row, n: n + len(drafts)] = drafts
+            batch.token_ids[row, n : n + len(drafts)] = drafts
         decode_ids: list[str] = []
         prefill_ids: list[str] = []
         for rid, n in so.num_scheduled_tokens.items():
@@ -161,8 +171,7 @@ class ModelRunner:
         samples = context + nsched - ndraft == batch.num_tokens[rows]
         if spec:
             verify = samples & (ndraft > 0)
-            self._verify_drafts([order[i] for i in np.flatnonzero(verify).tolist()], rows[verify], ends[verify], ndraft[verify],
-                                so, hidden, out)
+            self._verify_drafts([order[i] for i in np.flatnonzero(verify).tolist()], rows[verify], ends[verify], ndraft[verify], so, hidden, out)
             samples &= ~verify
         if not samples.any():
             return out
@@ -211,8 +220,16 @@ class ModelRunner:
         mask = np.frombuffer(so.grammar_bitmask, dtype="<i4").reshape(len(ids), -1)
         return rows, (mask if len(pick) == len(ids) else mask[pick]).tobytes()
 
-    def _verify_drafts(self, req_ids: list[str], rows: np.ndarray, ends: np.ndarray, ndraft: np.ndarray,
-                       so: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _verify_drafts(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        ends: np.ndarray,
+        ndraft: np.ndarray,
+        so: SchedulerOutput,
+        hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> None:
         """Speculative decoding: score each request's last token and drafts (its chunk's last
         ``1 + k`` rows of ``hidden``), keep the drafts its sampling accepts and append them and
         the token after them to its row (see :mod:`pagedserve.model.rejection_sampler`). Row
@@ -230,8 +247,9 @@ class ModelRunner:
         if grammar is not None:
             apply_grammar_bitmask(logits, *grammar)
         meta = batch.sampling_metadata(np.repeat(rows, ndraft + 1), before)
-        kept, tokens = rejection_sample(logits, meta, torch.tensor(draft_ids, dtype=torch.int64, device=self.device),
-                                        ndraft.tolist(), self.model.backend.argmax)
+        kept, tokens = rejection_sample(
+            logits, meta, torch.tensor(draft_ids, dtype=torch.int64, device=self.device), ndraft.tolist(), self.model.backend.argmax
+        )
         for rid, row, a, tok in zip(req_ids, rows.tolist(), kept, tokens):
             n = int(batch.num_tokens[row]) + a  # the kept drafts are already in place
             batch.token_ids[row, n] = tok
@@ -242,8 +260,9 @@ class ModelRunner:
             appended = [spec[rid][:a] + [tok] for rid, a, tok in zip(req_ids, kept, tokens)]
             self._verified_logprobs(req_ids, rows, firsts, appended, logits, out)
 
-    def _verified_logprobs(self, req_ids: list[str], rows: np.ndarray, firsts: list[int], appended: list[list[int]],
-                           logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _verified_logprobs(
+        self, req_ids: list[str], rows: np.ndarray, firsts: list[int], appended: list[list[int]], logits: torch.Tensor, out: ModelRunnerOutput
+    ) -> None:
         """Raw logprobs of each token a verified decode appended (``appended[i]``: its kept drafts
         and the token after them, scored by logits rows ``firsts[i] ..``), for the requests that
         asked."""
@@ -263,8 +282,16 @@ class ModelRunner:
     # Rows of logits scored at once for prompt logprobs: [rows, vocab] float32 (49k vocab: 100 MB).
     PROMPT_LOGPROBS_ROWS = 512
 
-    def _prompt_logprobs(self, order: list[str], rows: np.ndarray, nsched: np.ndarray, context: np.ndarray,
-                         ends: np.ndarray, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(
+        self,
+        order: list[str],
+        rows: np.ndarray,
+        nsched: np.ndarray,
+        context: np.ndarray,
+        ends: np.ndarray,
+        hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> None:
         """Prompt logprobs (vLLM's ``prompt_logprobs``) of the prompt positions in this step's
         chunks: position ``p`` scores prompt token ``p + 1`` under the raw distribution, for
         ``p`` up to ``num_prompt_tokens - 2``. Each position once: a chunk recomputed after
@@ -286,7 +313,7 @@ class ModelRunner:
                 continue
             state.num_prompt_logprobs_done = hi
             start = int(ends[i] - nsched[i]) - ctx
-            todo.append((rid, k, np.arange(start + lo, start + hi), batch.token_ids[row, lo + 1: hi + 1]))
+            todo.append((rid, k, np.arange(start + lo, start + hi), batch.token_ids[row, lo + 1 : hi + 1]))
         for rid, k, hrows, targets in todo:
             ids, lps, ranks = [], [], []
             for a in range(0, len(hrows), self.PROMPT_LOGPROBS_ROWS):
@@ -294,8 +321,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[torch.from_numpy(hrows[sl]).to(self.device)])
                 if logits is None:  # a tensor-parallel rank > 0
                     continue
-                lp, tid, rk = gather_logprobs(torch.log_softmax(logits.float(), dim=-1),
-                                              torch.from_numpy(targets[sl].copy()).to(self.device), k)
+                lp, tid, rk = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), torch.from_numpy(targets[sl].copy()).to(self.device), k)
                 lps += lp.tolist()
                 ids += tid.tolist()
                 ranks += rk.tolist()

@@ -5,6 +5,7 @@ words become a ``[V]`` bool mask; a longer bad word keeps its prefix, and its la
 banned in a step where the row's output tokens end with that prefix (vLLM's rule: generated
 tokens only, not the prompt). A step's ``[B, V]`` mask is gathered from those rows alone.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -17,8 +18,8 @@ from pagedserve.sampling_params import SamplingParams
 
 class TokenBans:
     """Args:
-        vocab_size: ``V``; ids outside ``[0, V)`` are dropped (the frontend refuses them).
-        device: where the masks live (the logits' device).
+    vocab_size: ``V``; ids outside ``[0, V)`` are dropped (the frontend refuses them).
+    device: where the masks live (the logits' device).
     """
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
@@ -51,15 +52,14 @@ class TokenBans:
             L = max(len(w) for w in longer) - 1
             prefixes = np.full((len(longer), L), -1, dtype=np.int64)
             for i, w in enumerate(longer):
-                prefixes[i, L - (len(w) - 1):] = w[:-1]
+                prefixes[i, L - (len(w) - 1) :] = w[:-1]
             self.prefixes[row] = (prefixes, np.array([w[-1] for w in longer], dtype=np.int64))
 
     def remove(self, row: int) -> None:
         self.static.pop(row, None)
         self.prefixes.pop(row, None)
 
-    def mask(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
-             num_prompt_tokens: np.ndarray) -> Optional[torch.Tensor]:
+    def mask(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, num_prompt_tokens: np.ndarray) -> Optional[torch.Tensor]:
         """``[B, V]`` bool, True where a token is banned this step for ``rows[i]`` (all False
         for rows without bans); None when nothing is banned. ``token_ids`` /
         ``num_prompt_tokens``: the input batch's arrays (all rows); ``num_tokens``: ``[B]``, the
@@ -75,7 +75,7 @@ class TokenBans:
                 k = min(L, n - int(num_prompt_tokens[r]))
                 tail = np.full(L, -2, dtype=np.int64)  # -2 matches no token: fewer outputs than the prefix
                 if k:
-                    tail[L - k:] = token_ids[r, n - k:n]
+                    tail[L - k :] = token_ids[r, n - k : n]
                 hit = ((prefixes == tail) | (prefixes == -1)).all(axis=1)
                 if hit.any():
                     dynamic.append((i, last[hit]))

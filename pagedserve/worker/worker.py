@@ -6,6 +6,7 @@ With tensor parallelism one Worker runs per rank, each given the group: it shard
 weights for its rank (``pagedserve.distributed.tensor_parallel``) and sizes a cache of its own KV
 heads; the executor (``pagedserve.executor.tp_executor``) makes every rank agree on num_blocks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -128,9 +129,15 @@ class Worker:
         self.model_runner: Optional[ModelRunner] = None
         self._model_identity: Optional[str] = None
         self.kv_connector = None  # prefill/decode disaggregation (initialize_cache)
-        logger.info("pagedserve worker: %s (%s) on %s, %s backend, %d torch threads, loaded in %.1fs", self.hf_config.model_type,
-                    str(self.dtype).replace("torch.", ""), self.device, self.model.backend.name, torch.get_num_threads(),
-                    time.monotonic() - t0)
+        logger.info(
+            "pagedserve worker: %s (%s) on %s, %s backend, %d torch threads, loaded in %.1fs",
+            self.hf_config.model_type,
+            str(self.dtype).replace("torch.", ""),
+            self.device,
+            self.model.backend.name,
+            torch.get_num_threads(),
+            time.monotonic() - t0,
+        )
 
     @property
     def model_identity(self) -> str:
@@ -226,8 +233,16 @@ class Worker:
         input batch for the resolved ``config`` (its max_num_seqs and max_model_len)."""
         if num_blocks is not None:
             self.kv_spec.num_blocks = num_blocks
-        self.model_runner = ModelRunner(self.model, self.kv_spec.num_blocks, config.block_size, self.device, self.dtype,
-                                        config.max_num_seqs, config.max_model_len, config.kv_cache_dtype)
+        self.model_runner = ModelRunner(
+            self.model,
+            self.kv_spec.num_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            config.max_num_seqs,
+            config.max_model_len,
+            config.kv_cache_dtype,
+        )
         if config.kv_transfer_config is not None:
             from pagedserve.core.kv_cache_manager import hash_seed
             from pagedserve.distributed.kv_transfer.wire import kv_layout
@@ -235,8 +250,15 @@ class Worker:
 
             kv = self.model_runner.kv_cache
             attn = self.model.layers[0].self_attn
-            layout = kv_layout(self.model_identity.split("|")[0], str(kv.dtype).replace("torch.", ""), config.block_size,
-                               kv.shape[0], kv.shape[3], attn.head_dim, hash_seed(self.model_identity))
+            layout = kv_layout(
+                self.model_identity.split("|")[0],
+                str(kv.dtype).replace("torch.", ""),
+                config.block_size,
+                kv.shape[0],
+                kv.shape[3],
+                attn.head_dim,
+                hash_seed(self.model_identity),
+            )
             self.kv_connector = NetworkConnectorWorker(config.kv_transfer, kv, layout)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

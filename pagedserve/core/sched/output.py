@@ -8,6 +8,7 @@ sampling tensors, seeded generators) and updates it from these diffs, so the sam
 go to a worker in another process, to several tensor-parallel workers, or across a
 prefill/decode split. Nothing here holds a ``Request``; the module is torch-free.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

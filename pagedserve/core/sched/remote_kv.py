@@ -10,6 +10,7 @@ transfer may still be writing them). On a prefill instance, a finished ``do_remo
 request's blocks are kept (``held_for_transfer``) until the worker side reports the hold over.
 vLLM v1's scheduler does the same with ``WAITING_FOR_REMOTE_KVS`` and ``finished_sending``.
 """
+
 from __future__ import annotations
 
 import logging

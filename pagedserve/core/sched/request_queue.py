@@ -9,6 +9,7 @@
   largest key, as vLLM's. (vLLM keeps running requests in admission order, so there they also
   take the step's token budget in that order; here the smaller key takes it first.)
 """
+
 from __future__ import annotations
 
 import heapq

@@ -35,6 +35,7 @@ queues this class owns (pop ``waiting``, insert into ``running`` in the policy's
 their scheduling state. As an object of its own it would need every queue, the stats and the
 other three collaborators: the scheduler again under another name, or a class sharing its state.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -70,8 +71,13 @@ class Scheduler:
         ValueError: when the config is not resolved.
     """
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
-                 structured_output_manager: Optional[StructuredOutputManager] = None, kv_connector=None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        structured_output_manager: Optional[StructuredOutputManager] = None,
+        kv_connector=None,
+    ) -> None:
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             raise ValueError("Scheduler needs a resolved EngineConfig (max_model_len and max_num_batched_tokens set)")
         self.config = config
@@ -89,14 +95,16 @@ class Scheduler:
         self.scheduled_requests: dict[str, Request] = {}
         self.num_with_deadline = 0
         self.timed_out: list[Request] = []  # finished at their deadline, reported by the next update
-        self.step_budget = StepBudget(config.max_num_batched_tokens, config.long_prefill_token_threshold,
-                                      config.max_step_ms if config.enable_chunked_prefill else 0.0,
-                                      config.max_step_decode_multiple, config.block_size)
-        self.drafter = (Drafter(config.speculative, kv_cache_manager, config.max_model_len, self.stats)
-                        if config.speculative is not None else None)
+        self.step_budget = StepBudget(
+            config.max_num_batched_tokens,
+            config.long_prefill_token_threshold,
+            config.max_step_ms if config.enable_chunked_prefill else 0.0,
+            config.max_step_decode_multiple,
+            config.block_size,
+        )
+        self.drafter = Drafter(config.speculative, kv_cache_manager, config.max_model_len, self.stats) if config.speculative is not None else None
         self.connector = kv_connector
-        self.remote_kv = (RemoteKVWaiter(kv_connector, kv_cache_manager, config.block_size, self.stats)
-                          if kv_connector is not None else None)
+        self.remote_kv = RemoteKVWaiter(kv_connector, kv_cache_manager, config.block_size, self.stats) if kv_connector is not None else None
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -216,15 +224,16 @@ class Scheduler:
             block_ids = kv.get_block_ids(rid)
             if rid in new_ids:
                 out.scheduled_new_reqs.append(
-                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                                   sorted(req.eos_token_ids), block_ids, num_computed)
+                    NewRequestData(
+                        rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params, sorted(req.eos_token_ids), block_ids, num_computed
+                    )
                 )
                 req.num_tokens_on_worker = req.num_tokens
             else:
                 cached.req_ids.append(rid)
-                cached.new_block_ids.append(block_ids[self.num_block_ids_on_worker[rid]:])
+                cached.new_block_ids.append(block_ids[self.num_block_ids_on_worker[rid] :])
                 cached.num_computed_tokens.append(num_computed)
-                cached.new_token_ids.append(req.all_token_ids[req.num_tokens_on_worker:])
+                cached.new_token_ids.append(req.all_token_ids[req.num_tokens_on_worker :])
                 req.num_tokens_on_worker = req.num_tokens
             self.num_block_ids_on_worker[rid] = len(block_ids)
             out.num_scheduled_tokens[rid] = num_new
@@ -235,8 +244,11 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         drafts_of = out.scheduled_spec_decode_tokens
-        constrained = [req for req, _, _ in scheduled if req.grammar is not None and not req.in_reasoning
-                       and req.num_computed_tokens - len(drafts_of.get(req.request_id, ())) == req.num_tokens]
+        constrained = [
+            req
+            for req, _, _ in scheduled
+            if req.grammar is not None and not req.in_reasoning and req.num_computed_tokens - len(drafts_of.get(req.request_id, ())) == req.num_tokens
+        ]
         if constrained:  # they sample this step: the worker masks their logits (a row per draft too)
             drafts = [drafts_of.get(req.request_id, []) for req in constrained]
             out.structured_output_request_ids = [req.request_id for req, d in zip(constrained, drafts) for _ in range(1 + len(d))]
@@ -324,8 +336,12 @@ class Scheduler:
             and the stats after the step.
         """
         now = time.monotonic()
-        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="timeout", num_cached_tokens=max(0, r.num_cached_tokens),
-                                    first_scheduled_time=r.first_scheduled_time) for r in self.timed_out]
+        outputs = [
+            EngineCoreOutput(
+                r.request_id, [], finish_reason="timeout", num_cached_tokens=max(0, r.num_cached_tokens), first_scheduled_time=r.first_scheduled_time
+            )
+            for r in self.timed_out
+        ]
         self.timed_out = []
         if self.remote_kv is not None and runner_output.kv_connector_output is not None:
             outputs += self._update_from_kv_output(runner_output.kv_connector_output)
@@ -354,8 +370,16 @@ class Scheduler:
             self.stats.num_generation_tokens += n
             self.kv_cache_manager.update_block_hashes(req)
             lps = logprobs.get(rid)
-            out = EngineCoreOutput(rid, tokens[:n], lps[:n] if lps else None, req.status.finish_reason, req.stop_reason if stopped else None,
-                                   max(0, req.num_cached_tokens), req.first_scheduled_time, req.error)
+            out = EngineCoreOutput(
+                rid,
+                tokens[:n],
+                lps[:n] if lps else None,
+                req.status.finish_reason,
+                req.stop_reason if stopped else None,
+                max(0, req.num_cached_tokens),
+                req.first_scheduled_time,
+                req.error,
+            )
             if req.pending_prompt_logprobs is not None:
                 out.new_prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, None
             outputs.append(out)
@@ -376,8 +400,17 @@ class Scheduler:
             self._free(req, free_blocks=False)
         for req in reversed(resumed):
             self.waiting.prepend(req)
-        return [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error, num_cached_tokens=max(0, r.num_cached_tokens),
-                                 first_scheduled_time=r.first_scheduled_time) for r in failed]
+        return [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                finish_reason="error",
+                error=r.error,
+                num_cached_tokens=max(0, r.num_cached_tokens),
+                first_scheduled_time=r.first_scheduled_time,
+            )
+            for r in failed
+        ]
 
     # -- for the engine ----------------------------------------------------------------------
     def record_step_time(self, duration_ms: float) -> None:

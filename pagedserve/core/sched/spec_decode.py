@@ -11,6 +11,7 @@ appends the accepted drafts and that token and takes the rejected drafts back of
 next step's tokens overwrite, and no block holding them is ever hashed (only full blocks of
 accepted tokens are). After vLLM v1's scheduler (``spec_token_ids``, ``num_rejected``).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -53,7 +54,7 @@ def propose_ngram(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list
     if best < min_n:
         return []
     j = int(ends[np.flatnonzero(matched == best)[-1]])  # the latest of the longest matches
-    return token_ids[j + 1: j + 1 + k].tolist()
+    return token_ids[j + 1 : j + 1 + k].tolist()
 
 
 class Drafter:
@@ -66,8 +67,7 @@ class Drafter:
         stats: the scheduler's counters; ``spec_decode_*`` are counted here.
     """
 
-    def __init__(self, spec: SpeculativeConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 stats: SchedulerStats) -> None:
+    def __init__(self, spec: SpeculativeConfig, kv_cache_manager: KVCacheManager, max_model_len: int, stats: SchedulerStats) -> None:
         self.spec = spec
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -86,8 +86,7 @@ class Drafter:
         handled per position by the worker, grammars by a mask per position."""
         if req.grammar is not None and req.in_reasoning:
             return []
-        k = min(self.spec.num_speculative_tokens, max_drafts, req.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1)
+        k = min(self.spec.num_speculative_tokens, max_drafts, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
         if k < 1:
             return []
         tokens = np.fromiter(req.all_token_ids, dtype=np.int64, count=req.num_tokens)
@@ -96,8 +95,7 @@ class Drafter:
             drafts = drafts[: StructuredOutputManager.valid_draft_prefix(req.grammar, drafts)]
         return drafts
 
-    def add_drafts(self, scheduled: list[tuple[Request, int, int]], new_ids: set[str], budget: int,
-                   out: SchedulerOutput) -> int:
+    def add_drafts(self, scheduled: list[tuple[Request, int, int]], new_ids: set[str], budget: int, out: SchedulerOutput) -> int:
         """Extend this step's decodes of requests that were already running (``scheduled``
         entries ``(request, num_computed_tokens, 1)``) with drafts, in order, while ``budget``
         tokens and the free blocks last (so drafts never preempt anyone); returns the budget

@@ -13,6 +13,7 @@ end of a step (a new request's admission, an abort from a client that went away,
 waits at most about one target. Decodes always run, and a step's first prefill chunk gets at
 least max(16, block_size) tokens, so prefills always advance.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -44,8 +45,9 @@ class StepBudget:
             prefilled under the bound, its target (for the step trace).
     """
 
-    def __init__(self, max_num_batched_tokens: int, long_prefill_token_threshold: int, max_step_ms: float,
-                 max_step_decode_multiple: float, block_size: int) -> None:
+    def __init__(
+        self, max_num_batched_tokens: int, long_prefill_token_threshold: int, max_step_ms: float, max_step_decode_multiple: float, block_size: int
+    ) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_step_ms = max_step_ms
@@ -65,8 +67,9 @@ class StepBudget:
         self.tokens = self.max_num_batched_tokens
         self.time_limit = None
         if self.cost is not None:
-            self.time_limit = StepTimeBudget.for_step(self.cost, self.max_step_ms, running, any_waiting, self.block_size,
-                                                      self.max_step_decode_multiple)
+            self.time_limit = StepTimeBudget.for_step(
+                self.cost, self.max_step_ms, running, any_waiting, self.block_size, self.max_step_decode_multiple
+            )
         self._decodes_left = self.time_limit.num_decodes if self.time_limit is not None else 0
 
     @property

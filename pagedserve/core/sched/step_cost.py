@@ -28,6 +28,7 @@ are reserved first (they always run), then each prefill chunk gets the tokens th
 multiple of what the step's decodes alone are predicted to cost when that is longer (on a slow
 CPU or a big model, where one decode step nears ``max_step_ms``).
 """
+
 from __future__ import annotations
 
 import math
@@ -116,8 +117,7 @@ class StepCostModel:
                 full[j] = v
             # Residual sum of squares from the sums: Σy² is not kept; comparing
             # -2θ·Xᵀy + θᵀXᵀXθ is enough (Σy² is the same for every candidate).
-            sse = -2 * sum(full[i] * xy[i] for i in range(3)) + sum(
-                full[i] * xx[i][j] * full[j] for i in range(3) for j in range(3))
+            sse = -2 * sum(full[i] * xy[i] for i in range(3)) + sum(full[i] * xx[i][j] * full[j] for i in range(3) for j in range(3))
             if best is None or sse < best[0] - 1e-12 * abs(best[0]):
                 best = (sse, (full[0], full[1], full[2]))
         if best is None:  # cannot happen with a positive duration; a safe answer anyway
@@ -139,8 +139,7 @@ class StepCostModel:
         16x ``num_tokens`` (power-of-two ranges). After one or two prefill-sized steps the fit
         spreads their time over its coefficients and a one-token step can come out at a third
         of a 256-token one."""
-        return (self.num_observed >= 3 and len(self.buckets) >= 2
-                and min(self.buckets) <= max(1, num_tokens).bit_length() + 4)
+        return self.num_observed >= 3 and len(self.buckets) >= 2 and min(self.buckets) <= max(1, num_tokens).bit_length() + 4
 
     def max_step_tokens(self) -> int:
         """Most tokens a step may hold while the fit is trusted: twice the largest step
@@ -213,8 +212,7 @@ class StepTimeBudget:
         block_size: chunks cut by time end on a block boundary when they can.
     """
 
-    def __init__(self, model: StepCostModel, target_ms: float, decode_tokens: int, decode_pairs: int,
-                 floor_tokens: int, block_size: int) -> None:
+    def __init__(self, model: StepCostModel, target_ms: float, decode_tokens: int, decode_pairs: int, floor_tokens: int, block_size: int) -> None:
         self.model = model
         self.target_ms = target_ms
         self.num_decodes = decode_tokens
@@ -227,8 +225,9 @@ class StepTimeBudget:
         self.step_target_ms: Optional[float] = None  # the step's target before PLAN_FRACTION (for_step)
 
     @classmethod
-    def for_step(cls, model: StepCostModel, max_step_ms: float, running: list, any_waiting: bool,
-                 block_size: int, decode_multiple: float = 0.0) -> Optional["StepTimeBudget"]:
+    def for_step(
+        cls, model: StepCostModel, max_step_ms: float, running: list, any_waiting: bool, block_size: int, decode_multiple: float = 0.0
+    ) -> Optional["StepTimeBudget"]:
         """The budget of a step over the ``running`` requests (objects with ``num_tokens`` and
         ``num_computed_tokens``); None when nothing prefills (decodes alone are never cut).
 

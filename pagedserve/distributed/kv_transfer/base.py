@@ -18,6 +18,7 @@ holds, cancel the loads of finished requests), ``wait_for_layer_load(layer)`` an
 ``get_finished()`` (a :class:`KVConnectorOutput` of what completed since the last call) and
 ``shutdown()``.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

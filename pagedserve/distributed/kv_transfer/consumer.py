@@ -9,6 +9,7 @@ so the producer frees its hold at once. Every wait is bounded by ``timeout_s``; 
 producer has not registered yet ("unknown") is retried within that bound. A failed load is
 reported with its reason and still sends ``done`` (best effort), so no hold outlives its use.
 """
+
 from __future__ import annotations
 
 import logging
@@ -154,7 +155,7 @@ class KVLoader:
         shape = (*self.kv.shape[:2], *self.kv.shape[3:])
         step = wire.MAX_READ_BLOCKS
         for lo in range(0, len(spec.block_indices), step):
-            idx, hashes = spec.block_indices[lo:lo + step], spec.block_hashes[lo:lo + step]
+            idx, hashes = spec.block_indices[lo : lo + step], spec.block_hashes[lo : lo + step]
             started = time.monotonic()
             deadline = started + self.timeout_ms / 1000
             while True:
@@ -163,8 +164,7 @@ class KVLoader:
                         raise _Fail("aborted")
                 frames = self._ask(sock, ["read", spec.transfer_id, idx, hashes], deadline)
                 head = wire.unpack(frames[0])
-                if (head[0] == "error" and len(head) > 1 and head[1] == "unknown"
-                        and time.monotonic() < min(deadline, started + UNKNOWN_RETRY_S)):
+                if head[0] == "error" and len(head) > 1 and head[1] == "unknown" and time.monotonic() < min(deadline, started + UNKNOWN_RETRY_S):
                     time.sleep(RETRY_S)  # the producer registers its hold with its next step
                     continue
                 break
@@ -174,10 +174,10 @@ class KVLoader:
                 raise _Fail("peer_error", "a reply of the wrong size")
             raw = memoryview(frames[1])
             for i, d in enumerate(head[2]):
-                if wire.digest(raw[i * nbytes:(i + 1) * nbytes]) != d:
+                if wire.digest(raw[i * nbytes : (i + 1) * nbytes]) != d:
                     raise _Fail("digest", f"block {idx[i]} arrived with a wrong digest")
             data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.kv.dtype).view(len(idx), *shape)
-            local = torch.tensor(spec.local_block_ids[lo:lo + step], dtype=torch.long, device=self.kv.device)
+            local = torch.tensor(spec.local_block_ids[lo : lo + step], dtype=torch.long, device=self.kv.device)
             self.kv[:, :, local] = data.movedim(0, 2).to(self.kv.device)
 
     def _release(self, spec: ReleaseSpec) -> None:

@@ -1,6 +1,7 @@
 """``kv_transfer_params``: what a client (the proxy) sends and what a prefill instance returns,
 with vLLM's NixlConnector field names. Torch-free: the server front checks them (HTTP 400) and
 the engine core checks them again (a bad value never reaches a socket)."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -18,8 +19,14 @@ class KVParamsError(ValueError):
 def producer_params(engine_id: str, host: str, port: int, transfer_id: str, block_ids: list[int], num_tokens: int) -> dict:
     """What a prefill instance hands back for a finished ``do_remote_decode`` request."""
     return {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id, "remote_request_id": transfer_id,
-        "remote_block_ids": list(block_ids), "remote_host": host, "remote_port": port, "remote_num_tokens": num_tokens,
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": transfer_id,
+        "remote_block_ids": list(block_ids),
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": num_tokens,
     }
 
 
@@ -74,8 +81,7 @@ def check_params(params: Any, max_blocks: int, allowed_hosts: Optional[list[str]
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise KVParamsError("kv_transfer_params.remote_num_tokens must be a number of tokens")
     if allowed_hosts is not None and host not in LOOPBACK_HOSTS and host not in allowed_hosts and not _is_loopback(host):
-        raise KVParamsError(f"kv_transfer_params.remote_host {host!r} is not an allowed KV peer "
-                            "(kv_connector_extra_config.allowed_peer_hosts)")
+        raise KVParamsError(f"kv_transfer_params.remote_host {host!r} is not an allowed KV peer (kv_connector_extra_config.allowed_peer_hosts)")
     return params
 
 

@@ -11,6 +11,7 @@ read first looks at its content and misbehaves on purpose: ``delay=S`` (sleep S 
 the reply), ``corrupt`` (flip one byte of the reply after its digest is taken), ``silent``
 (never answer); empty or missing = behave.
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,8 +79,7 @@ class KVServer:
     # -- called by the worker side ---------------------------------------------------------
     def add_hold(self, spec: HoldSpec) -> None:
         with self._lock:
-            self._holds[spec.transfer_id] = _Hold(spec.req_id, list(spec.block_ids), list(spec.block_hashes),
-                                                  time.monotonic() + spec.lease_s)
+            self._holds[spec.transfer_id] = _Hold(spec.req_id, list(spec.block_ids), list(spec.block_hashes), time.monotonic() + spec.lease_s)
 
     def take_finished(self) -> tuple[list[str], int, Counter]:
         """Requests whose holds ended, tokens sent and failures since the last call."""
@@ -160,8 +160,14 @@ class KVServer:
         self._reply(ident, ["error", "bad_request", f"unknown message {kind!r}"])
 
     def _read(self, ident: bytes, tid, indices, hashes) -> None:
-        if (not isinstance(tid, str) or not isinstance(indices, list) or not isinstance(hashes, list) or len(indices) != len(hashes)
-                or not 0 < len(indices) <= wire.MAX_READ_BLOCKS or not all(isinstance(i, int) for i in indices)):
+        if (
+            not isinstance(tid, str)
+            or not isinstance(indices, list)
+            or not isinstance(hashes, list)
+            or len(indices) != len(hashes)
+            or not 0 < len(indices) <= wire.MAX_READ_BLOCKS
+            or not all(isinstance(i, int) for i in indices)
+        ):
             return self._reply(ident, ["error", "bad_request", "read needs a transfer id and 1-32 block indices with their hashes"])
         fault = self._fault()
         if fault == "silent":

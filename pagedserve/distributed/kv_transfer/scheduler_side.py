@@ -1,6 +1,7 @@
 """NetworkConnector, scheduler side: decides what a decode instance loads and what a prefill
 instance holds (torch-free; runs in the engine core). See the package docstring for the path
 of one request."""
+
 from __future__ import annotations
 
 import logging
@@ -23,11 +24,11 @@ logger = logging.getLogger("pagedserve")
 
 class NetworkConnectorScheduler(KVConnectorScheduler):
     """Args:
-        config: the instance's KV transfer config (role, address, lease).
-        block_size: tokens per block.
-        block_hashes: ``request -> list of 16-byte chained hashes of its full blocks`` (the
-            prefix cache's, computed even when prefix caching is off).
-        max_blocks: most blocks one request can have (caps client-supplied block lists).
+    config: the instance's KV transfer config (role, address, lease).
+    block_size: tokens per block.
+    block_hashes: ``request -> list of 16-byte chained hashes of its full blocks`` (the
+        prefix cache's, computed even when prefix caching is off).
+    max_blocks: most blocks one request can have (caps client-supplied block lists).
     """
 
     def __init__(self, config: KVTransferConfig, block_size: int, block_hashes: Callable[[Any], list[bytes]], max_blocks: int) -> None:
@@ -66,8 +67,7 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
             return WAIT_FOR_OTHER_LOAD
         B = self.block_size
         # Full blocks only, and never the last token: it must run here to give logits.
-        num_blocks = min(len(params["remote_block_ids"]), params.get("remote_num_tokens", 0) // B,
-                         (request.num_tokens - 1) // B)
+        num_blocks = min(len(params["remote_block_ids"]), params.get("remote_num_tokens", 0) // B, (request.num_tokens - 1) // B)
         num_external = num_blocks * B - num_computed_tokens
         if num_external <= 0:
             self._consumed.add(request.request_id)
@@ -76,8 +76,7 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
             return 0
         return num_external
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_computed_tokens: int,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_computed_tokens: int, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         B = self.block_size
         first, last = num_computed_tokens // B, (num_computed_tokens + num_external_tokens) // B
@@ -86,10 +85,20 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
         self._loading[key] = request.request_id
         self._load_key[request.request_id] = key
         self._consumed.add(request.request_id)
-        self._meta.loads.append(LoadSpec(
-            request.request_id, key[0], params["remote_host"], params["remote_port"], key[1], list(range(first, last)),
-            hashes[first:last], params["remote_block_ids"][first:last], block_ids[first:last], num_external_tokens,
-        ))
+        self._meta.loads.append(
+            LoadSpec(
+                request.request_id,
+                key[0],
+                params["remote_host"],
+                params["remote_port"],
+                key[1],
+                list(range(first, last)),
+                hashes[first:last],
+                params["remote_block_ids"][first:last],
+                block_ids[first:last],
+                num_external_tokens,
+            )
+        )
 
     def load_finished(self, request_id: str) -> list[str]:
         key = self._load_key.pop(request_id, None)
@@ -122,8 +131,7 @@ class NetworkConnectorScheduler(KVConnectorScheduler):
             return
         if not params["remote_block_ids"] or (params["remote_engine_id"], params["remote_request_id"]) in self._loading:
             return  # nothing held, or a sibling is reading it (its load ends the hold)
-        self._meta.releases.append(ReleaseSpec(params["remote_engine_id"], params["remote_host"], params["remote_port"],
-                                               params["remote_request_id"]))
+        self._meta.releases.append(ReleaseSpec(params["remote_engine_id"], params["remote_host"], params["remote_port"], params["remote_request_id"]))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         if request.request_id not in self._consumed:

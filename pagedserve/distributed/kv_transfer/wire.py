@@ -12,6 +12,7 @@ Requests (consumer -> producer), each one msgpack list:
 ``layout`` is :func:`kv_layout`: two instances may exchange blocks only when every entry is
 equal. A digest is xxh3-64 of one block's bytes.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -27,8 +28,17 @@ MAX_HEADER_BYTES = 1 << 20
 def kv_layout(model: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, hash_seed: bytes) -> dict:
     """What a peer must match: the model's fingerprint, the KV dtype, block size and shape, and
     the seed of the chained block hashes."""
-    return {"protocol": PROTOCOL_VERSION, "model": model, "dtype": dtype, "block_size": block_size, "num_layers": num_layers,
-            "num_kv_heads": num_kv_heads, "head_dim": head_dim, "order": "layer,kv,head,token,dim", "hash_seed": hash_seed.hex()}
+    return {
+        "protocol": PROTOCOL_VERSION,
+        "model": model,
+        "dtype": dtype,
+        "block_size": block_size,
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "order": "layer,kv,head,token,dim",
+        "hash_seed": hash_seed.hex(),
+    }
 
 
 SHOWN_KEYS = ("protocol", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "order")
@@ -39,10 +49,12 @@ def layout_mismatch(producer: dict, consumer: Any) -> Optional[str]:
     and hash seed are not told to a stranger), or None when the layouts match."""
     if not isinstance(consumer, dict) or not all(isinstance(k, str) for k in consumer) or set(consumer) != set(producer):
         return "the peer's KV layout is not this protocol's"
-    diffs = [f"{k}: producer {producer[k]!r}, consumer {consumer[k]!r}" if k in SHOWN_KEYS else f"{k} differs"
-             for k in producer if producer[k] != consumer[k]]
+    diffs = [
+        f"{k}: producer {producer[k]!r}, consumer {consumer[k]!r}" if k in SHOWN_KEYS else f"{k} differs"
+        for k in producer
+        if producer[k] != consumer[k]
+    ]
     return ("KV layouts differ (" + "; ".join(diffs) + ")") if diffs else None
-
 
 
 def digest(buf: Any) -> int:

@@ -1,5 +1,6 @@
 """NetworkConnector, worker side: the producer's :class:`KVServer` and the consumer's
 :class:`KVLoader` beside the KV pool, driven by the metadata of each step."""
+
 from __future__ import annotations
 
 from typing import Optional

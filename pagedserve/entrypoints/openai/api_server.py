@@ -13,6 +13,7 @@ HTTP 400 (``BadRequestError``), a missing/wrong key 401, an unknown model or rou
 (``NotFoundError``), a bug 500. A client that disconnects (streaming or not) aborts its request
 at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,8 +68,13 @@ logger = logging.getLogger("pagedserve")
 
 
 def add_cors(app: FastAPI, server: ServerArgs) -> None:
-    app.add_middleware(CORSMiddleware, allow_origins=server.allowed_origins, allow_methods=server.allowed_methods,
-                       allow_headers=server.allowed_headers, allow_credentials=server.allow_credentials)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=server.allowed_origins,
+        allow_methods=server.allowed_methods,
+        allow_headers=server.allowed_headers,
+        allow_credentials=server.allow_credentials,
+    )
 
 
 class Admission:
@@ -90,8 +96,12 @@ class Admission:
         with self._lock:
             waiting = self.llm.num_waiting_to_start() + self._preparing
             if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-                raise APIError(f"the server is overloaded: {waiting} requests are waiting to start; retry later.",
-                               status_code=503, err_type="ServiceUnavailableError", headers={"Retry-After": "1"})
+                raise APIError(
+                    f"the server is overloaded: {waiting} requests are waiting to start; retry later.",
+                    status_code=503,
+                    err_type="ServiceUnavailableError",
+                    headers={"Retry-After": "1"},
+                )
             self._preparing += 1
         try:
             yield
@@ -110,11 +120,16 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     server = server or ServerArgs()
     metrics = llm.metrics
     served = list(llm.served_model_names)
-    kw = dict(trust_request_chat_template=server.trust_request_chat_template, chat_template=server.chat_template_text(),
-              enable_auto_tool_choice=server.enable_auto_tool_choice, tool_call_parser=server.tool_call_parser,
-              reasoning_parser=server.reasoning_parser,
-              default_sampling=generation_defaults(server.generation_config, llm.model_dir), log_requests=server.enable_log_requests,
-              request_timeout=server.request_timeout)
+    kw = dict(
+        trust_request_chat_template=server.trust_request_chat_template,
+        chat_template=server.chat_template_text(),
+        enable_auto_tool_choice=server.enable_auto_tool_choice,
+        tool_call_parser=server.tool_call_parser,
+        reasoning_parser=server.reasoning_parser,
+        default_sampling=generation_defaults(server.generation_config, llm.model_dir),
+        log_requests=server.enable_log_requests,
+        request_timeout=server.request_timeout,
+    )
     admission = Admission(llm, server.max_queued_requests)
     completions = OpenAIServingCompletion(llm, served, **kw)
     chats = OpenAIServingChat(llm, served, **kw)
@@ -136,16 +151,19 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     # /docs with Swagger UI served from the package (FastAPI's own page loads it from a CDN and
     # renders blank offline). No /redoc: ReDoc still fetches its logo from cdn.redoc.ly.
-    app = FastAPIOffline(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, static_url="/docs/static",
-                         redoc_url=None)
+    app = FastAPIOffline(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, static_url="/docs/static", redoc_url=None)
     dashboard.add_dashboard(app, llm, api_key_required=bool(server.api_key))
     app.state.llm = llm
     app.state.admission = admission
     app.state.metrics = metrics
     if server.api_key:
         public = {"/health", "/metrics"} if server.metrics_public else {"/health"}
-        app.add_middleware(APIKeyMiddleware, api_key=server.api_key, public_paths=frozenset(public | set(dashboard.PUBLIC_PATHS)),
-                           public_prefixes=(dashboard.PUBLIC_PREFIX,))
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_key=server.api_key,
+            public_paths=frozenset(public | set(dashboard.PUBLIC_PATHS)),
+            public_prefixes=(dashboard.PUBLIC_PREFIX,),
+        )
     add_cors(app, server)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=server.max_request_body_bytes, max_header_bytes=server.max_header_bytes)
     if server.enable_request_id_headers:
@@ -195,8 +213,9 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             raise
         completions.log_request(engine_id, req, [len(p.token_ids) for p in prompts], params)
         if req.stream:
-            return StreamingResponse(completions.completion_stream(req, request_id, model, prompts, params, engine_id),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(
+                completions.completion_stream(req, request_id, model, prompts, params, engine_id), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         return await run_until_disconnect(raw_request, completions.completion_full(req, request_id, model, prompts, params, engine_id))
 
     @app.post("/v1/chat/completions")
@@ -210,8 +229,9 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             raise
         chats.log_request(engine_id, req, [len(prompt.token_ids)], [params])
         if req.stream:
-            return StreamingResponse(chats.chat_stream(req, request_id, model, conv, prompt, params, tools, engine_id),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(
+                chats.chat_stream(req, request_id, model, conv, prompt, params, tools, engine_id), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         return await run_until_disconnect(raw_request, chats.chat_full(req, request_id, model, conv, prompt, params, tools, engine_id))
 
     @app.post("/v1/responses")
@@ -227,8 +247,12 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
         return result if isinstance(result, Response) else JSONResponse(result)  # a Response: the client left (499)
 
     def not_stored(response_id: str) -> APIError:
-        return APIError(f"Response {response_id!r} not found: this server stores no responses (store is ignored).",
-                        param="response_id", status_code=404, err_type="NotFoundError")
+        return APIError(
+            f"Response {response_id!r} not found: this server stores no responses (store is ignored).",
+            param="response_id",
+            status_code=404,
+            err_type="NotFoundError",
+        )
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
@@ -248,8 +272,15 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
         if req.messages is not None:
             # As chat completions: the template places the special tokens, and sees the tools.
             tools = plan_tools(req.tools, "none", True, None).tools or None
-            _, ids = chats.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
-                                       req.chat_template_kwargs, tools, bool(req.add_special_tokens))
+            _, ids = chats.render_chat(
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template,
+                req.chat_template_kwargs,
+                tools,
+                bool(req.add_special_tokens),
+            )
         elif req.prompt is not None:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = llm.input_processor.tokenize(req.prompt, add, "prompt")

@@ -15,6 +15,7 @@ The render process (``python -m pagedserve.entrypoints.openai.chat_template``) i
 Jinja and speaks JSON lines over its stdin/stdout: nothing from it is unpickled. The server's
 own template (the model's, or ``--chat-template``) is trusted and rendered by transformers.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -49,8 +50,9 @@ class TemplateSandbox:
     def _start(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "LC_ALL")}
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        return subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env, cwd=package_root)
+        return subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=package_root
+        )
 
     def render(self, job: dict[str, Any]) -> str:
         """Render ``job`` (see :func:`_render`'s keywords) in the render process.
@@ -76,8 +78,7 @@ class TemplateSandbox:
                 reply = None
             if reply is None:  # timed out, or died (memory limit): kill it, start anew next time
                 self._kill()
-                raise TemplateLimitError(f"chat_template took more than {self.timeout_s:g} s or "
-                                         f"{MEMORY_LIMIT_BYTES >> 20} MiB to render")
+                raise TemplateLimitError(f"chat_template took more than {self.timeout_s:g} s or {MEMORY_LIMIT_BYTES >> 20} MiB to render")
         out = json.loads(reply)
         if "text" in out:
             return out["text"]
@@ -117,20 +118,36 @@ _SANDBOX = TemplateSandbox()
 atexit.register(_SANDBOX.close)
 
 
-def render_untrusted(template: str, conversation: list[dict], tokenizer: Any, add_generation_prompt: bool,
-                     continue_final_message: bool, **kwargs: Any) -> str:
+def render_untrusted(
+    template: str, conversation: list[dict], tokenizer: Any, add_generation_prompt: bool, continue_final_message: bool, **kwargs: Any
+) -> str:
     """The prompt text ``template`` makes of ``conversation`` (rendered in the render process).
 
     Raises:
         TemplateLimitError: a bound was hit; ValueError: the template failed (its message).
     """
-    return _SANDBOX.render(dict(template=template, messages=conversation, add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message, bos_token=tokenizer.bos_token or "",
-                                eos_token=tokenizer.eos_token or "", kwargs=kwargs))
+    return _SANDBOX.render(
+        dict(
+            template=template,
+            messages=conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            bos_token=tokenizer.bos_token or "",
+            eos_token=tokenizer.eos_token or "",
+            kwargs=kwargs,
+        )
+    )
 
 
-def _render(template: str, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-            bos_token: str, eos_token: str, kwargs: dict[str, Any]) -> str:
+def _render(
+    template: str,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    bos_token: str,
+    eos_token: str,
+    kwargs: dict[str, Any],
+) -> str:
     from datetime import datetime
 
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -148,12 +165,12 @@ def _render(template: str, messages: list[dict], add_generation_prompt: bool, co
         raise ValueError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals.update(range=bounded_range, raise_exception=raise_exception,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.globals.update(range=bounded_range, raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
     pieces, size = [], 0
-    for piece in env.from_string(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                     bos_token=bos_token, eos_token=eos_token, **kwargs):
+    for piece in env.from_string(template).generate(
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token, **kwargs
+    ):
         size += len(piece)
         if size > MAX_OUTPUT_CHARS:
             raise TemplateLimitError(f"chat_template output is over {MAX_OUTPUT_CHARS} characters")

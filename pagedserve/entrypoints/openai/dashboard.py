@@ -17,6 +17,7 @@ Every ``interval`` seconds (0.25 by default) one event ``data: {...}`` with:
 ``GET /dashboard/api/snapshot`` answers the same object once (for scripts and tests), and the
 public ``GET /dashboard/api/auth`` says whether a key is needed (``{"api_key_required": bool}``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,14 +44,20 @@ MAX_STEP_INDEX = 2**62  # larger since_step values (or negative ones) are clampe
 def _stats(llm: Any) -> dict[str, Any]:
     s = llm.get_stats()
     return {
-        "num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
-        "num_total_blocks": s.num_total_blocks, "num_free_blocks": s.num_free_blocks,
-        "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
-        "num_preemptions": s.num_preemptions, "num_prompt_tokens": s.num_prompt_tokens,
+        "num_running": s.num_running,
+        "num_waiting": s.num_waiting,
+        "kv_cache_usage": s.kv_cache_usage,
+        "num_total_blocks": s.num_total_blocks,
+        "num_free_blocks": s.num_free_blocks,
+        "prefix_cache_queries": s.prefix_cache_queries,
+        "prefix_cache_hits": s.prefix_cache_hits,
+        "num_preemptions": s.num_preemptions,
+        "num_prompt_tokens": s.num_prompt_tokens,
         "num_generation_tokens": s.num_generation_tokens,
         "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
         "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
-        "token_budget": llm.config.max_num_batched_tokens, "block_size": llm.config.block_size,
+        "token_budget": llm.config.max_num_batched_tokens,
+        "block_size": llm.config.block_size,
         "model": llm.model_name,
     }
 
@@ -113,5 +120,6 @@ def add_dashboard(app: FastAPI, llm: Any, api_key_required: bool) -> None:
         interval = min(max(interval, MIN_INTERVAL_S), 10.0) if math.isfinite(interval) else 0.25
         admission = getattr(app.state, "admission", None)
         draining = (lambda: admission.draining) if admission is not None else (lambda: False)
-        return StreamingResponse(event_stream(llm, interval, draining), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            event_stream(llm, interval, draining), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )

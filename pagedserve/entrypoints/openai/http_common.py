@@ -7,6 +7,7 @@ Statuses are decided here, in the front: the engine's :class:`RequestError` (a f
 refused, named in ``param``) is a 400; a dead engine a 503; an overloaded server a 503 with
 ``Retry-After``, an unknown model a 404 (both raised as :class:`APIError` where they are found).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,15 @@ class APIError(Exception):
         headers: extra response headers (``Retry-After`` of a 503).
     """
 
-    def __init__(self, message: str, *, param: Optional[str] = None, status_code: int = 400, err_type: str = "BadRequestError",
-                 headers: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        status_code: int = 400,
+        err_type: str = "BadRequestError",
+        headers: Optional[dict[str, str]] = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -114,8 +122,7 @@ def request_ids(prefix: str, request: Request, body_id: Optional[str]) -> tuple[
         request.state.request_id = base  # the X-Request-Id of the answer (--enable-request-id-headers)
         return prefix + base, prefix + base
     if not base or len(base) > MAX_REQUEST_ID_CHARS or not base.isprintable():
-        raise APIError(f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable characters.",
-                       param="request_id" if header is None else None)
+        raise APIError(f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable characters.", param="request_id" if header is None else None)
     request.state.request_id = base
     return f"{prefix}{base}", f"{prefix}{base}-{secrets.token_hex(4)}"
 
@@ -167,8 +174,7 @@ class APIKeyMiddleware:
     (``OPTIONS``) pass, as browsers send them without credentials. (Not BaseHTTPMiddleware,
     which would get between handlers and ``receive`` and so hide client disconnects.)"""
 
-    def __init__(self, app: Any, api_key: str, public_paths: frozenset = frozenset({"/health"}),
-                 public_prefixes: tuple = ()) -> None:
+    def __init__(self, app: Any, api_key: str, public_paths: frozenset = frozenset({"/health"}), public_prefixes: tuple = ()) -> None:
         self.app = app
         self.key = api_key.encode()
         self.public_paths = public_paths
@@ -184,13 +190,16 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if (scope["type"] != "http" or scope.get("method") == "OPTIONS" or path in self.public_paths
-                or (path.startswith(self.public_prefixes) and ".." not in path)):
+        if (
+            scope["type"] != "http"
+            or scope.get("method") == "OPTIONS"
+            or path in self.public_paths
+            or (path.startswith(self.public_prefixes) and ".." not in path)
+        ):
             return await self.app(scope, receive, send)
         if self._authorized(scope.get("headers", [])):
             return await self.app(scope, receive, send)
-        resp = error_response("Unauthorized: a valid API key is required (Authorization: Bearer KEY, or X-Api-Key: KEY).",
-                              401, "AuthenticationError")
+        resp = error_response("Unauthorized: a valid API key is required (Authorization: Bearer KEY, or X-Api-Key: KEY).", 401, "AuthenticationError")
         await resp(scope, receive, send)
 
 
@@ -209,12 +218,14 @@ class RequestLimitsMiddleware:
             return await self.app(scope, receive, send)
         headers = scope.get("headers", [])
         if sum(len(k) + len(v) for k, v in headers) > self.max_headers:
-            return await error_response(f"request headers are larger than {self.max_headers} bytes", 431,
-                                        "RequestHeaderFieldsTooLargeError")(scope, receive, send)
+            return await error_response(f"request headers are larger than {self.max_headers} bytes", 431, "RequestHeaderFieldsTooLargeError")(
+                scope, receive, send
+            )
         for k, v in headers:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
-                return await error_response(f"request body is larger than {self.max_body} bytes", 413,
-                                            "RequestEntityTooLargeError")(scope, receive, send)
+                return await error_response(f"request body is larger than {self.max_body} bytes", 413, "RequestEntityTooLargeError")(
+                    scope, receive, send
+                )
         # Read the whole body here (the app would anyway), counting it as it arrives, then
         # replay it; later receive() calls (disconnect detection) go to the server.
         chunks, seen, more = [], 0, True
@@ -226,8 +237,9 @@ class RequestLimitsMiddleware:
             seen += len(chunks[-1])
             more = message.get("more_body", False)
             if seen > self.max_body:
-                return await error_response(f"request body is larger than {self.max_body} bytes", 413,
-                                            "RequestEntityTooLargeError")(scope, receive, send)
+                return await error_response(f"request body is larger than {self.max_body} bytes", 413, "RequestEntityTooLargeError")(
+                    scope, receive, send
+                )
         replayed = False
 
         async def replay() -> dict:

@@ -7,6 +7,7 @@ Unknown request fields are accepted and ignored, as vLLM does. Booleans and inte
 :class:`RequestError`, its ``param`` the field (as vLLM's ``to_sampling_params`` raises its
 validation error naming the parameter).
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
@@ -26,8 +27,9 @@ class OpenAIBaseModel(BaseModel):
         (``"n": null`` is ``n = 1``), field by field. A required field's null is refused."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items()
-                    if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)}
+            return {
+                k: v for k, v in data.items() if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)
+            }
         return data
 
 
@@ -114,8 +116,9 @@ class _SamplingFields(SamplingExtras):
         given = []
         if self.response_format is not None and self.response_format.get("type") != "text":  # no type: a 400 below, as vLLM
             given.append("response_format")
-        return given + [f for f in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                        if getattr(self, f) is not None]
+        return given + [
+            f for f in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(self, f) is not None
+        ]
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The request's constraint, if any.
@@ -146,14 +149,16 @@ class _SamplingFields(SamplingExtras):
             so = self.structured_outputs
             unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
             if unknown:
-                raise RequestError(f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, grammar, json_object).",
-                                   param="structured_outputs")
+                raise RequestError(
+                    f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, grammar, json_object).", param="structured_outputs"
+                )
             kwargs = {k: v for k, v in so.items() if k != "json_object" and v is not None}
             return StructuredOutputsParams(json_object=bool(so.get("json_object")), **kwargs)
-        return StructuredOutputsParams(**{field[len("guided_"):]: getattr(self, field)})
+        return StructuredOutputsParams(**{field[len("guided_") :]: getattr(self, field)})
 
-    def _base_params(self, max_tokens: int, logprobs: Optional[int], defaults: Optional[dict[str, Any]] = None,
-                     prompt_logprobs: Optional[int] = None) -> SamplingParams:
+    def _base_params(
+        self, max_tokens: int, logprobs: Optional[int], defaults: Optional[dict[str, Any]] = None, prompt_logprobs: Optional[int] = None
+    ) -> SamplingParams:
         """``defaults``: the server's defaults for fields the request leaves unset
         (``--generation-config``), else vLLM's."""
         d = defaults or {}
@@ -200,8 +205,12 @@ class _SamplingFields(SamplingExtras):
 
 # -- /v1/completions --------------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
-    prompt: Union[Annotated[list[TokenId], schema_only(minItems=1)], Annotated[list[Annotated[list[TokenId], schema_only(minItems=1)]], schema_only(minItems=1)],
-                  NonEmptyStr, Annotated[list[NonEmptyStr], schema_only(minItems=1)]]
+    prompt: Union[
+        Annotated[list[TokenId], schema_only(minItems=1)],
+        Annotated[list[Annotated[list[TokenId], schema_only(minItems=1)]], schema_only(minItems=1)],
+        NonEmptyStr,
+        Annotated[list[NonEmptyStr], schema_only(minItems=1)],
+    ]
     max_tokens: Optional[StrictInt] = 16  # as OpenAI's legacy API and vLLM
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False

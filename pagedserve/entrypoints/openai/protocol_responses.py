@@ -1,6 +1,7 @@
 """Response shapes of the OpenAI-compatible API (pydantic), after vLLM's
 ``vllm/entrypoints/openai/protocol.py``: completions, chat completions (whole and streamed
 chunks), logprobs, tool calls, models, tokenizer and version."""
+
 from __future__ import annotations
 
 import time

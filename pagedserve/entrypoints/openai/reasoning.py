@@ -18,6 +18,7 @@ generated ``</think>`` (see ``pagedserve.core.sched.stop``), as vLLM; any other 
 ``qwen3`` one with no ``<think>`` in its prompt too) is constrained from its first token. Both
 tags must be single tokens of the model's vocabulary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,10 @@ class ReasoningParser:
         for tag in (THINK_START, THINK_END):
             got = tokenizer(tag, add_special_tokens=False)["input_ids"]
             if len(got) != 1:
-                raise ValueError(f"--reasoning-parser {name}: the model's tokenizer has no single {tag} token "
-                                 f"(it reads as {len(got)} tokens); this model does not think in {THINK_START} blocks")
+                raise ValueError(
+                    f"--reasoning-parser {name}: the model's tokenizer has no single {tag} token "
+                    f"(it reads as {len(got)} tokens); this model does not think in {THINK_START} blocks"
+                )
             ids.append(got[0])
         return cls(name, ids[0], ids[1])
 
@@ -113,15 +116,15 @@ class ReasoningStream:
         head = text if end < 0 else text[:end]
         if not self.started and THINK_START in head:
             i = head.index(THINK_START)
-            text = text[:i] + text[i + len(THINK_START):]
+            text = text[:i] + text[i + len(THINK_START) :]
             self.started = True
             end = text.find(THINK_END)
         if end >= 0:
             self.in_reasoning = False
-            return text[:end], text[end + len(THINK_END):]
+            return text[:end], text[end + len(THINK_END) :]
         keep = max(_partial_suffix(text, THINK_END), 0 if self.started else _partial_suffix(text, THINK_START))
-        self.pending = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], ""
+        self.pending = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], ""
 
     def finish(self) -> tuple[str, str]:
         """The (reasoning, content) still held back when the output ends."""

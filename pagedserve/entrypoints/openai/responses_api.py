@@ -9,6 +9,7 @@ Nothing is stored, as vLLM without its response store: ``store`` is ignored (log
 ``previous_response_id``, ``conversation``, ``prompt`` (a stored template), ``background``,
 built-in tools and non-text inputs are refused with a 400 naming the field.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,16 +28,21 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _SAME_FIELDS = ("model", "temperature", "top_p", "parallel_tool_calls", "chat_template_kwargs", *SamplingExtras.model_fields)
 # Chat or completions fields a client may send here by mistake: each would change the answer,
 # so each is a 400 saying what to use (unless it holds its "off" value).
-_CHAT_ONLY = {"max_tokens": ("is chat's name; use max_output_tokens", (None,)),
-              "max_completion_tokens": ("is chat's name; use max_output_tokens", (None,)),
-              "n": ("must be 1: one response per request", (None, 1)),
-              "response_format": ("is chat's name; use text.format", (None,)),
-              "structured_outputs": ("use text.format", (None,)), "guided_json": ("use text.format", (None,)),
-              "guided_regex": ("is not supported here", (None,)), "guided_choice": ("is not supported here", (None,)),
-              "guided_grammar": ("is not supported here", (None,)),
-              "logprobs": ('is chat\'s; use include: ["message.output_text.logprobs"] and top_logprobs', (None, False, 0)),
-              "prompt_logprobs": ("is not supported here", (None,)), "echo": ("is not supported here", (None, False)),
-              "kv_transfer_params": ("is not supported here", (None,))}
+_CHAT_ONLY = {
+    "max_tokens": ("is chat's name; use max_output_tokens", (None,)),
+    "max_completion_tokens": ("is chat's name; use max_output_tokens", (None,)),
+    "n": ("must be 1: one response per request", (None, 1)),
+    "response_format": ("is chat's name; use text.format", (None,)),
+    "structured_outputs": ("use text.format", (None,)),
+    "guided_json": ("use text.format", (None,)),
+    "guided_regex": ("is not supported here", (None,)),
+    "guided_choice": ("is not supported here", (None,)),
+    "guided_grammar": ("is not supported here", (None,)),
+    "logprobs": ('is chat\'s; use include: ["message.output_text.logprobs"] and top_logprobs', (None, False, 0)),
+    "prompt_logprobs": ("is not supported here", (None,)),
+    "echo": ("is not supported here", (None, False)),
+    "kv_transfer_params": ("is not supported here", (None,)),
+}
 
 
 def _input_required(schema: dict[str, Any]) -> None:
@@ -224,8 +230,13 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     ``return_token_ids`` so reasoning tokens can be counted). Raises APIError naming the
     Responses field."""
     fields = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
-    fields.update(messages=input_messages(req), max_completion_tokens=req.max_output_tokens, tools=chat_tools(req.tools),
-                  tool_choice=chat_tool_choice(req.tool_choice), response_format=chat_response_format(req.text))
+    fields.update(
+        messages=input_messages(req),
+        max_completion_tokens=req.max_output_tokens,
+        tools=chat_tools(req.tools),
+        tool_choice=chat_tool_choice(req.tool_choice),
+        response_format=chat_response_format(req.text),
+    )
     if wants_logprobs(req):
         fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
@@ -250,27 +261,57 @@ def status_of(finish_reason: Optional[str]) -> tuple[str, Optional[dict]]:
     return "incomplete", {"reason": "max_output_tokens" if finish_reason == "length" else finish_reason}
 
 
-def response_object(req: ResponsesRequest, params: Any, response_id: str, model: str, created_at: int, status: str,
-                    output: list[dict], usage: Optional[dict] = None, incomplete: Optional[dict] = None,
-                    error: Optional[dict] = None) -> dict[str, Any]:
+def response_object(
+    req: ResponsesRequest,
+    params: Any,
+    response_id: str,
+    model: str,
+    created_at: int,
+    status: str,
+    output: list[dict],
+    usage: Optional[dict] = None,
+    incomplete: Optional[dict] = None,
+    error: Optional[dict] = None,
+) -> dict[str, Any]:
     """The ``response`` object, echoing the request's settings as OpenAI does (temperature and
     top_p as sampled: ``params`` is the request's SamplingParams)."""
     return {
-        "id": response_id, "object": "response", "created_at": created_at, "model": model, "status": status,
-        "output": output, "usage": usage, "incomplete_details": incomplete, "error": error,
-        "instructions": req.instructions, "metadata": req.metadata or {}, "max_output_tokens": req.max_output_tokens,
-        "temperature": params.temperature, "top_p": params.top_p, "top_logprobs": req.top_logprobs, "tools": req.tools or [],
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "model": model,
+        "status": status,
+        "output": output,
+        "usage": usage,
+        "incomplete_details": incomplete,
+        "error": error,
+        "instructions": req.instructions,
+        "metadata": req.metadata or {},
+        "max_output_tokens": req.max_output_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_logprobs": req.top_logprobs,
+        "tools": req.tools or [],
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
-        "previous_response_id": None, "reasoning": req.reasoning, "store": False, "truncation": "disabled",
-        "background": False, "user": req.user,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "text": req.text or {"format": {"type": "text"}},
+        "previous_response_id": None,
+        "reasoning": req.reasoning,
+        "store": False,
+        "truncation": "disabled",
+        "background": False,
+        "user": req.user,
     }
 
 
 def usage_object(prompt_tokens: int, cached: int, output_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt_tokens + output_tokens}
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
 
 
 def reasoning_item(item_id: str, text: str) -> dict[str, Any]:

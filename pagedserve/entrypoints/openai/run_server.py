@@ -13,6 +13,7 @@ front stops it. A second signal exits at once.
 ``--frontend-nice``: once the engine's processes have started, the front's threads yield the
 cores to the engine's compute threads (:func:`lower_thread_priority`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,8 +88,7 @@ def draining_server(config: Any, loading: LoadingApp, shutdown_timeout: float) -
                 if loading.llm is not None and loading.llm.num_unfinished_requests() > 0:
                     # Past --shutdown-timeout: end what still runs with a 503 body or stream event
                     # (uvicorn's own cancel would answer a plain-text 500 or cut a stream mid-chunk).
-                    logger.warning("pagedserve: --shutdown-timeout passed; ending %d unfinished requests",
-                                   loading.llm.num_unfinished_requests())
+                    logger.warning("pagedserve: --shutdown-timeout passed; ending %d unfinished requests", loading.llm.num_unfinished_requests())
                     loading.llm.fail_all_requests("the server is shutting down (--shutdown-timeout passed)")
                     time.sleep(0.2)
                 self.should_exit = True
@@ -190,8 +190,12 @@ def run_server(args: Any) -> int:
     log_level = str(getattr(args, "log_level", "info")).lower()
     sock = bind(server_args.host, server_args.port)
     loading = LoadingApp()
-    config_uv = uvicorn.Config(loading, log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=2,
-                               h11_max_incomplete_event_size=max(server_args.max_header_bytes * 4, 1 << 20))  # our 431 decides
+    config_uv = uvicorn.Config(
+        loading,
+        log_level=server_args.uvicorn_log_level,
+        timeout_graceful_shutdown=2,
+        h11_max_incomplete_event_size=max(server_args.max_header_bytes * 4, 1 << 20),
+    )  # our 431 decides
     uv = draining_server(config_uv, loading, server_args.shutdown_timeout)
     engine_dead = threading.Event()
     failure: list[BaseException] = []
@@ -208,8 +212,10 @@ def run_server(args: Any) -> int:
             model_dir = resolve_model(config.model)  # a GGUF file is converted into the cache on first use (the loader logs it)
             if (config.model is None or str(config.model).endswith(".gguf")) and time.monotonic() - t0 > 1.0:
                 logger.info("pagedserve: model ready in %.0fs: %s", time.monotonic() - t0, model_dir)
-            logger.info("pagedserve: starting the engine core%s: CPU kernels (compiled on the first start only, which takes minutes), "
-                        "weights, KV cache", f" ({config.data_parallel_size} replicas)" if config.data_parallel_size > 1 else "")
+            logger.info(
+                "pagedserve: starting the engine core%s: CPU kernels (compiled on the first start only, which takes minutes), weights, KV cache",
+                f" ({config.data_parallel_size} replicas)" if config.data_parallel_size > 1 else "",
+            )
             llm = AsyncLLM(config, on_engine_dead=on_engine_dead, log_level=log_level)
             try:
                 app = build_app(llm, server_args)
@@ -220,8 +226,14 @@ def run_server(args: Any) -> int:
             if lower_thread_priority(server_args.frontend_nice):  # after the engine's processes forked
                 logger.info("pagedserve: the front's threads run at nice %d (--frontend-nice)", server_args.frontend_nice)
             loading.ready(app, llm)
-            logger.info("pagedserve: serving %s on http://%s:%d%s (%s)", ", ".join(llm.served_model_names),
-                        server_args.host, server_args.port, " (API key required)" if server_args.api_key else "", engine_pids(llm))
+            logger.info(
+                "pagedserve: serving %s on http://%s:%d%s (%s)",
+                ", ".join(llm.served_model_names),
+                server_args.host,
+                server_args.port,
+                " (API key required)" if server_args.api_key else "",
+                engine_pids(llm),
+            )
         except BaseException as e:
             failure.append(e)
             uv.should_exit = True

@@ -1,5 +1,6 @@
 """The flags of `pagedserve serve` that shape the HTTP front (the engine's are
 :class:`pagedserve.config.EngineConfig`'s), with vLLM's names and defaults."""
+
 from __future__ import annotations
 
 import argparse
@@ -113,26 +114,44 @@ class ServerArgs:
         g.add_argument("--api-key", default=None, help="require this key on every route but /health (Bearer or X-Api-Key; or set PAGEDSERVE_API_KEY)")
         g.add_argument("--metrics-public", action="store_true", help="with --api-key, leave /metrics open (for a scraper without the key)")
         g.add_argument("--chat-template", default=None, help="a Jinja chat template or the path of a file with one (default: the model's)")
-        g.add_argument("--trust-request-chat-template", action="store_true", help="allow a chat_template field in requests (it runs as code in the server)")
+        g.add_argument(
+            "--trust-request-chat-template", action="store_true", help="allow a chat_template field in requests (it runs as code in the server)"
+        )
         g.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (needs --tool-call-parser)')
         g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="how tool calls are read from the model's text")
-        g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
-                       help="split a thinking model's <think> text into the chat message's reasoning_content")
+        g.add_argument(
+            "--reasoning-parser",
+            default=None,
+            choices=list(REASONING_PARSERS),
+            help="split a thinking model's <think> text into the chat message's reasoning_content",
+        )
         g.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins")
         g.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS methods")
         g.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS headers")
         g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
         g.add_argument("--generation-config", default="auto", help="auto (the model's sampling defaults), vllm (none) or a folder")
         g.add_argument("--enable-log-requests", action="store_true", help="log every request (id, prompt length, sampling parameters)")
-        g.add_argument("--enable-request-id-headers", action="store_true", help="answer every request with an X-Request-Id header (the request's own, else a new one)")
+        g.add_argument(
+            "--enable-request-id-headers",
+            action="store_true",
+            help="answer every request with an X-Request-Id header (the request's own, else a new one)",
+        )
         g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
-        g.add_argument("--max-queued-requests", type=int, default=None, help="beyond this many requests waiting to start, answer 503 with Retry-After")
-        g.add_argument("--request-timeout", type=float, default=None, help="default deadline of a request in seconds (the request's timeout field overrides it)")
+        g.add_argument(
+            "--max-queued-requests", type=int, default=None, help="beyond this many requests waiting to start, answer 503 with Retry-After"
+        )
+        g.add_argument(
+            "--request-timeout", type=float, default=None, help="default deadline of a request in seconds (the request's timeout field overrides it)"
+        )
         g.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests get to finish (new ones get 503)")
         g.add_argument("--max-request-body-bytes", type=int, default=32 << 20, help="larger bodies get 413")
         g.add_argument("--max-header-bytes", type=int, default=64 << 10, help="larger request headers get 431")
-        g.add_argument("--frontend-nice", type=int, default=10,
-                       help="nice value of the front's threads once the engine runs, so they yield the cores to its compute threads (0 = unchanged)")
+        g.add_argument(
+            "--frontend-nice",
+            type=int,
+            default=10,
+            help="nice value of the front's threads once the engine runs, so they yield the cores to its compute threads (0 = unchanged)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -1,6 +1,7 @@
 """/v1/chat/completions: a conversation rendered with the chat template, to one response or an
 SSE stream (the role first, then content and tool-call deltas, as OpenAI sends them). Tools and
 tool_choice: see :mod:`pagedserve.entrypoints.openai.tools`."""
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,21 @@ from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
 
 # apply_chat_template's own arguments: not the template's to take from a request.
-_RENDER_ARGS = frozenset({"conversation", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-                          "return_assistant_tokens_mask", "tokenizer_kwargs", "documents"})
+_RENDER_ARGS = frozenset(
+    {
+        "conversation",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "documents",
+    }
+)
+
 
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint."""
@@ -67,8 +81,15 @@ class OpenAIServingChat(OpenAIServing):
         plan = plan_tools(req.tools, req.tool_choice, self.enable_auto_tool_choice, self.tool_call_parser, req.parallel_tool_calls)
         if plan.constraint is not None and req.constraint_fields():
             raise APIError(f"tool_choice {plan.mode!r} and {req.constraint_fields()[0]} cannot both be set.", param="tool_choice")
-        conv, ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
-                                     req.chat_template_kwargs, req.tools, req.add_special_tokens)
+        conv, ids = self.render_chat(
+            req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template,
+            req.chat_template_kwargs,
+            req.tools,
+            req.add_special_tokens,
+        )
         ids = self.input_processor.truncate_prompt(ids, req.truncate_prompt_tokens)
         self.input_processor.check_token_ids(ids)
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -87,9 +108,16 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(e.message.replace("structured_outputs.json", "a tool's parameters schema"), param="tools") from None
         return model, conv, TokenizedPrompt(None, ids), params, plan
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict] = None,
-                    tools: Optional[list] = None, add_special_tokens: bool = False) -> tuple[list[dict], list[int]]:
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: Optional[str] = None,
+        chat_template_kwargs: Optional[dict] = None,
+        tools: Optional[list] = None,
+        add_special_tokens: bool = False,
+    ) -> tuple[list[dict], list[int]]:
         """The conversation as the template sees it, and its token ids. ``chat_template_kwargs``
         go to the template and override the named arguments (``add_generation_prompt``, ``tools``,
         ``chat_template``...), as vLLM; the tokenizer's own arguments cannot be set there."""
@@ -108,7 +136,8 @@ class OpenAIServingChat(OpenAIServing):
         if chat_template is not None and not self.trust_request_chat_template:
             raise APIError(
                 "chat_template in the request is not allowed: a template is code that runs in the server. "
-                "Start the server with --trust-request-chat-template to allow it.", param="chat_template",
+                "Start the server with --trust-request-chat-template to allow it.",
+                param="chat_template",
             )
         conv = []
         call_ids: set[str] = set()  # of the assistant tool calls so far: each tool message answers one
@@ -131,8 +160,7 @@ class OpenAIServingChat(OpenAIServing):
                 msg["tool_calls"] = [tool_call_for_template(c, i) for c in m.tool_calls]
                 call_ids.update(c["id"] for c in msg["tool_calls"] if isinstance(c["id"], str))
             if isinstance(m, ToolMessage):
-                check_answers_a_call(m.tool_call_id, call_ids, f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id",
-                                     "assistant tool call")
+                check_answers_a_call(m.tool_call_id, call_ids, f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id", "assistant tool call")
                 msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
         server_template = self.chat_template
@@ -150,8 +178,12 @@ class OpenAIServingChat(OpenAIServing):
                 text = render_untrusted(chat_template, conv, self.tokenizer, add_generation_prompt, continue_final_message, **kwargs)
             else:
                 text = self.tokenizer.apply_chat_template(
-                    conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, chat_template=server_template, **kwargs,
+                    conv,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template=server_template,
+                    **kwargs,
                 )
         except TemplateLimitError as e:
             raise APIError(str(e), param="chat_template") from None
@@ -183,8 +215,12 @@ class OpenAIServingChat(OpenAIServing):
             tops = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top_n), key=lambda tv: tv[1].rank)
             content.append(
                 ChatLogProbContent(
-                    token=name(tid), logprob=finite_logprob(lp.logprob) if lp is not None else -9999.0, bytes=list(self.tokens.bytes(tid)),
-                    top_logprobs=[ChatLogProbEntry(token=name(t), logprob=finite_logprob(v.logprob), bytes=list(self.tokens.bytes(t))) for t, v in tops[:top_n]],
+                    token=name(tid),
+                    logprob=finite_logprob(lp.logprob) if lp is not None else -9999.0,
+                    bytes=list(self.tokens.bytes(tid)),
+                    top_logprobs=[
+                        ChatLogProbEntry(token=name(t), logprob=finite_logprob(v.logprob), bytes=list(self.tokens.bytes(t))) for t, v in tops[:top_n]
+                    ],
                 )
             )
         return ChatChoiceLogProbs(content=content)
@@ -199,12 +235,23 @@ class OpenAIServingChat(OpenAIServing):
             return conv[-1].get("content") or ""
         return ""
 
-    async def chat_full(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
-                        params: SamplingParams, plan: ToolPlan, engine_id: str) -> ChatCompletionResponse:
+    async def chat_full(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        conv: list[dict],
+        prompt: TokenizedPrompt,
+        params: SamplingParams,
+        plan: ToolPlan,
+        engine_id: str,
+    ) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in range(params.n)]
         cached = 0
         kv_params = prompt_lps = None
-        async with aclosing(self.run(engine_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
+        async with aclosing(
+            self.run(engine_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)
+        ) as stream:
             async for _, out in stream:
                 prompt_lps = out.prompt_logprobs or prompt_lps
                 if out.finished:
@@ -224,21 +271,44 @@ class OpenAIServingChat(OpenAIServing):
             if req.include_reasoning:
                 message.reasoning_content = message.reasoning = reasoning
             called = called and ch.finish_reason == "stop"  # cut by length: the calls may be incomplete
-            result.append(ChatCompletionResponseChoice(
-                index=i, message=message,
-                logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n, self.token_name(req)) if req.logprobs else None,
-                finish_reason=plan.calls_finish_reason if called else ch.finish_reason, stop_reason=None if called else ch.stop_reason,
-                token_ids=ch.token_ids if req.return_token_ids else None,
-            ))
+            result.append(
+                ChatCompletionResponseChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self._chat_logprobs(ch.token_ids, ch.logprobs, top_n, self.token_name(req)) if req.logprobs else None,
+                    finish_reason=plan.calls_finish_reason if called else ch.finish_reason,
+                    stop_reason=None if called else ch.stop_reason,
+                    token_ids=ch.token_ids if req.return_token_ids else None,
+                )
+            )
         num_gen = sum(len(ch.token_ids) for ch in choices)
-        usage = UsageInfo(prompt_tokens=len(prompt.token_ids), completion_tokens=num_gen, total_tokens=len(prompt.token_ids) + num_gen,
-                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params,
-                                      prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps),
-                                      prompt_token_ids=prompt.token_ids if req.return_token_ids else None)
+        usage = UsageInfo(
+            prompt_tokens=len(prompt.token_ids),
+            completion_tokens=num_gen,
+            total_tokens=len(prompt.token_ids) + num_gen,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+        return ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=result,
+            usage=usage,
+            kv_transfer_params=kv_params,
+            prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps),
+            prompt_token_ids=prompt.token_ids if req.return_token_ids else None,
+        )
 
-    async def chat_stream(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
-                          params: SamplingParams, plan: ToolPlan, engine_id: str) -> AsyncIterator[str]:
+    async def chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        conv: list[dict],
+        prompt: TokenizedPrompt,
+        params: SamplingParams,
+        plan: ToolPlan,
+        engine_id: str,
+    ) -> AsyncIterator[str]:
         """The SSE stream of :meth:`chat_chunks`; an error ends it with an error event."""
         try:
             async with aclosing(self.chat_chunks(req, request_id, model, conv, prompt, params, plan, engine_id)) as chunks:
@@ -248,8 +318,17 @@ class OpenAIServingChat(OpenAIServing):
             yield stream_error(e)
         yield SSE_DONE
 
-    async def chat_chunks(self, req: ChatCompletionRequest, request_id: str, model: str, conv: list[dict], prompt: TokenizedPrompt,
-                          params: SamplingParams, plan: ToolPlan, engine_id: str) -> AsyncIterator[Any]:
+    async def chat_chunks(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        conv: list[dict],
+        prompt: TokenizedPrompt,
+        params: SamplingParams,
+        plan: ToolPlan,
+        engine_id: str,
+    ) -> AsyncIterator[Any]:
         """The chunks of a streamed answer (``ChatCompletionStreamResponse``, or its ``Ids``
         variant), the role first, the usage last when asked. Raises APIError / ValueError /
         RuntimeError (:func:`api_error` maps them) when the request fails after it started."""
@@ -267,8 +346,13 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(prompt_token_ids: Optional[list[int]] = None, token_ids: Optional[list[int]] = None, **fields) -> str:
             """One choice's chunk; with return_token_ids it carries the ids (the prompt's: once)."""
             if req.return_token_ids:
-                c = ChatCompletionStreamResponseIds(id=request_id, model=model, created=created, prompt_token_ids=prompt_token_ids,
-                                                    choices=[ChatCompletionResponseStreamChoiceIds(**fields, token_ids=token_ids or [])])
+                c = ChatCompletionStreamResponseIds(
+                    id=request_id,
+                    model=model,
+                    created=created,
+                    prompt_token_ids=prompt_token_ids,
+                    choices=[ChatCompletionResponseStreamChoiceIds(**fields, token_ids=token_ids or [])],
+                )
             else:
                 c = ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[ChatCompletionResponseStreamChoice(**fields)])
             if continuous:  # this choice's tokens so far, as vLLM counts them
@@ -281,7 +365,9 @@ class OpenAIServingChat(OpenAIServing):
         if echo:
             for i in range(params.n):
                 yield chunk(index=i, delta=DeltaMessage(content=echo))
-        async with aclosing(self.run(engine_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)) as stream:
+        async with aclosing(
+            self.run(engine_id, [prompt], [params], req.cache_salt, self.timeout_of(req), req.kv_transfer_params, req.priority)
+        ) as stream:
             async for _, out in stream:
                 cached = out.num_cached_tokens
                 for o in out.outputs:
@@ -308,10 +394,25 @@ class OpenAIServingChat(OpenAIServing):
                         last = k == len(deltas) - 1
                         called = tools.called and o.finish_reason == "stop"
                         finish = (plan.calls_finish_reason if called else o.finish_reason) if last else None
-                        yield chunk(token_ids=list(o.token_ids) if k == 0 else None, index=o.index, delta=delta,
-                                    logprobs=lps if k == 0 else None, finish_reason=finish,
-                                    stop_reason=(None if called else o.stop_reason) if last else None)
+                        yield chunk(
+                            token_ids=list(o.token_ids) if k == 0 else None,
+                            index=o.index,
+                            delta=delta,
+                            logprobs=lps if k == 0 else None,
+                            finish_reason=finish,
+                            stop_reason=(None if called else o.stop_reason) if last else None,
+                        )
         if include_usage:
             gen = sum(x.num_tokens for x in choices)
-            yield ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(
-                prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached)))
+            yield ChatCompletionStreamResponse(
+                id=request_id,
+                model=model,
+                created=created,
+                choices=[],
+                usage=UsageInfo(
+                    prompt_tokens=num_prompt,
+                    completion_tokens=gen,
+                    total_tokens=num_prompt + gen,
+                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                ),
+            )

@@ -8,6 +8,7 @@ them), whose :class:`RequestError` names the field; what only the front can chec
 fields, the served model, the deadline, ``kv_transfer_params``, per-response caps) raises the
 front's :class:`APIError`. Either way a bad request never reaches the engine core.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -125,10 +126,18 @@ SSE_DONE = "data: [DONE]\n\n"
 # Fields of OpenAI's or vLLM's API that would change what a request means and that this server
 # does not implement: refused with a 400 naming them (unless set to their "off" value).
 UNSUPPORTED_FIELDS = {
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0),
-    "functions": (None,), "function_call": (None,), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,), "guided_whitespace_pattern": (None,), "logits_processors": (None,),
-    "vllm_xargs": (None,), "prompt_embeds": (None,), "mm_processor_kwargs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "functions": (None,),
+    "function_call": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "guided_whitespace_pattern": (None,),
+    "logits_processors": (None,),
+    "vllm_xargs": (None,),
+    "prompt_embeds": (None,),
+    "mm_processor_kwargs": (None,),
 }
 _ignored_logged: set[str] = set()
 MAX_TIMEOUT_S = 86400.0
@@ -163,10 +172,19 @@ class OpenAIServing:
     # able to queue unbounded work or memory.
     MAX_SEQUENCES_PER_REQUEST = 256
 
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False,
-                 chat_template: Optional[str] = None, enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
-                 default_sampling: Optional[dict[str, Any]] = None, log_requests: bool = False,
-                 request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        served_model_names: list[str],
+        trust_request_chat_template: bool = False,
+        chat_template: Optional[str] = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: Optional[str] = None,
+        default_sampling: Optional[dict[str, Any]] = None,
+        log_requests: bool = False,
+        request_timeout: Optional[float] = None,
+        reasoning_parser: Optional[str] = None,
+    ) -> None:
         self.llm = llm
         self.input_processor = llm.input_processor
         self.trust_request_chat_template = trust_request_chat_template
@@ -205,8 +223,12 @@ class OpenAIServing:
         answer) for a model this server does not serve."""
         if model is None or model in self.served_model_names:
             return self.served_model_names[0] if model is None else model
-        raise APIError(f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.", param="model",
-                       status_code=404, err_type="NotFoundError")
+        raise APIError(
+            f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.",
+            param="model",
+            status_code=404,
+            err_type="NotFoundError",
+        )
 
     def log_request(self, request_id: str, req: Any, prompt_lens: list[int], params: list[SamplingParams]) -> None:
         """``--enable-log-requests``: one line per request (never the prompt text)."""
@@ -253,8 +275,11 @@ class OpenAIServing:
         scores and carries them)."""
         k = params.prompt_logprobs
         if k is not None and sum(prompt_lens) * (k + 1) * params.n > self.MAX_PROMPT_LOGPROB_ENTRIES:
-            raise APIError(f"prompt_logprobs: {sum(prompt_lens)} prompt tokens x ({k} + 1) x n={params.n} entries exceed "
-                               f"the {self.MAX_PROMPT_LOGPROB_ENTRIES:,} a response may carry; lower prompt_logprobs or n.", param="prompt_logprobs")
+            raise APIError(
+                f"prompt_logprobs: {sum(prompt_lens)} prompt tokens x ({k} + 1) x n={params.n} entries exceed "
+                f"the {self.MAX_PROMPT_LOGPROB_ENTRIES:,} a response may carry; lower prompt_logprobs or n.",
+                param="prompt_logprobs",
+            )
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """Raises APIError when the request's prompts x n exceed ``MAX_SEQUENCES_PER_REQUEST``.
@@ -262,19 +287,32 @@ class OpenAIServing:
         if n <= MAX_N and num_prompts * n > self.MAX_SEQUENCES_PER_REQUEST:
             raise APIError(
                 f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); "
-                f"at most {self.MAX_SEQUENCES_PER_REQUEST} are allowed per request.", param="n",
+                f"at most {self.MAX_SEQUENCES_PER_REQUEST} are allowed per request.",
+                param="n",
             )
 
-    async def run(self, request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
-                  cache_salt: Optional[str], timeout_s: Optional[float] = None,
-                  kv_transfer_params: Optional[dict] = None, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run(
+        self,
+        request_id: str,
+        prompts: list[TokenizedPrompt],
+        params: list[SamplingParams],
+        cache_salt: Optional[str],
+        timeout_s: Optional[float] = None,
+        kv_transfer_params: Optional[dict] = None,
+        priority: int = 0,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt; yield ``(prompt index, delta output)``. However this
         ends (finished, client gone, cancelled, error), no request is left running."""
         rids = prompt_request_ids(request_id, len(prompts))
         make = self.input_processor.make_request
-        gens = [self.llm.generate_processed(make(rid, p.text, p.token_ids, sp, cache_salt=cache_salt, timeout_s=timeout_s,
-                                                 kv_transfer_params=kv_transfer_params, priority=priority))
-                for rid, p, sp in zip(rids, prompts, params)]
+        gens = [
+            self.llm.generate_processed(
+                make(
+                    rid, p.text, p.token_ids, sp, cache_salt=cache_salt, timeout_s=timeout_s, kv_transfer_params=kv_transfer_params, priority=priority
+                )
+            )
+            for rid, p, sp in zip(rids, prompts, params)
+        ]
         unfinished = set(rids)
         try:
             async with aclosing(merge_async_iterators(*gens)) as merged:

@@ -1,4 +1,5 @@
 """/v1/completions: prompts (text, token ids, or lists of them) to one response or an SSE stream."""
+
 from __future__ import annotations
 
 import time
@@ -82,8 +83,9 @@ class OpenAIServingCompletion(OpenAIServing):
             self.input_processor.check_token_ids(out[-1].token_ids)
         return out
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], pieces: list[str],
-                             ch: ChoiceState, req: CompletionRequest) -> CompletionLogProbs:
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], pieces: list[str], ch: ChoiceState, req: CompletionRequest
+    ) -> CompletionLogProbs:
         """OpenAI's legacy logprobs of ``token_ids``, each token named by its piece of the text
         (:class:`TokenPieces`: they join to the text, ``text_offset`` indexes it) or with
         ``return_tokens_as_token_ids`` by id; top_logprobs name the others by their own text.
@@ -95,20 +97,24 @@ class OpenAIServingCompletion(OpenAIServing):
             lp = entry.get(tid) if entry is not None else None
             out.tokens.append(tok)
             out.token_logprobs.append(finite_logprob(lp.logprob) if lp is not None else None)
-            out.top_logprobs.append({(tok if t == tid else name(t)): finite_logprob(v.logprob) for t, v in entry.items()}
-                                    if entry is not None else None)
+            out.top_logprobs.append(
+                {(tok if t == tid else name(t)): finite_logprob(v.logprob) for t, v in entry.items()} if entry is not None else None
+            )
             out.text_offset.append(ch.text_offset)
             ch.text_offset += len(piece)
         return out
 
-    async def completion_full(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
-                              engine_id: str) -> CompletionResponse:
+    async def completion_full(
+        self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams], engine_id: str
+    ) -> CompletionResponse:
         n = params[0].n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         cached = 0
         kv_params = None
         prompt_lps: list = [None] * len(prompts)
-        async with aclosing(self.run(engine_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
+        async with aclosing(
+            self.run(engine_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)
+        ) as stream:
             async for pi, out in stream:
                 cached = cached + out.num_cached_tokens if out.finished else cached
                 kv_params = out.kv_transfer_params or kv_params
@@ -131,18 +137,31 @@ class OpenAIServingCompletion(OpenAIServing):
                     lps = self._completion_logprobs(p.token_ids + ch.token_ids, plp + ch.logprobs, pieces, ch, req)
             elif req.logprobs is not None:
                 lps = self._completion_logprobs(ch.token_ids, ch.logprobs, pieces, ch, req)
-            result.append(CompletionResponseChoice(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
-                                                   prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps[pi]),
-                                                   prompt_token_ids=prompts[pi].token_ids if req.return_token_ids else None,
-                                                   token_ids=ch.token_ids if req.return_token_ids else None))
+            result.append(
+                CompletionResponseChoice(
+                    index=idx,
+                    text=text,
+                    logprobs=lps,
+                    finish_reason=ch.finish_reason,
+                    stop_reason=ch.stop_reason,
+                    prompt_logprobs=prompt_logprobs_json(self.tokens, prompt_lps[pi]),
+                    prompt_token_ids=prompts[pi].token_ids if req.return_token_ids else None,
+                    token_ids=ch.token_ids if req.return_token_ids else None,
+                )
+            )
         num_prompt = sum(len(p.token_ids) for p in prompts)
         num_gen = sum(len(ch.token_ids) for ch in choices)
-        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen,
-                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        usage = UsageInfo(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_gen,
+            total_tokens=num_prompt + num_gen,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
         return CompletionResponse(id=request_id, model=model, choices=result, usage=usage, kv_transfer_params=kv_params)
 
-    async def completion_stream(self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams],
-                                engine_id: str) -> AsyncIterator[str]:
+    async def completion_stream(
+        self, req: CompletionRequest, request_id: str, model: str, prompts: list[TokenizedPrompt], params: list[SamplingParams], engine_id: str
+    ) -> AsyncIterator[str]:
         n = params[0].n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -151,9 +170,13 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         cached = 0
         prompt_lps: list = [None] * len(prompts)
-        pieces = [TokenPieces(self.tokenizer, prompts[i // n].token_ids, params[i // n]) for i in range(len(choices))] if req.logprobs is not None else []
+        pieces = (
+            [TokenPieces(self.tokenizer, prompts[i // n].token_ids, params[i // n]) for i in range(len(choices))] if req.logprobs is not None else []
+        )
         try:
-            async with aclosing(self.run(engine_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)) as stream:
+            async with aclosing(
+                self.run(engine_id, prompts, params, req.cache_salt, self.timeout_of(req), self.kv_params_of(req, prompts), req.priority)
+            ) as stream:
                 async for pi, out in stream:
                     cached = cached + out.num_cached_tokens if out.finished else cached
                     prompt_lps[pi] = out.prompt_logprobs or prompt_lps[pi]  # with the first tokens of any choice
@@ -185,20 +208,34 @@ class OpenAIServingCompletion(OpenAIServing):
                         lps = self._completion_logprobs(token_ids, entries, texts, ch, req) if req.logprobs is not None else None
                         fields = dict(index=idx, text=text, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
                         if req.return_token_ids:
-                            choice = CompletionResponseStreamChoiceIds(**fields, token_ids=new_ids,
-                                                                       prompt_token_ids=prompts[pi].token_ids if first_chunk else None)
+                            choice = CompletionResponseStreamChoiceIds(
+                                **fields, token_ids=new_ids, prompt_token_ids=prompts[pi].token_ids if first_chunk else None
+                            )
                             chunk = CompletionStreamResponseIds(id=request_id, model=model, created=created, choices=[choice])
                         else:
-                            chunk = CompletionStreamResponse(id=request_id, model=model, created=created,
-                                                             choices=[CompletionResponseStreamChoice(**fields)])
+                            chunk = CompletionStreamResponse(
+                                id=request_id, model=model, created=created, choices=[CompletionResponseStreamChoice(**fields)]
+                            )
                         if continuous:  # this choice's prompt and tokens so far, as vLLM counts them
                             pt = len(prompts[pi].token_ids)
                             chunk.usage = UsageInfo(prompt_tokens=pt, completion_tokens=ch.num_tokens, total_tokens=pt + ch.num_tokens)
                         yield sse(chunk)
             if include_usage:
                 gen = sum(c.num_tokens for c in choices)
-                yield sse(CompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=UsageInfo(
-                    prompt_tokens=num_prompt, completion_tokens=gen, total_tokens=num_prompt + gen, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))))
+                yield sse(
+                    CompletionStreamResponse(
+                        id=request_id,
+                        model=model,
+                        created=created,
+                        choices=[],
+                        usage=UsageInfo(
+                            prompt_tokens=num_prompt,
+                            completion_tokens=gen,
+                            total_tokens=num_prompt + gen,
+                            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                        ),
+                    )
+                )
         except (APIError, ValueError, RuntimeError) as e:  # refused late or engine died: report in-band
             yield stream_error(e)
         yield SSE_DONE

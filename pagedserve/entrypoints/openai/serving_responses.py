@@ -8,6 +8,7 @@ when the request fails after it started). Every event carries a ``sequence_numbe
 
 The whole answer is built by the same :class:`OutputItems` from the same chat chunks, so its
 items are exactly the streamed ones (text between tool calls is a message item of its own)."""
+
 from __future__ import annotations
 
 from contextlib import aclosing
@@ -36,8 +37,7 @@ from pagedserve.entrypoints.openai.tools import ToolPlan
 from pagedserve.sampling_params import SamplingParams
 
 # Chat's names in messages about a Responses request: (chat param, Responses param).
-_CHAT_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
-               ("response_format", "text.format"))
+_CHAT_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
 
 
 def _logprobs(lps: Any) -> list[dict]:
@@ -45,8 +45,15 @@ def _logprobs(lps: Any) -> list[dict]:
     ``top_logprobs``)."""
     if lps is None or not lps.content:
         return []
-    return [{"token": c.token, "logprob": c.logprob, "bytes": c.bytes,
-             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in c.top_logprobs]} for c in lps.content]
+    return [
+        {
+            "token": c.token,
+            "logprob": c.logprob,
+            "bytes": c.bytes,
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in c.top_logprobs],
+        }
+        for c in lps.content
+    ]
 
 
 class OutputItems:
@@ -78,8 +85,10 @@ class OutputItems:
             events = [self.event("response.reasoning_text.done", **ids, content_index=0, text=text)]
         elif item["type"] == "message":
             item = message_item(item["id"], text, logprobs=self.logprobs)
-            events = [self.event("response.output_text.done", **ids, content_index=0, text=text, logprobs=self.logprobs),
-                      self.event("response.content_part.done", **ids, content_index=0, part=item["content"][0])]
+            events = [
+                self.event("response.output_text.done", **ids, content_index=0, text=text, logprobs=self.logprobs),
+                self.event("response.content_part.done", **ids, content_index=0, part=item["content"][0]),
+            ]
         else:
             item = function_call_item(item["id"], item["call_id"], item["name"], text)
             events = [self.event("response.function_call_arguments.done", **ids, name=item["name"], arguments=text)]
@@ -103,8 +112,11 @@ class OutputItems:
         kind changes (a call's item was opened by its id)."""
         events = []
         if kind != "function_call" and (self.cur is None or self.cur["type"] != kind):
-            item = ({"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []} if kind == "reasoning"
-                    else message_item(new_id("msg"), "", status="in_progress"))
+            item = (
+                {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []}
+                if kind == "reasoning"
+                else message_item(new_id("msg"), "", status="in_progress")
+            )
             events = self._open(item)
         self.text.append(delta)
         ids = {"item_id": self.cur["id"], "output_index": len(self.done)}
@@ -175,9 +187,19 @@ class OpenAIServingResponses:
         thinking = self.chats.thinking(chat_req, prompt)
         return 0 if thinking is False else self.chats.reasoning.reasoning_tokens(token_ids, thinking)
 
-    async def _events(self, stream: bool, req: ResponsesRequest, chat_req: ChatCompletionRequest, response_id: str, model: str,
-                      conv: list[dict], prompt: TokenizedPrompt, params: SamplingParams, plan: ToolPlan,
-                      engine_id: str) -> AsyncIterator[dict]:
+    async def _events(
+        self,
+        stream: bool,
+        req: ResponsesRequest,
+        chat_req: ChatCompletionRequest,
+        response_id: str,
+        model: str,
+        conv: list[dict],
+        prompt: TokenizedPrompt,
+        params: SamplingParams,
+        plan: ToolPlan,
+        engine_id: str,
+    ) -> AsyncIterator[dict]:
         created = now()
         items = OutputItems()
 
@@ -197,8 +219,10 @@ class OpenAIServingResponses:
             u = items.usage
             cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
             usage = usage_object(u.prompt_tokens, cached, u.completion_tokens, self._reasoning_tokens(chat_req, prompt, items.token_ids))
-            yield items.event("response.completed" if status == "completed" else "response.incomplete",
-                              response=response(status, usage=usage, incomplete=incomplete))
+            yield items.event(
+                "response.completed" if status == "completed" else "response.incomplete",
+                response=response(status, usage=usage, incomplete=incomplete),
+            )
         except (APIError, ValueError, RuntimeError) as e:
             if not stream:
                 raise
@@ -221,4 +245,3 @@ class OpenAIServingResponses:
             async for e in events:
                 last = e
         return last["response"]
-

@@ -2,6 +2,7 @@
 BPE vocabularies store bytes as printable stand-ins (GPT-2's table), SentencePiece ones as
 ``<0xNN>``; anything else is decoded. :class:`TokenPieces`: each token's share of a text, for
 completions logprobs (``tokens`` that join to the text, ``text_offset`` into it)."""
+
 from __future__ import annotations
 
 import re
@@ -85,7 +86,7 @@ class TokenPieces:
             out.append(piece)
             self.pos += len(piece)
         if final and out and self.pos < len(self.text):
-            out[-1] += self.text[self.pos:]
+            out[-1] += self.text[self.pos :]
             self.pos = len(self.text)
         return out
 
@@ -105,5 +106,7 @@ def prompt_logprobs_json(tokens: TokenStrings, entries: Optional[list]) -> Optio
     {token id: {logprob, rank, decoded_token}} (``RequestOutput.prompt_logprobs`` entries)."""
     if entries is None:
         return None
-    return [None if e is None else {t: {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": tokens.text(t)}
-                                    for t, lp in e.items()} for e in entries]
+    return [
+        None if e is None else {t: {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": tokens.text(t)} for t, lp in e.items()}
+        for e in entries
+    ]

@@ -12,6 +12,7 @@ a model's text into ``(content, tool calls)``, at the end of a request or as it 
 A streaming parser emits content as soon as it cannot be the start of a tool call, and each
 tool call whole once it is complete, so the concatenated stream equals the end-of-request parse.
 """
+
 from __future__ import annotations
 
 import json
@@ -179,7 +180,7 @@ class Llama3JsonToolParser(JsonToolParser):
 
     def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
         body = text.strip()
-        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        body = body[len(self.TAG) :].lstrip() if body.startswith(self.TAG) else body
         if body.startswith("["):
             calls = super().extract(body)[1]
             return (None, calls) if calls else (text, [])

@@ -22,6 +22,7 @@ message at fault.
 Every call gets an id ``chatcmpl-tool-<hex>``; a response with calls finishes with
 ``"tool_calls"``, or ``"stop"`` for a forced named function (as OpenAI and vLLM).
 """
+
 from __future__ import annotations
 
 import json
@@ -121,8 +122,9 @@ class ToolPlan:
         return text, []
 
 
-def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_auto: bool, parser: Optional[str],
-               parallel_tool_calls: Optional[bool] = None) -> ToolPlan:
+def plan_tools(
+    tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_auto: bool, parser: Optional[str], parallel_tool_calls: Optional[bool] = None
+) -> ToolPlan:
     """Check ``tools`` / ``tool_choice`` and decide the mode (``parallel_tool_calls=False``: a
     "required" answer holds exactly one call).
 
@@ -139,7 +141,13 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
     names = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        if (
+            not isinstance(t, dict)
+            or t.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
             raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}.", param="tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise APIError(f"tools[{i}].function.parameters must be a JSON schema object.", param="tools")
@@ -154,8 +162,7 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
         return ToolPlan("none", tools)
     if choice == "auto":
         if not enable_auto or parser is None:
-            raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
-                           param="tool_choice")
+            raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.', param="tool_choice")
         return ToolPlan("auto", tools, parser=parser)
     if choice == "required":
         defs: dict[str, Any] = {}
@@ -166,8 +173,14 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
                 for name, d in (schema.pop(key, None) or {}).items():
                     if defs.setdefault(f"{key}/{name}", d) != d:
                         raise APIError(f"tools define {key}/{name} differently; give the shared definitions one meaning.", param="tools")
-            branches.append({"type": "object", "properties": {"name": {"const": n}, "parameters": schema},
-                             "required": ["name", "parameters"], "additionalProperties": False})
+            branches.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": n}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": branches}, "minItems": 1}
         if parallel_tool_calls is False:
             array["maxItems"] = 1
@@ -180,8 +193,7 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, enable_a
         if name not in schemas:
             raise APIError(f"tool_choice names the function {name!r}, which is not in tools.", param="tool_choice")
         return ToolPlan("named", tools, named=name, constraint=StructuredOutputsParams(json=schemas[name]))
-    raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.',
-                   param="tool_choice")
+    raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.', param="tool_choice")
 
 
 class ToolCallStream:
@@ -209,8 +221,18 @@ class ToolCallStream:
         for c in calls:
             if self.single_call and self.num_calls:
                 break
-            out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=self.num_calls, id=random_tool_call_id(), type="function",
-                                                              function=DeltaFunctionCall(name=c.name, arguments=c.arguments))]))
+            out.append(
+                DeltaMessage(
+                    tool_calls=[
+                        DeltaToolCall(
+                            index=self.num_calls,
+                            id=random_tool_call_id(),
+                            type="function",
+                            function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+                        )
+                    ]
+                )
+            )
             self.num_calls += 1
         return out
 
@@ -224,8 +246,15 @@ class ToolCallStream:
             if self.named_id is None:
                 self.named_id = random_tool_call_id()
                 self.num_calls = 1
-                return [DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=self.named_id, type="function",
-                                                               function=DeltaFunctionCall(name=self.plan.named, arguments=text))])]
+                return [
+                    DeltaMessage(
+                        tool_calls=[
+                            DeltaToolCall(
+                                index=0, id=self.named_id, type="function", function=DeltaFunctionCall(name=self.plan.named, arguments=text)
+                            )
+                        ]
+                    )
+                ]
             return [DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))])]
         if mode == "required":
             self.text.append(text)  # a JSON list: sent whole once complete

@@ -1,6 +1,7 @@
 """Backends of the model's non-projection ops (norms, activation, RoPE + KV-cache write, paged
 attention, greedy argmax), chosen once when the model is loaded: the model has one ``forward``
 and calls its backend."""
+
 from __future__ import annotations
 
 import torch

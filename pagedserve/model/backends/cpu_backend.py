@@ -13,6 +13,7 @@
   same ops in the same order, bit-identical to the layer-by-layer path);
 - greedy sampling's argmax over bf16 logits in C.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -93,8 +94,7 @@ class CpuBackend(TorchBackend):
     def rope_and_write_kv(self, qk, v, positions, state, rope: RotaryEmbedding, kv_cache, metadata, num_heads, num_kv_heads, head_dim):
         if not self.fused_rope:
             return super().rope_and_write_kv(qk, v, positions, state, rope, kv_cache, metadata, num_heads, num_kv_heads, head_dim)
-        q = kernels.rope_write_kv(qk, v, positions, metadata.slot_mapping, rope.cos_cache, rope.sin_cache, kv_cache, num_heads,
-                                  metadata.block_size)
+        q = kernels.rope_write_kv(qk, v, positions, metadata.slot_mapping, rope.cos_cache, rope.sin_cache, kv_cache, num_heads, metadata.block_size)
         return q, None, None
 
     def attention(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -141,10 +141,24 @@ class CpuBackend(TorchBackend):
         else:
             block_tables, token_seq, token_lens = _one_group(groups, hidden.shape[0])
         rc = matmul.decode_layers(
-            table, hidden, model.norm.weight, positions, metadata.slot_mapping, model.rotary_emb.cos_cache,
-            model.rotary_emb.sin_cache, block_tables, token_lens, token_seq=token_seq, num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=model.config.intermediate_size,
-            block_size=metadata.block_size, eps=model.norm.eps, scale=attn.scale, kv_int8=kv_caches[0].dtype == torch.int8,
+            table,
+            hidden,
+            model.norm.weight,
+            positions,
+            metadata.slot_mapping,
+            model.rotary_emb.cos_cache,
+            model.rotary_emb.sin_cache,
+            block_tables,
+            token_lens,
+            token_seq=token_seq,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            inter=model.config.intermediate_size,
+            block_size=metadata.block_size,
+            eps=model.norm.eps,
+            scale=attn.scale,
+            kv_int8=kv_caches[0].dtype == torch.int8,
         )
         if rc != 0:
             raise RuntimeError(f"decode_layers_bf16 failed with code {rc}")

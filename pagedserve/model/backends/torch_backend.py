@@ -13,6 +13,7 @@ first writes the step's K/V through the flat ``slot_mapping``, then:
   :func:`causal_attention`); a chunk after cached context (chunked prefill, prefix-cache hit)
   reads its context from the cache with an explicit causal mask.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -73,14 +74,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     for a in range(CAUSAL_TILE, L, CAUSAL_TILE):
         b = min(a + CAUSAL_TILE, L)
         mask = torch.arange(b, device=q.device)[None, :] <= torch.arange(a, b, device=q.device)[:, None]
-        out[:, :, a:b] = F.scaled_dot_product_attention(
-            q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
+        out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out
 
 
-def sdpa_attention(query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor], kv_cache: torch.Tensor,
-                   metadata: AttentionMetadata, g: AttentionGroup, scale: float, out: torch.Tensor) -> None:
+def sdpa_attention(
+    query: torch.Tensor,
+    key: Optional[torch.Tensor],
+    value: Optional[torch.Tensor],
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    g: AttentionGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """One group's attention with ``scaled_dot_product_attention``, into ``out`` (the flat
     ``[num_tokens, num_heads, head_dim]`` output). ``key``/``value``: this step's K/V, used
     directly by chunks with no cached context; None reads them from the cache too."""
@@ -91,8 +98,12 @@ def sdpa_attention(query: torch.Tensor, key: Optional[torch.Tensor], value: Opti
     if g.is_decode:
         q = query[s:e].unsqueeze(2)  # [n, H, 1, hd]
         o = F.scaled_dot_product_attention(
-            q, _gather(k_cache, g.block_tables, bs, hd, query.dtype), _gather(v_cache, g.block_tables, bs, hd, query.dtype),
-            attn_mask=g.decode_mask(metadata.block_size), scale=scale, enable_gqa=gqa,
+            q,
+            _gather(k_cache, g.block_tables, bs, hd, query.dtype),
+            _gather(v_cache, g.block_tables, bs, hd, query.dtype),
+            attn_mask=g.decode_mask(metadata.block_size),
+            scale=scale,
+            enable_gqa=gqa,
         )
         out[s:e] = o.squeeze(2)
         return
@@ -139,9 +150,19 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def rope_and_write_kv(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, state: Any, rope: RotaryEmbedding,
-                          kv_cache: torch.Tensor, metadata: AttentionMetadata, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def rope_and_write_kv(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        state: Any,
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """RoPE on ``qk [T, (num_heads + num_kv_heads) * head_dim]``, K/V written to the cache.
         Returns (q ``[T, num_heads, head_dim]`` contiguous, k, v), k/v None when attention must
         read this step's K/V from the cache."""
@@ -158,8 +179,15 @@ class TorchBackend:
 
     argmax = staticmethod(torch_argmax)
 
-    def attention(self, query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor], kv_cache: torch.Tensor,
-                  metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor],
+        value: Optional[torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """Every query token ``[T, num_heads, head_dim]`` attends to its own request's cached
         K/V up to its position (causal). Returns ``[T, num_heads, head_dim]``."""
         out = torch.empty_like(query)

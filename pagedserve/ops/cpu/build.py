@@ -37,6 +37,7 @@ the objects the libraries are linked from, so after a build it costs nothing.
 ``PAGEDSERVE_CPU_KERNELS=0`` disables them; without a C compiler they are disabled with a
 warning, and the engine uses PyTorch ops.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -81,29 +82,37 @@ _FUSED_UNITS = [
 # FMA contraction there (nor in the decode library, which runs them too); attention accumulates
 # in fp32 and may contract.
 _LIBS = {
-    "paged_attention": (["-ffp-contract=fast"], [
-        ("common/cpu.c", "portable"),
-        ("attention/paged_attention.c", "portable"),
-        ("attention/heads.c", "portable"),
-        ("attention/token_tasks.c", "portable"),
-        ("attention/scalar.c", "portable"),
-        ("attention/avx2.c", "avx2"),
-        ("attention/avx2_tokens.c", "avx2"),
-        ("attention/avx512.c", "avx512"),
-        ("attention/avx512bf16.c", "avx512bf16"),
-        ("attention/amx.c", "amx"),
-    ]),
+    "paged_attention": (
+        ["-ffp-contract=fast"],
+        [
+            ("common/cpu.c", "portable"),
+            ("attention/paged_attention.c", "portable"),
+            ("attention/heads.c", "portable"),
+            ("attention/token_tasks.c", "portable"),
+            ("attention/scalar.c", "portable"),
+            ("attention/avx2.c", "avx2"),
+            ("attention/avx2_tokens.c", "avx2"),
+            ("attention/avx512.c", "avx512"),
+            ("attention/avx512bf16.c", "avx512bf16"),
+            ("attention/amx.c", "amx"),
+        ],
+    ),
     "fused_ops": (["-ffp-contract=off"], [("common/cpu.c", "portable")] + _FUSED_UNITS),
-    "decode": (["-ffp-contract=off"], [("common/cpu.c", "portable")] + _FUSED_UNITS + [
-        ("gemm/gemm.c", "portable"),
-        ("gemm/small_gemm.c", "avx512bf16"),
-        ("gemm/amx.c", "amx"),
-        ("gemm/avx2.c", "avx2"),
-        ("step/decode_step.c", "portable"),
-        ("probe/stream_read.c", "portable"),
-        ("probe/avx2.c", "avx2"),
-        ("probe/avx512.c", "avx512"),
-    ]),
+    "decode": (
+        ["-ffp-contract=off"],
+        [("common/cpu.c", "portable")]
+        + _FUSED_UNITS
+        + [
+            ("gemm/gemm.c", "portable"),
+            ("gemm/small_gemm.c", "avx512bf16"),
+            ("gemm/amx.c", "amx"),
+            ("gemm/avx2.c", "avx2"),
+            ("step/decode_step.c", "portable"),
+            ("probe/stream_read.c", "portable"),
+            ("probe/avx2.c", "avx2"),
+            ("probe/avx512.c", "avx512"),
+        ],
+    ),
 }
 _libs: dict[str, Optional[ctypes.CDLL]] = {}
 _lock = threading.Lock()
@@ -322,8 +331,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m pagedserve.ops.cpu", description="Compile-check the CPU kernels.")
-    parser.add_argument("--check-all-isas", action="store_true", required=True,
-                        help="compile every unit of every library with its ISA's flags and -Wall -Werror, link the libraries; run nothing")
+    parser.add_argument(
+        "--check-all-isas",
+        action="store_true",
+        required=True,
+        help="compile every unit of every library with its ISA's flags and -Wall -Werror, link the libraries; run nothing",
+    )
     parser.parse_args(argv)
     failures = check_all_isas()
     for f in failures:

@@ -1,5 +1,6 @@
 """ctypes wrappers of the attention kernel and the fused element-wise ops (``csrc/attention/``,
 ``csrc/fused/``). Tensors are checked here; the C code trusts them."""
+
 from __future__ import annotations
 
 import functools
@@ -135,8 +136,14 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
     rows, dim = x.shape
     lib.add_rms_norm(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        rows, dim, eps, int(x.dtype == torch.bfloat16),
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        dim,
+        eps,
+        int(x.dtype == torch.bfloat16),
     )
     return out, (x if residual is None else residual)
 
@@ -196,13 +203,24 @@ def rope_write_kv(
     assert positions.is_contiguous() and slot_mapping.is_contiguous() and cos.dtype == torch.float32
     q = torch.empty(rows, num_heads, hd, dtype=qk.dtype)
     fn(
-        qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(), slot_mapping.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), q.data_ptr(), *_kv_pointers(kv_cache),
-        rows, num_heads, nkv, hd, bs, int(qk.dtype == torch.bfloat16),
+        qk.data_ptr(),
+        qk.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        positions.data_ptr(),
+        slot_mapping.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.data_ptr(),
+        *_kv_pointers(kv_cache),
+        rows,
+        num_heads,
+        nkv,
+        hd,
+        bs,
+        int(qk.dtype == torch.bfloat16),
     )
     return q
-
-
 
 
 def argmax_bf16(x: torch.Tensor) -> torch.Tensor:

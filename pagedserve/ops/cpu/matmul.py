@@ -3,6 +3,7 @@
 weights (``gemm/small_gemm.c``), with the per-shape calibration that makes it bit-identical to oneDNN's batched output; the AMX
 and AVX2 bf16 matmuls on their own weight layouts (``gemm/amx.c``, ``gemm/avx2.c``); 2 MiB pages for the weights; and a
 memory-bandwidth probe."""
+
 from __future__ import annotations
 
 import ctypes
@@ -144,8 +145,15 @@ def small_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torc
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
     w_ptr = torch.ops.mkldnn.data_ptr(packed_weight) if packed_weight.is_mkldnn else packed_weight.data_ptr()
     rc = lib.small_gemm_bf16(
-        x.data_ptr(), m, k, w_ptr, None if bias is None else bias.data_ptr(),
-        y.data_ptr(), out_features, plan[0], plan[1],
+        x.data_ptr(),
+        m,
+        k,
+        w_ptr,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        plan[0],
+        plan[1],
     )
     if rc != 0:
         raise RuntimeError(f"small_gemm_bf16 rejected x {tuple(x.shape)} -> {out_features}")
@@ -289,10 +297,29 @@ def decode_layers(
     assert hidden.is_contiguous() and block_tables.is_contiguous() and token_lens.is_contiguous() and positions.is_contiguous()
     assert token_seq is None or (token_seq.is_contiguous() and token_seq.dtype == torch.int64 and token_seq.shape[0] == m)
     return lib.decode_layers_bf16(
-        table.data_ptr(), table.shape[0], m, hid, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale,
-        hidden.data_ptr(), final_norm.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos.data_ptr(),
-        sin.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], None if token_seq is None else token_seq.data_ptr(),
-        token_lens.data_ptr(), attention, int(kv_int8),
+        table.data_ptr(),
+        table.shape[0],
+        m,
+        hid,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        inter,
+        block_size,
+        eps,
+        scale,
+        hidden.data_ptr(),
+        final_norm.data_ptr(),
+        positions.data_ptr(),
+        slot_mapping.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        None if token_seq is None else token_seq.data_ptr(),
+        token_lens.data_ptr(),
+        attention,
+        int(kv_int8),
     )
 
 
