@@ -47,6 +47,7 @@ a quiet machine. ``--tiny`` runs every op in seconds (2 layers, 2 rounds, few ro
 run, its figures mean nothing. Each op appends one line to ``benchmarks/results/kernels.jsonl``
 (:mod:`pagedserve.bench.results`); ``--output-json F`` writes everything to F too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -110,16 +111,21 @@ def alternate(fns: dict[str, Callable[[], Any]], rounds: int, reps: int = 1) -> 
     return {k: {"median_ms": statistics.median(v), "min_ms": min(v)} for k, v in times.items()}
 
 
-def _case(op: str, case: str, sides: dict[str, dict[str, float]], base: str, work: Optional[dict[str, float]] = None,
-          **extra: Any) -> dict[str, Any]:
+def _case(op: str, case: str, sides: dict[str, dict[str, float]], base: str, work: Optional[dict[str, float]] = None, **extra: Any) -> dict[str, Any]:
     """A result: the sides' times, each side's median over ``base``'s, and per side the rate of
     ``work`` (e.g. ``{"GB/s": bytes / 1e9}``: units per second)."""
     b = sides[base]["median_ms"]
     for s in sides.values():
         for unit, amount in (work or {}).items():
             s[unit] = amount / (s["median_ms"] / 1e3)
-    res = {"op": op, "case": case, "base": base, "sides": sides,
-           "ratio_to_base": {k: v["median_ms"] / b for k, v in sides.items() if k != base}, **extra}
+    res = {
+        "op": op,
+        "case": case,
+        "base": base,
+        "sides": sides,
+        "ratio_to_base": {k: v["median_ms"] / b for k, v in sides.items() if k != base},
+        **extra,
+    }
     rates = lambda s: "".join(f", {s[u]:.1f} {u}" for u in (work or {}))  # noqa: E731
     line = ", ".join(f"{k} {v['median_ms']:.3f} ms ({'min %.3f' % v['min_ms']}{rates(v)})" for k, v in sides.items())
     ratios = "; ".join(f"{k} / {base} = {r:.2f}x" for k, r in res["ratio_to_base"].items())
@@ -214,12 +220,24 @@ def op_matmul(args: argparse.Namespace, tmp: str) -> list[dict]:
         for m in rows:
             xs = {k: torch.randn(m, k, generator=g) for _, k in dims}
             torch.testing.assert_close(packed_linear(xs[wf[0].shape[1]], packed[0]), F.linear(xs[wf[0].shape[1]], wf[0]), rtol=1e-4, atol=1e-4)
-            sides = alternate({
-                "oneDNN fp32": lambda: [packed_linear(xs[w.shape[1]], p) for w, p in zip(wf, packed)],
-                "F.linear fp32": lambda: [F.linear(xs[w.shape[1]], w) for w in wf],
-            }, args.rounds)
-            cases.append(_case("matmul", f"{args.shapes} fp32, {len(dims)} weights, M = {m}", sides, "oneDNN fp32",
-                               {"GB/s": params * 4 / 1e9, "GFLOP/s": 2 * m * params / 1e9}, rows=m, dtype="float32"))
+            sides = alternate(
+                {
+                    "oneDNN fp32": lambda: [packed_linear(xs[w.shape[1]], p) for w, p in zip(wf, packed)],
+                    "F.linear fp32": lambda: [F.linear(xs[w.shape[1]], w) for w in wf],
+                },
+                args.rounds,
+            )
+            cases.append(
+                _case(
+                    "matmul",
+                    f"{args.shapes} fp32, {len(dims)} weights, M = {m}",
+                    sides,
+                    "oneDNN fp32",
+                    {"GB/s": params * 4 / 1e9, "GFLOP/s": 2 * m * params / 1e9},
+                    rows=m,
+                    dtype="float32",
+                )
+            )
         return cases
 
     engine = []
@@ -239,8 +257,11 @@ def op_matmul(args: argparse.Namespace, tmp: str) -> list[dict]:
     if args.rev:
         lib = build_variant("decode", [], tmp, "rev", _rev_csrc(args.rev, tmp))
         rev_fn = {"AMX": lib.amx_gemm_bf16, "AVX2 bf16": lib.avx2_gemm_bf16, "oneDNN": lib.small_gemm_bf16}[kind]
-    print(f"matmul: {len(dims)} weights of {args.shapes} ({params / 1e6:.1f} M params, bf16), the engine's kernel: {kind}"
-          + ("" if kind != "oneDNN" else f" (small-M plans {sorted(set(v for v in plans.values() if v))})"), flush=True)
+    print(
+        f"matmul: {len(dims)} weights of {args.shapes} ({params / 1e6:.1f} M params, bf16), the engine's kernel: {kind}"
+        + ("" if kind != "oneDNN" else f" (small-M plans {sorted(set(v for v in plans.values() if v))})"),
+        flush=True,
+    )
 
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in dims}
@@ -268,8 +289,17 @@ def op_matmul(args: argparse.Namespace, tmp: str) -> list[dict]:
         if rev_fn is not None and (kind != "oneDNN" or small):
             ys = [torch.empty(m, w.shape[0], dtype=torch.bfloat16) for w in weights]
             if kind == "oneDNN":
-                calls = [(xs[pl.in_features].data_ptr(), pl.in_features, torch.ops.mkldnn.data_ptr(pl.packed_weight), y.data_ptr(),
-                          pl.out_features, *pl.small_plan) for pl, y in zip(engine, ys)]
+                calls = [
+                    (
+                        xs[pl.in_features].data_ptr(),
+                        pl.in_features,
+                        torch.ops.mkldnn.data_ptr(pl.packed_weight),
+                        y.data_ptr(),
+                        pl.out_features,
+                        *pl.small_plan,
+                    )
+                    for pl, y in zip(engine, ys)
+                ]
                 run = lambda calls=calls: [rev_fn(x, m, k, w, None, y, n, c, b) for x, k, w, y, n, c, b in calls]  # noqa: E731
             else:
                 calls = [(xs[w.shape[1]].data_ptr(), w.shape[1], o.data_ptr(), y.data_ptr(), w.shape[0]) for w, o, y in zip(weights, own, ys)]
@@ -289,8 +319,18 @@ def op_matmul(args: argparse.Namespace, tmp: str) -> list[dict]:
             if any(not torch.equal(a, b) for a, b in zip(got, ys)):
                 raise SystemExit(f"M = {m}: {name} at {args.rev} gives other bits than this tree's")
         sides = alternate(fns, args.rounds, reps=max(1, 16 // m) if not args.tiny else 1)
-        cases.append(_case("matmul", f"{args.shapes} bf16, {len(dims)} weights, M = {m}", sides, name,
-                           {"GB/s": params * 2 / 1e9, "GFLOP/s": 2 * m * params / 1e9}, rows=m, dtype="bfloat16", kernel=name))
+        cases.append(
+            _case(
+                "matmul",
+                f"{args.shapes} bf16, {len(dims)} weights, M = {m}",
+                sides,
+                name,
+                {"GB/s": params * 2 / 1e9, "GFLOP/s": 2 * m * params / 1e9},
+                rows=m,
+                dtype="bfloat16",
+                kernel=name,
+            )
+        )
     return cases
 
 
@@ -330,6 +370,7 @@ def op_attention(args: argparse.Namespace, tmp: str) -> list[dict]:
 
 def _decode_rows(seqs: int, seed: int = 1) -> tuple[torch.Tensor, list[int]]:
     import torch
+
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(148, 561, (seqs,), generator=g)
     return lens, [math.ceil(int(n) / BLOCK) for n in lens]
@@ -339,11 +380,15 @@ def _layouts(nblocks: list[int], pool: int, g: torch.Generator, tiny: bool) -> d
     """Block ids in use per layout: in order (as after a prefill), W1's (prompt blocks in order,
     the last 8 of each sequence interleaved with the others', as decodes append them), scattered."""
     import torch
+
     seqs = len(nblocks)
     prompt_blocks = [max(nb - 8, 0) for nb in nblocks]
     starts = [sum(prompt_blocks[:i]) for i in range(seqs)]
-    w1 = [b for i, nb in enumerate(nblocks) for b in
-          list(range(starts[i], starts[i] + prompt_blocks[i])) + [sum(prompt_blocks) + j * seqs + i for j in range(nb - prompt_blocks[i])]]
+    w1 = [
+        b
+        for i, nb in enumerate(nblocks)
+        for b in list(range(starts[i], starts[i] + prompt_blocks[i])) + [sum(prompt_blocks) + j * seqs + i for j in range(nb - prompt_blocks[i])]
+    ]
     scattered = torch.randperm(pool, generator=g)[: sum(nblocks)]
     if tiny:
         return {"blocks scattered": scattered}
@@ -352,16 +397,18 @@ def _layouts(nblocks: list[int], pool: int, g: torch.Generator, tiny: bool) -> d
 
 def _tables(nblocks: list[int], ids: torch.Tensor) -> torch.Tensor:
     import torch
+
     tables = torch.zeros(len(nblocks), max(nblocks), dtype=torch.int64)
     at = 0
     for i, nb in enumerate(nblocks):
-        tables[i, :nb] = ids[at: at + nb]
+        tables[i, :nb] = ids[at : at + nb]
         at += nb
     return tables
 
 
 def _attention_decode(args, tmp, heads, kv_heads) -> list[dict]:
     import torch
+
     seqs, layers = (4, 2) if args.tiny else (32, 30)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     fns = _attention_sides(args, tmp, "decode")
@@ -382,8 +429,22 @@ def _attention_decode(args, tmp, heads, kv_heads) -> list[dict]:
             fn, out = fns[name], outs[name]
             for c in caches:
                 k = c.data_ptr()
-                rc = fn(q.data_ptr(), k, k + c.stride(0) * c.element_size(), tables.data_ptr(), tables.shape[1], None, lens.data_ptr(),
-                        out.data_ptr(), seqs, heads, kv_heads, HEAD_DIM, BLOCK, 1 / math.sqrt(HEAD_DIM))
+                rc = fn(
+                    q.data_ptr(),
+                    k,
+                    k + c.stride(0) * c.element_size(),
+                    tables.data_ptr(),
+                    tables.shape[1],
+                    None,
+                    lens.data_ptr(),
+                    out.data_ptr(),
+                    seqs,
+                    heads,
+                    kv_heads,
+                    HEAD_DIM,
+                    BLOCK,
+                    1 / math.sqrt(HEAD_DIM),
+                )
                 assert rc == 0, name
 
         for name in fns:
@@ -393,14 +454,24 @@ def _attention_decode(args, tmp, heads, kv_heads) -> list[dict]:
         if same:
             raise SystemExit(f"attention {layout}: {same} give other bits than the engine's kernel")
         sides = alternate({name: (lambda name=name: run(name)) for name in fns}, args.rounds)
-        cases.append(_case("attention", f"decode, {seqs} rows of 148-560 tokens, {heads}/{kv_heads} heads, {layers} layers, "
-                           f"{args.dtype}, {layout}", sides, "engine", {"GB/s": nbytes / 1e9}, phase="decode", layout=layout))
+        cases.append(
+            _case(
+                "attention",
+                f"decode, {seqs} rows of 148-560 tokens, {heads}/{kv_heads} heads, {layers} layers, {args.dtype}, {layout}",
+                sides,
+                "engine",
+                {"GB/s": nbytes / 1e9},
+                phase="decode",
+                layout=layout,
+            )
+        )
     return cases
 
 
 def _check_decode(q, cache, tables, lens, nblocks, got) -> None:
     """The engine's output against softmax(QK^T)V in float32 over the last layer."""
     import torch
+
     seqs, heads, d = q.shape
     kv_heads = cache.shape[2]
     want = torch.empty(q.shape)
@@ -416,6 +487,7 @@ def _prefill_case(prompt_len: int, step_tokens: int, heads: int, kv_heads: int, 
     """Cache, block tables, queries, token_seq and token_lens of one prefill step. The values span
     2^-8..2^8 around a large shared term, so that a change in the order of any sum shows."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     seqs = max(1, step_tokens // prompt_len)
     per_seq = -(-prompt_len // BLOCK)
@@ -449,8 +521,22 @@ def _attention_prefill(args, tmp, heads, kv_heads) -> list[dict]:
 
         def run(name, cache=cache, tables=tables, q=q, token_seq=token_seq, token_lens=token_lens, outs=outs):
             k = cache.data_ptr()
-            rc = fns[name](q.data_ptr(), k, k + cache.stride(0) * 2, tables.data_ptr(), tables.shape[1], token_seq.data_ptr(),
-                           token_lens.data_ptr(), outs[name].data_ptr(), q.shape[0], heads, kv_heads, HEAD_DIM, BLOCK, scale)
+            rc = fns[name](
+                q.data_ptr(),
+                k,
+                k + cache.stride(0) * 2,
+                tables.data_ptr(),
+                tables.shape[1],
+                token_seq.data_ptr(),
+                token_lens.data_ptr(),
+                outs[name].data_ptr(),
+                q.shape[0],
+                heads,
+                kv_heads,
+                HEAD_DIM,
+                BLOCK,
+                scale,
+            )
             assert rc == 0, name
 
         seqs = tables.shape[0]
@@ -458,7 +544,7 @@ def _attention_prefill(args, tmp, heads, kv_heads) -> list[dict]:
         def sdpa(cache=cache, tables=tables, q=q, p=p, seqs=seqs):
             for s in range(seqs):
                 k, v = (cache[i][tables[s]].transpose(0, 1).reshape(kv_heads, -1, HEAD_DIM)[:, :p] for i in (0, 1))
-                qq = q[s * p: (s + 1) * p].transpose(0, 1)
+                qq = q[s * p : (s + 1) * p].transpose(0, 1)
                 F.scaled_dot_product_attention(qq, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
         for name in fns:
@@ -468,8 +554,17 @@ def _attention_prefill(args, tmp, heads, kv_heads) -> list[dict]:
             raise SystemExit(f"prefill attention, prompts of {p}: {differ} give other bits than the engine's kernel")
         sides = alternate({**{name: (lambda name=name: run(name)) for name in fns}, "PyTorch SDPA": sdpa}, args.rounds)
         flop = float(token_lens.sum()) * 4 * HEAD_DIM * heads
-        cases.append(_case("attention", f"prefill, {seqs} prompts of {p} tokens, {heads}/{kv_heads} heads, one layer", sides, "engine",
-                           {"GFLOP/s": flop / 1e9}, phase="prefill", prompt_len=p))
+        cases.append(
+            _case(
+                "attention",
+                f"prefill, {seqs} prompts of {p} tokens, {heads}/{kv_heads} heads, one layer",
+                sides,
+                "engine",
+                {"GFLOP/s": flop / 1e9},
+                phase="prefill",
+                prompt_len=p,
+            )
+        )
     return cases
 
 
@@ -506,8 +601,16 @@ def op_fused(args: argparse.Namespace, tmp: str) -> list[dict]:
             return k.add_rms_norm(x, res.clone(), w, eps)
 
         torch.testing.assert_close(rms_c()[0], rms_torch()[0], rtol=1.6e-2, atol=1e-2)
-        cases.append(_case("fused", f"add + RMSNorm, {rows} x {hidden}", alternate({"C": rms_c, "PyTorch": rms_torch}, args.rounds,
-                                                                                    reps=50), "C", rows=rows, kernel="add_rms_norm"))
+        cases.append(
+            _case(
+                "fused",
+                f"add + RMSNorm, {rows} x {hidden}",
+                alternate({"C": rms_c, "PyTorch": rms_torch}, args.rounds, reps=50),
+                "C",
+                rows=rows,
+                kernel="add_rms_norm",
+            )
+        )
         gu = torch.randn(rows, 2 * inter, generator=g).bfloat16()
 
         def silu_torch():
@@ -515,11 +618,19 @@ def op_fused(args: argparse.Namespace, tmp: str) -> list[dict]:
             return F.silu(a) * b
 
         torch.testing.assert_close(k.silu_mul(gu), silu_torch(), rtol=1.6e-2, atol=1e-2)
-        cases.append(_case("fused", f"SiLU-and-mul, {rows} x {2 * inter}", alternate({"C": lambda: k.silu_mul(gu), "PyTorch": silu_torch},
-                                                                                       args.rounds, reps=50), "C", rows=rows, kernel="silu_mul"))
+        cases.append(
+            _case(
+                "fused",
+                f"SiLU-and-mul, {rows} x {2 * inter}",
+                alternate({"C": lambda: k.silu_mul(gu), "PyTorch": silu_torch}, args.rounds, reps=50),
+                "C",
+                rows=rows,
+                kernel="silu_mul",
+            )
+        )
         blocks = -(-rows // BLOCK) + 1
         qkv = torch.randn(rows, (heads + 2 * kv_heads) * HEAD_DIM, generator=g).bfloat16()
-        qk, v = qkv[:, : (heads + kv_heads) * HEAD_DIM], qkv[:, (heads + kv_heads) * HEAD_DIM:]
+        qk, v = qkv[:, : (heads + kv_heads) * HEAD_DIM], qkv[:, (heads + kv_heads) * HEAD_DIM :]
         positions = torch.arange(rows, dtype=torch.int64)
         slots = torch.randperm(blocks * BLOCK, generator=g)[:rows].contiguous()
         cache_c = torch.zeros(2, blocks, kv_heads, BLOCK, HEAD_DIM, dtype=torch.bfloat16)
@@ -534,7 +645,7 @@ def op_fused(args: argparse.Namespace, tmp: str) -> list[dict]:
                 return (t32 * c + rotated * s).to(torch.bfloat16)
 
             qq = rot(qk[:, : heads * HEAD_DIM].reshape(rows, heads, HEAD_DIM))
-            kk = rot(qk[:, heads * HEAD_DIM:].reshape(rows, kv_heads, HEAD_DIM))
+            kk = rot(qk[:, heads * HEAD_DIM :].reshape(rows, kv_heads, HEAD_DIM))
             b, o = slots // BLOCK, slots % BLOCK
             cache_t[0, b, :, o] = kk
             cache_t[1, b, :, o] = v.reshape(rows, kv_heads, HEAD_DIM)
@@ -545,8 +656,16 @@ def op_fused(args: argparse.Namespace, tmp: str) -> list[dict]:
 
         torch.testing.assert_close(rope_c(), rope_torch(), rtol=1.6e-2, atol=2e-2)
         torch.testing.assert_close(cache_c, cache_t, rtol=1.6e-2, atol=2e-2)
-        cases.append(_case("fused", f"RoPE + KV write, {rows} tokens, {heads}/{kv_heads} heads", alternate(
-            {"C": rope_c, "PyTorch": rope_torch}, args.rounds, reps=20), "C", rows=rows, kernel="rope_write_kv"))
+        cases.append(
+            _case(
+                "fused",
+                f"RoPE + KV write, {rows} tokens, {heads}/{kv_heads} heads",
+                alternate({"C": rope_c, "PyTorch": rope_torch}, args.rounds, reps=20),
+                "C",
+                rows=rows,
+                kernel="rope_write_kv",
+            )
+        )
     return cases
 
 
@@ -584,21 +703,40 @@ def op_kv_int8(args: argparse.Namespace, tmp: str) -> list[dict]:
     run(i8, out_i8, BLOCK)
     torch.testing.assert_close(out_i8.float(), out_bf.float(), rtol=0.1, atol=0.05)
     tokens = sum(int(n) for n in lens)
-    cases = [_case("kv_int8", f"decode attention, {seqs} rows of 148-560 tokens, {heads}/{kv_heads} heads, {layers} layers",
-                   alternate({"int8": lambda: run(i8, out_i8, BLOCK), "bf16": lambda: run(bf, out_bf, None)}, args.rounds), "int8",
-                   bytes_per_token={"int8": 2 * kv_heads * q8.cell_bytes(BLOCK, HEAD_DIM) // BLOCK * layers,
-                                    "bf16": 2 * kv_heads * HEAD_DIM * 2 * layers}, tokens=tokens)]
+    cases = [
+        _case(
+            "kv_int8",
+            f"decode attention, {seqs} rows of 148-560 tokens, {heads}/{kv_heads} heads, {layers} layers",
+            alternate({"int8": lambda: run(i8, out_i8, BLOCK), "bf16": lambda: run(bf, out_bf, None)}, args.rounds),
+            "int8",
+            bytes_per_token={"int8": 2 * kv_heads * q8.cell_bytes(BLOCK, HEAD_DIM) // BLOCK * layers, "bf16": 2 * kv_heads * HEAD_DIM * 2 * layers},
+            tokens=tokens,
+        )
+    ]
     rows = 32 if args.tiny else 2048
     cos = torch.randn(4096, HEAD_DIM, generator=g)
     sin = torch.randn(4096, HEAD_DIM, generator=g)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * HEAD_DIM, generator=g).bfloat16()
-    qk, v = qkv[:, : (heads + kv_heads) * HEAD_DIM], qkv[:, (heads + kv_heads) * HEAD_DIM:]
+    qk, v = qkv[:, : (heads + kv_heads) * HEAD_DIM], qkv[:, (heads + kv_heads) * HEAD_DIM :]
     positions = torch.arange(rows, dtype=torch.int64)
     slots = torch.randperm(pool * BLOCK, generator=g)[:rows].contiguous()
     c8, cb = i8[0].clone(), bf[0].clone()
-    cases.append(_case("kv_int8", f"RoPE + KV write, {rows} tokens", alternate({
-        "int8": lambda: k.rope_write_kv(qk, v, positions, slots, cos, sin, c8, heads, block_size=BLOCK),
-        "bf16": lambda: k.rope_write_kv(qk, v, positions, slots, cos, sin, cb, heads)}, args.rounds, reps=20), "int8", rows=rows))
+    cases.append(
+        _case(
+            "kv_int8",
+            f"RoPE + KV write, {rows} tokens",
+            alternate(
+                {
+                    "int8": lambda: k.rope_write_kv(qk, v, positions, slots, cos, sin, c8, heads, block_size=BLOCK),
+                    "bf16": lambda: k.rope_write_kv(qk, v, positions, slots, cos, sin, cb, heads),
+                },
+                args.rounds,
+                reps=20,
+            ),
+            "int8",
+            rows=rows,
+        )
+    )
     return cases
 
 
@@ -671,11 +809,21 @@ def op_step(args: argparse.Namespace, tmp: str) -> list[dict]:
                     def run():
                         backend.decode_step = fn
                         model(ids, positions, kv_caches, meta)
+
                     return run
 
                 sides = alternate({name: timed(fn) for name, fn in paths.items()}, args.rounds)
-            cases.append(_case("step", f"{prefill} prefill + {decodes} decodes at {context} tokens", sides, "C step",
-                               prefill=prefill, decodes=decodes, c_step_ran=took))
+            cases.append(
+                _case(
+                    "step",
+                    f"{prefill} prefill + {decodes} decodes at {context} tokens",
+                    sides,
+                    "C step",
+                    prefill=prefill,
+                    decodes=decodes,
+                    c_step_ran=took,
+                )
+            )
     finally:
         backend.decode_step = real
     return cases
@@ -699,8 +847,9 @@ def op_sampler(args: argparse.Namespace, tmp: str) -> list[dict]:
 
     def batch_of(make_params):
         batch = InputBatch(rows, 1024, 64, vocab, torch.device("cpu"))
-        ids = [batch.add_request(CachedRequestState(f"r{i}", make_params(i), [], None), list(range(300)), list(range(100)), [0], 0)
-               for i in range(rows)]
+        ids = [
+            batch.add_request(CachedRequestState(f"r{i}", make_params(i), [], None), list(range(300)), list(range(100)), [0], 0) for i in range(rows)
+        ]
         return batch, np.array(ids, dtype=np.int64)
 
     def with_bad_words(i: int) -> SamplingParams:
@@ -717,8 +866,10 @@ def op_sampler(args: argparse.Namespace, tmp: str) -> list[dict]:
         "allowed all ids": batch_of(lambda i: SamplingParams(temperature=0.0, allowed_token_ids=list(range(vocab)))),
         "bad words 128 spellings": batch_of(with_bad_words),
     }
-    sides = alternate({k: (lambda b=b: sampler(logits, b[0].sampling_metadata(b[1]))) for k, b in batches.items()},
-                      args.rounds if args.tiny else max(args.rounds, 30))
+    sides = alternate(
+        {k: (lambda b=b: sampler(logits, b[0].sampling_metadata(b[1]))) for k, b in batches.items()},
+        args.rounds if args.tiny else max(args.rounds, 30),
+    )
     cases = [_case("sampler", f"metadata + sampling, {rows} greedy rows, vocabulary {vocab}", sides, "unrestricted", rows=rows)]
     params = SamplingParams(allowed_token_ids=list(range(vocab)), n=5, max_tokens=8)
     t = time.perf_counter()
@@ -732,8 +883,11 @@ def op_sampler(args: argparse.Namespace, tmp: str) -> list[dict]:
         serial.decode(m)
     dec = time.perf_counter() - t
     adm = {"clone_ms": clone * 1e3, "encode_ms": enc * 1e3, "decode_ms": dec * 1e3, "megabytes": sum(map(len, msgs)) / 1e6}
-    print(f"sampler | n=5 copies of a full-vocabulary allowed_token_ids: clone {adm['clone_ms']:.1f} ms, encode {adm['encode_ms']:.1f} ms, "
-          f"decode with checks {adm['decode_ms']:.1f} ms, {adm['megabytes']:.2f} MB", flush=True)
+    print(
+        f"sampler | n=5 copies of a full-vocabulary allowed_token_ids: clone {adm['clone_ms']:.1f} ms, encode {adm['encode_ms']:.1f} ms, "
+        f"decode with checks {adm['decode_ms']:.1f} ms, {adm['megabytes']:.2f} MB",
+        flush=True,
+    )
     cases.append({"op": "sampler", "case": "admission of n=5 full-vocabulary allowed_token_ids", **adm})
     return cases
 
@@ -776,8 +930,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     threads = torch.get_num_threads()
     host = host_info()
-    print(f"{host['cpu']} ({host['class']}), {threads} threads, {args.rounds} rounds" + (" [--tiny: smoke run]" if args.tiny else ""),
-          flush=True)
+    print(f"{host['cpu']} ({host['class']}), {threads} threads, {args.rounds} rounds" + (" [--tiny: smoke run]" if args.tiny else ""), flush=True)
     everything = []
     tmp = tempfile.mkdtemp(prefix="pagedserve-kernels-")
     try:
