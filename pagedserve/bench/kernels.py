@@ -159,8 +159,8 @@ def build_variant(lib: str, flags: list[str], tmp: str, tag: str, csrc: Optional
     as the engine's own builds are (a build of the attention kernel takes ~30 s of CPU)."""
     import hashlib
 
-    from pagedserve.platform import cache_dir
     from pagedserve.ops.cpu import build
+    from pagedserve.platform import cache_dir
 
     src_dir = csrc or build._CSRC
     src_name, extra = build._LIBS[lib]
@@ -672,6 +672,7 @@ def op_fused(args: argparse.Namespace, tmp: str) -> list[dict]:
 # -- int8 KV cache -------------------------------------------------------------------------------
 def op_kv_int8(args: argparse.Namespace, tmp: str) -> list[dict]:
     import torch
+
     from pagedserve.ops import kv_int8 as q8
     from pagedserve.ops.cpu import kernels as k
 
@@ -745,6 +746,7 @@ def _step_inputs(prefill: int, decodes: int, context: int, block_size: int, voca
     """(input_ids, positions, metadata) of a step: ``decodes`` sequences at position ``context``
     (blocks 0..), then one prompt of ``prefill`` tokens from position 0 (the next blocks)."""
     import torch
+
     from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 
     groups, slots, positions, start, block = [], [], [], 0, 0
@@ -766,6 +768,7 @@ def _step_inputs(prefill: int, decodes: int, context: int, block_size: int, voca
 
 def op_step(args: argparse.Namespace, tmp: str) -> list[dict]:
     import torch
+
     from pagedserve import LLM
 
     model_path = args.model
@@ -831,8 +834,8 @@ def op_step(args: argparse.Namespace, tmp: str) -> list[dict]:
 
 # -- sampling with bans ------------------------------------------------------------------------
 def op_sampler(args: argparse.Namespace, tmp: str) -> list[dict]:
-    import torch
     import numpy as np
+    import torch
 
     try:
         from pagedserve import messages as serial
@@ -917,6 +920,7 @@ _RUN = {"matmul": op_matmul, "attention": op_attention, "fused": op_fused, "kv_i
 
 def cmd_kernels(args: argparse.Namespace) -> int:
     import torch
+
     from pagedserve.bench.results import host_info, record
 
     ops = list(OPS) if args.op == "all" else [o.strip() for o in args.op.split(",") if o.strip()]
