@@ -14,31 +14,35 @@ matmul
     oneDNN's packed float32. The small-M kernel must equal oneDNN bit for bit; the others are
     checked against a float32 product.
 attention
-    Paged attention from the cache (``paged_attention.c`` as the engine builds it) against the
-    same source built without the path this CPU takes: without AMX (the AVX-512 kernel) on AMX
-    CPUs; one task per (token, KV head) instead of per token on AVX512-BF16 and AVX2 CPUs; the
-    generic C build (``-mno-avx2 -mno-fma``) on AVX2 CPUs. ``--phase decode``: 32 decode rows of
+    Paged attention from the cache (``csrc/attention/`` as the engine builds it) against the
+    same units built without the path this CPU takes: capped below AMX (``-DPS_ISA_CAP``: the
+    AVX-512 kernel) on AMX CPUs; one task per (token, KV head) instead of per token on
+    AVX512-BF16 and AVX2 CPUs; capped to the generic C loops on AVX2 CPUs. The CPU's class is
+    the one ``PAGEDSERVE_CPU_ISA`` leaves (``avx2`` on an AMX host: an AVX2 CPU's paths and
+    peers). ``--phase decode``: 32 decode rows of
     148-560 tokens, 30 layers of distinct caches, blocks in order, as W1 leaves them and
     scattered over the pool; ``--phase prefill``: one 2,048-token prefill step of prompts of 512,
     256, 128 and 64 tokens, against PyTorch's SDPA on the gathered K/V too. The C sides must give
     the same bits. ``--heads 32,8``: the 1.1B model's heads.
 fused
-    RMSNorm + residual add, SiLU-and-mul and RoPE + KV-cache write (``fused_ops.c``) against the
+    RMSNorm + residual add, SiLU-and-mul and RoPE + KV-cache write (``csrc/fused/``) against the
     same in PyTorch ops, SmolLM2's widths, at 1, 32 and 2,048 rows.
 kv_int8
     Decode attention over the int8 KV cache against the bf16 one (same rows, W1's lengths, 30
     layers), and the RoPE + KV write that quantizes against the bf16 write.
 step
-    One engine step through the one-call C step (``decode_step.c``) against the layer-by-layer
-    path, on a model (``--model``, default SmolLM2): a prefill step, a mixed step (decodes
-    beside a prefill chunk) and a decode step (``--step-shapes prefill:decodes``).
+    One engine step through the one-call C step (``csrc/step/decode_step.c``) against the
+    layer-by-layer path, on a model (``--model``, default SmolLM2): a prefill step, a mixed step
+    (decodes beside a prefill chunk) and a decode step (``--step-shapes prefill:decodes``).
 sampler
     What ``allowed_token_ids`` and ``bad_words`` cost a step (sampling metadata + sampler over
     32 greedy rows of SmolLM2's vocabulary), and the admission cost of n copies of a
     full-vocabulary ``allowed_token_ids``.
 
 ``--rev REV`` adds, for matmul and attention, the engine's kernel built from git revision REV's
-``csrc/`` (A/B of a kernel change; the same bits are required where the kernel promises them).
+``csrc/`` (A/B of a kernel change; the same bits are required where the kernel promises them):
+built from its units as this tree builds them, or, for a revision from before the units
+(176ec54), from its one source per library with ``-march=native``, as it was built then.
 
 Method (that of the scripts this replaces): warm-up, then ``--rounds`` rounds that alternate the
 sides, so a drifting machine hits every side alike; per side the median and minimum in ms, and
@@ -150,38 +154,59 @@ def _rev_csrc(rev: str, tmp: str) -> str:
 
 
 _variants: dict[str, ctypes.CDLL] = {}
+# Each library's one source before csrc/ was split into units (176ec54): --rev of an older revision.
+_UNITY_SOURCES = {"paged_attention": "paged_attention.c", "fused_ops": "fused_ops.c", "decode": "decode_step.c"}
+# Build-time caps (``-DPS_ISA_CAP``, csrc/common/cpu.h): the same units, run at a lower ISA level.
+CAP_AVX512BF16 = "-DPS_ISA_CAP=PS_ISA_AVX512BF16"  # no AMX: the AVX-512 (AVX512-BF16) paths
+CAP_SCALAR = "-DPS_ISA_CAP=PS_ISA_SCALAR"  # the generic C loops
 
 
 def build_variant(lib: str, flags: list[str], tmp: str, tag: str, csrc: Optional[str] = None) -> ctypes.CDLL:
-    """The engine's library ``lib`` ("paged_attention", "fused_ops", "decode") compiled with the
-    engine's flags plus ``flags`` (from ``csrc``, default this tree's), its functions declared.
-    Kept under ``$PAGEDSERVE_CACHE/kernels/bench/``, keyed by the sources, the flags and the CPU
-    as the engine's own builds are (a build of the attention kernel takes ~30 s of CPU)."""
+    """The engine's library ``lib`` ("paged_attention", "fused_ops", "decode") built as the engine
+    builds it (``build.build_library``: its units, each with its ISA's flags) with ``flags`` added
+    to every unit (e.g. ``CAP_AVX512BF16``: the same code capped below AMX), from ``csrc`` (default
+    this tree's), its functions declared. A ``csrc`` from before the units (one source per
+    library, as ``--rev`` of an older revision gives) is built as it was then: that source with
+    ``-march=native`` and ``flags``. Kept under ``$PAGEDSERVE_CACHE/kernels/bench/``, keyed by
+    the sources, the flags, the compiler and the CPU as the engine's own builds are (the units'
+    objects under ``kernels/obj/``, shared with the engine's where the flags are the same)."""
     import hashlib
 
     from pagedserve.ops.cpu import build
-    from pagedserve.platform import cache_dir
 
     src_dir = csrc or build._CSRC
-    src_name, extra = build._LIBS[lib]
-    cmd_flags = [*build._COMMON_FLAGS, *extra, *flags]
-    h = hashlib.sha256(" ".join(cmd_flags).encode() + build._cpu_identity())
-    for name in sorted(os.listdir(src_dir)):
-        if name.endswith((".c", ".h")):
-            with open(os.path.join(src_dir, name), "rb") as fh:
-                h.update(name.encode() + fh.read())
-    key = h.hexdigest()[:16]
+    units = build._units(lib)
+    unity = not all(os.path.exists(os.path.join(src_dir, src)) for src, _ in units)
+    if unity:
+        single = os.path.join(src_dir, _UNITY_SOURCES[lib])
+        if not os.path.exists(single):
+            raise SystemExit(f"{src_dir}: neither this tree's kernel units nor the single {_UNITY_SOURCES[lib]} of older revisions")
+        recipe: Any = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *build._LIBS[lib][0], *flags]
+    else:
+        recipe = [(src, unit_flags + list(flags)) for src, unit_flags in units]
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(build._sources_digest(src_dir) + repr((recipe, cc)).encode() + build._cpu_identity()).hexdigest()[:16]
     if key in _variants:
         return _variants[key]
+    from pagedserve.platform import cache_dir
+
     out_dir = os.path.join(cache_dir(), "kernels", "bench")
     so = os.path.join(out_dir, f"{lib}-{tag}-{key}.so")
     if not os.path.exists(so):
         os.makedirs(out_dir, exist_ok=True)
-        print(f"building {lib} ({tag}: {' '.join(flags) or 'the engine flags'}) ...", flush=True)
-        part = os.path.join(tmp, os.path.basename(so))
-        cc = os.environ.get("CC", "cc")
-        subprocess.run([cc, *cmd_flags, os.path.join(src_dir, src_name), "-o", part, "-lm"], check=True, capture_output=True)
-        shutil.move(part, so)
+        print(
+            f"building {lib} ({tag}: {' '.join(flags) or 'the engine flags'}" + (f", one source: {_UNITY_SOURCES[lib]}" if unity else "") + ") ...",
+            flush=True,
+        )
+        try:
+            if unity:
+                part = os.path.join(tmp, os.path.basename(so))
+                subprocess.run([cc, *recipe, single, "-o", part, "-lm"], check=True, capture_output=True)
+                shutil.move(part, so)
+            else:
+                build.build_library(lib, so, tuple(flags), src_dir)
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"building {lib} ({tag}) failed:\n{(e.stderr or b'').decode(errors='replace')[-3000:]}") from None
     dll = ctypes.CDLL(so)
     build._declare(lib, dll)
     _variants[key] = dll
@@ -192,6 +217,20 @@ def _cpu_class() -> str:
     from pagedserve.bench.results import host_info
 
     return host_info()["class"]
+
+
+_LEVELS = ("other", "avx2", "avx512", "avx512bf16", "amx")  # cpu_class's, lowest first
+
+
+def _kernel_class() -> str:
+    """The class whose kernel paths run here: this CPU's, or lower where ``PAGEDSERVE_CPU_ISA``
+    caps the kernels (e.g. ``avx2`` on an AMX host: its peers are then an AVX2 CPU's)."""
+    cls = _cpu_class()
+    cap = os.environ.get("PAGEDSERVE_CPU_ISA", "")
+    cap = "other" if cap == "scalar" else cap
+    if cls in _LEVELS and cap in _LEVELS and _LEVELS.index(cap) < _LEVELS.index(cls):
+        return cap
+    return cls
 
 
 # -- matmul ----------------------------------------------------------------------------------
@@ -343,18 +382,18 @@ def _attention_sides(args: argparse.Namespace, tmp: str, phase: str) -> dict[str
     lib = build.get_lib()
     if lib is None:
         raise SystemExit("the attention kernel is not available here (no C compiler, or PAGEDSERVE_CPU_KERNELS=0)")
-    cls = _cpu_class()
+    cls = _kernel_class()
     sides = {"engine": getattr(lib, fn_name)}
     if args.rev:
         sides[f"engine@{args.rev}"] = getattr(build_variant("paged_attention", [], tmp, "rev", _rev_csrc(args.rev, tmp)), fn_name)
     if args.tiny:  # builds of the peers take ~30 s of CPU each; a smoke run times the engine's kernel alone
         return sides
     if cls == "amx":
-        sides["no AMX (AVX-512)"] = getattr(build_variant("paged_attention", ["-mno-amx-tile", "-mno-amx-bf16"], tmp, "noamx"), fn_name)
+        sides["no AMX (AVX-512)"] = getattr(build_variant("paged_attention", [CAP_AVX512BF16], tmp, "noamx"), fn_name)
     elif phase == "decode" and cls in ("avx512bf16", "avx2"):
         sides["per (token, KV head)"] = getattr(build_variant("paged_attention", ["-DTOKEN_TASKS_PER_THREAD=1000000"], tmp, "head"), fn_name)
     if cls == "avx2" and phase == "decode":
-        sides["generic C"] = getattr(build_variant("paged_attention", ["-mno-avx2", "-mno-fma"], tmp, "generic"), fn_name)
+        sides["generic C"] = getattr(build_variant("paged_attention", [CAP_SCALAR], tmp, "generic"), fn_name)
     return sides
 
 
