@@ -3,13 +3,13 @@
 1. **FMA peak**: a C loop of 12 independent float32 FMA chains (8 lanes with AVX2 + FMA, 16
    with AVX-512), built with ``-march=native``, on 1 .. ``--threads`` OpenMP threads: GFLOP/s at
    2 FLOP per lane per FMA, the best of 5 runs. It is the hardware bound of float32 arithmetic,
-   and so of the bf16 matmul on CPUs without bf16 instructions (``csrc/avx2_gemm.c`` widens bf16
+   and so of the bf16 matmul on CPUs without bf16 instructions (``csrc/gemm/avx2.c`` widens bf16
    to float32 and sums with FMA). CPUs with AVX512-BF16 or AMX multiply bf16 faster than this;
    there the figure is not their ceiling, and the script says so.
-2. **The engine's bf16 matmul** on such CPUs (``csrc/avx2_gemm.c``, built with the engine's
-   flags and timed in C, as a decode step calls it) at several row counts: GFLOP/s and share of 1
-   over the model's decoder layers (its four projections, weighted as in the model) and over
-   its LM head. Each shape is timed over copies of it that add up to ``--cold-mib`` (256 MiB,
+2. **The engine's bf16 matmul** on such CPUs (``csrc/gemm/avx2.c``: the engine's own object of
+   that unit, built with its flags, timed in C, as a decode step calls it) at several row
+   counts: GFLOP/s and share of 1 over the model's decoder layers (its four projections,
+   weighted as in the model) and over its LM head. Each shape is timed over copies of it that add up to ``--cold-mib`` (256 MiB,
    beyond the last-level cache) on 2 MiB pages, so weights are read cold, as in a step. Beside
    it, the ``torch.matmul`` probe that ``bench`` divides by for MFU.
 3. **W1's ceiling**: W1's model FLOPs (``bench``'s count: 2 x matmul params x tokens; 32
@@ -127,8 +127,10 @@ def fma_peak(threads: int, iters: int = 100_000_000) -> tuple[int, float]:
 
 
 GEMM_MAIN = r"""
-#include "avx2_gemm.c"
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include "gemm.h" /* ps_avx2_gemm: the unit's matmul, linked from the engine's object of gemm/avx2.c */
 #include <sys/mman.h>
 #include <time.h>
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
@@ -153,7 +155,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r <= rounds; r++) {
         const double t0 = now();
         for (int c = 0; c < copies; c++)
-            if (avx2_gemm_bf16(x, M, K, w + c * per, NULL, y, N)) return 1;
+            if (ps_avx2_gemm(x, M, K, w + c * per, NULL, y, N)) return 1;
         t[r] = now() - t0; /* round 0: warm-up */
     }
     qsort(t + 1, rounds, sizeof(double), cmp);
@@ -164,14 +166,19 @@ int main(int argc, char** argv) {
 
 
 def avx2_matmul(cfg, rows: list[int], rounds: int, threads: int, cold_bytes: int) -> dict[int, tuple[float, float]]:
-    """Per row count, GFLOP/s of ``csrc/avx2_gemm.c`` (built as the engine builds it, timed in C:
-    a decode step calls it from C too) over the model's decoder layers (its four projections,
-    weighted as in the model) and over its LM head. Each shape is timed over enough copies to read
+    """Per row count, GFLOP/s of ``csrc/gemm/avx2.c`` (the unit's object as the engine builds it
+    for its decode library, linked into a C timer: a decode step calls it from C too; the caller
+    checks that the CPU has AVX2 + FMA, as gemm.c does) over the model's decoder layers (its four
+    projections, weighted as in the model) and over its LM head. Each shape is timed over enough copies to read
     ``cold_bytes`` a pass (beyond the last-level cache: cold, as in a step); the median pass time
     over the copies is one instance's time."""
     from pagedserve.ops.cpu import build
 
-    flags = [f for f in build._COMMON_FLAGS if f not in ("-shared", "-fPIC")] + build._LIBS["decode"][1] + ["-I", build._CSRC]
+    # The engine's object of the unit (its flags, from the decode library; kept under kernels/obj/,
+    # compiled here if the engine has not yet), linked into the timer built with the portable flags.
+    unit = [(src, flags) for src, flags in build._units("decode") if src == "gemm/avx2.c"]
+    [(obj, _)] = build._objects(build._CSRC, unit)
+    flags = build._COMMON_FLAGS + build._LIBS["decode"][0] + ["-I", os.path.join(build._CSRC, "gemm"), obj]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     layer = projection_shapes(cfg)
     head = (cfg.vocab_size, cfg.hidden_size)
@@ -230,12 +237,12 @@ def main() -> None:
     print(f"2. bench's matmul probe (MFU's denominator): {probe:.1f} GFLOP/s ({probe / peak:.0%} of the FMA peak)")
     matmul = {}
     if avx2_bf16(torch.bfloat16):
-        print(f"   the engine's bf16 matmul (avx2_gemm.c), cold ({args.cold_mib} MiB a pass), {args.threads} threads, GFLOP/s and share of the FMA peak:")
+        print(f"   the engine's bf16 matmul (gemm/avx2.c), cold ({args.cold_mib} MiB a pass), {args.threads} threads, GFLOP/s and share of the FMA peak:")
         for m, (layers, head) in avx2_matmul(cfg, rows, args.rounds, args.threads, args.cold_mib << 20).items():
             print(f"   {m:5d} rows: decoder layers {layers:6.1f} ({layers / peak:5.1%}), LM head {head:6.1f} ({head / peak:5.1%})")
             matmul[m] = {"decoder_layers_gflop_s": layers, "lm_head_gflop_s": head}
     else:
-        print("   the engine's bf16 matmul here is not avx2_gemm.c (AMX, AVX512-BF16 or oneDNN): not measured")
+        print("   the engine's bf16 matmul here is not gemm/avx2.c (AMX, AVX512-BF16 or oneDNN): not measured")
 
     reqs = sample_random(tokenizer, 32, (64, 512), (128, 128), seed=0)
     prompt = sum(len(r.prompt_token_ids) for r in reqs)
