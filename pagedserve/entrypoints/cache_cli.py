@@ -19,14 +19,19 @@ The cache folder ($PAGEDSERVE_CACHE, default ~/.cache/pagedserve) holds:
                      bytes a parameter: 0.5 GiB for the default 135M model), one per GGUF file
                      ever loaded; FILE-KEY.tmpPID is a conversion running, or left by a killed one
   kernels/LIB-KEY.so the compiled CPU kernels, one per source version, compiler flags and CPU
+  kernels/obj/       the objects they are linked from (UNIT-KEY.o, its compiler log UNIT-KEY.log),
+                     one per unit, source version, flags, compiler and CPU
+  kernels/bench/     the kernel variants `pagedserve bench kernels` compares against
   bench/             the benchmarks' generated models
 
 All of it is rebuilt when missing (a conversion takes about a minute, the kernels a minute or
 two), so removing any of it is safe, only slower at the next start. `clear` removes the stale
 entries: conversions whose GGUF file is gone or was converted again since, half-written
 conversions of dead processes, kernel builds superseded by a newer build of the same library,
-a build's leftovers; `clear --all` every entry; `clear ENTRY ...` the entries named as `list`
-shows them. Other files in the cache folder are left alone."""
+unit objects this checkout's kernels are not linked from (an older version's, another
+compiler's or CPU's, a benchmark variant's), a build's leftovers; `clear --all` every entry;
+`clear ENTRY ...` the entries named as `list` shows them. Other files in the cache folder are
+left alone."""
 
 
 @dataclass
@@ -39,6 +44,7 @@ class CacheEntry:
         size: bytes on disk (files, not following links).
         what: a short description (the GGUF file a conversion came from, ...).
         stale: why ``clear`` removes it, or None when it is in use or may be.
+        also: files removed with it (a unit object's compiler log).
     """
 
     name: str
@@ -46,6 +52,7 @@ class CacheEntry:
     size: int
     what: str
     stale: Optional[str] = None
+    also: tuple[str, ...] = ()
 
 
 def _size(path: str) -> int:
@@ -119,10 +126,15 @@ def _kernel_entries(root: str) -> list[CacheEntry]:
     newest: dict[str, tuple[float, CacheEntry]] = {}  # library -> its newest build
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
+        if name == "obj" and os.path.isdir(path) and not os.path.islink(path):
+            entries += _object_entries(path)
+            continue
         e = CacheEntry(f"kernels/{name}", path, _size(path), "compiled kernels")
         entries.append(e)
         if os.path.isdir(path):
             e.what = "kernel build files"
+            if name.startswith("check-") and time.time() - os.path.getmtime(path) > 3600:  # --check-all-isas's scratch folder
+                e.stale = "left by an interrupted kernel check"
             continue
         mtime = os.path.getmtime(path)
         lib, dash, key = name[:-3].rpartition("-") if name.endswith(".so") else ("", "", "")
@@ -140,6 +152,47 @@ def _kernel_entries(root: str) -> list[CacheEntry]:
         else:
             e.stale = "superseded by a newer build of the same library"
     return entries
+
+
+def _object_entries(folder: str) -> list[CacheEntry]:
+    """``kernels/obj``: one entry for the folder (the objects in use, and what else is there) and
+    one per stale object with its log: not among those this checkout's libraries are linked from
+    (``build.object_stems``: these sources, flags, compiler and CPU; an older version's, a
+    benchmark variant's), or a compile's temporary (tmpXXXX.o) left by an interrupted build."""
+    try:
+        from pagedserve.ops.cpu.build import object_stems
+
+        current: Optional[set[str]] = object_stems()
+    except Exception:  # the sources unreadable: call no object stale
+        current = None
+    files: dict[str, list[str]] = {}  # an object's stem -> its files (.o, .log)
+    for name in sorted(os.listdir(folder)):
+        stem, ext = os.path.splitext(name)
+        files.setdefault(stem if ext in (".o", ".log") else name, []).append(name)
+    kept = CacheEntry("kernels/obj", folder, 0, "compiled kernel units: the objects the libraries are linked from")
+    stale: list[CacheEntry] = []
+    for stem, names in files.items():
+        paths = [os.path.join(folder, n) for n in sorted(names, key=lambda n: not n.endswith(".o"))]  # the .o first
+        try:
+            size, mtime = sum(_size(p) for p in paths), max(os.path.getmtime(p) for p in paths)
+        except OSError:  # removed meanwhile
+            continue
+        unit, dash, key = stem.rpartition("-")
+        why = None
+        if dash and len(key) == 16 and all(c in "0123456789abcdef" for c in key) and all(n.endswith((".o", ".log")) for n in names):
+            if current is not None and stem not in current:
+                why = "not what this checkout's kernels are linked from (other sources, flags, compiler or CPU)"
+            what = f"compiled kernel unit: {unit}"
+        else:
+            what = "partial unit build"
+            if stem.startswith("tmp") and time.time() - mtime > 3600:
+                why = "left by an interrupted build"
+        if why:
+            rel = f"kernels/obj/{os.path.basename(paths[0])}"
+            stale.append(CacheEntry(rel, paths[0], size, what, why, tuple(paths[1:])))
+        else:
+            kept.size += size
+    return [kept] + stale
 
 
 def cache_entries(root: Optional[str] = None) -> list[CacheEntry]:
@@ -174,13 +227,14 @@ def human(n: float) -> str:
 
 
 def _remove(e: CacheEntry) -> None:
-    if os.path.isdir(e.path) and not os.path.islink(e.path):
-        shutil.rmtree(e.path, ignore_errors=True)
-    else:
-        try:
-            os.remove(e.path)
-        except FileNotFoundError:
-            pass
+    for path in (e.path, *e.also):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 def clear(root: Optional[str] = None, everything: bool = False, names: Optional[list[str]] = None) -> list[CacheEntry]:

@@ -147,6 +147,24 @@ def _sources_digest(csrc: str) -> bytes:
     return h.digest()
 
 
+def _object_stem(digest: bytes, src: str, flags: list[str]) -> str:
+    """The name of a unit's object under ``kernels/obj`` without its extension (``.o``, and
+    ``.log``: the compiler's warnings): the unit's path and a key of the sources (``digest``),
+    the flags, the compiler and the CPU."""
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(digest + repr((src, flags, cc)).encode() + _cpu_identity()).hexdigest()[:16]
+    return f"{src.replace('/', '-')[:-2]}-{key}"
+
+
+def object_stems() -> set[str]:
+    """The objects (as :func:`_object_stem` names them) the engine's libraries are linked from
+    with this tree's sources, flags, ``$CC`` and CPU, which ``--check-all-isas`` compiles too.
+    ``pagedserve cache clear`` removes the other objects under ``kernels/obj`` (an older
+    version's, another compiler's or CPU's, a benchmark variant's: rebuilt when needed)."""
+    digest = _sources_digest(_CSRC)
+    return {_object_stem(digest, src, flags) for name in _LIBS for src, flags in _units(name)}
+
+
 def _object(csrc: str, digest: bytes, src: str, flags: list[str]) -> tuple[str, str]:
     """One unit's object and the compiler's warnings ('' if none), compiled with -Wall on first use
     and kept under ``kernels/obj``, keyed by the sources, the flags, the compiler and the CPU
@@ -154,9 +172,8 @@ def _object(csrc: str, digest: bytes, src: str, flags: list[str]) -> tuple[str, 
     from pagedserve.platform import cache_dir
 
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(digest + repr((src, flags, cc)).encode() + _cpu_identity()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels", "obj")
-    obj = os.path.join(out_dir, f"{src.replace('/', '-')[:-2]}-{key}.o")
+    obj = os.path.join(out_dir, _object_stem(digest, src, flags) + ".o")
     if not os.path.exists(obj):
         os.makedirs(out_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".o", dir=out_dir)
