@@ -17,7 +17,7 @@ change no output bit. The steps are finest at decode sizes, where padding would 
 matmuls are compute-bound from ~24 rows: float32 on Zen 3, 33 -> 48 rows cost 1.5x).
 
 On CPUs with AMX (Sapphire Rapids and later) the weight is instead kept only in the layout of
-pagedserve's AMX matmul (``csrc/amx_gemm.c``), which every product then uses, whatever M: it
+pagedserve's AMX matmul (``csrc/gemm/amx.c``), which every product then uses, whatever M: it
 streams the weights faster than oneDNN at decode sizes (SmolLM2's projections at M = 32: 9.0
 against 13.0 ms a step, 30 layers from memory) and is as fast at prefill sizes, and each row's
 result is independent of the other rows, so greedy output does not depend on batching (oneDNN's
@@ -25,7 +25,7 @@ AMX kernels sum in an order that depends on M). Shapes that are not multiples of
 
 On CPUs with AVX2 and no AVX-512 (AMD Zen 2/3, Intel client cores) oneDNN cannot pack bf16
 weights, and bf16 weights are kept in the layout of pagedserve's AVX2 matmul
-(``csrc/avx2_gemm.c``): bf16 in memory, widened to float32 in registers, float32 FMA over k in
+(``csrc/gemm/avx2.c``): bf16 in memory, widened to float32 in registers, float32 FMA over k in
 order, so each row's result is independent of the other rows there too.
 
 Elsewhere, inputs of 1-64 rows skip oneDNN:
@@ -174,9 +174,10 @@ class PackedLinear(nn.Module):
         return packed_or_small_linear(x, self.packed_weight, self.bias, self.out_features, self.small_plan, self.pad_rows)
 
     def decode_entries(self) -> Optional[list[int]]:
-        """This projection's four entries in ``decode_step.c``'s layer table (weight address,
-        bias address or 0, and the small-M plan, or (0, -1) for the AMX matmul, (0, -2) for the
-        AVX2 one); None when it has none of them (then the one-call decode step cannot run)."""
+        """This projection's four entries in ``csrc/step/decode_step.c``'s layer table (weight
+        address, bias address or 0, and the small-M plan, or (0, -1) for the AMX matmul, (0, -2)
+        for the AVX2 one); None when it has none of them (then the one-call decode step cannot
+        run)."""
         bias = 0 if self.bias is None else self.bias.data_ptr()
         if self.amx_weight is not None:
             return [self.amx_weight.data_ptr(), bias, 0, -1]

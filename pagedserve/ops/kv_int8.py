@@ -1,7 +1,7 @@
 """The int8 KV cache (``kv_cache_dtype="int8"``): its layout, and quantization in PyTorch.
 
-The C kernels' twin is ``pagedserve/ops/cpu/csrc/kv_int8.h``; both quantize with the same
-float32 operations, so a row written by either is the same bytes.
+The C kernels' twin is ``pagedserve/ops/cpu/csrc/common/kv_int8.h``; both quantize with the
+same float32 operations, so a row written by either is the same bytes.
 
 Layout. A layer's cache is ``[2, num_blocks, num_kv_heads, cell_bytes(block_size, head_dim)]``
 int8: for K (index 0) and V (1), each (block, KV head) cell holds the block's tokens as int8

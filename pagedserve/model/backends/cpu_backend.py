@@ -9,8 +9,9 @@
   write in one C pass and prefill attention in the kernel (every K/V read from the cache);
   elsewhere (float32, other shapes) PyTorch RoPE and SDPA prefill, which are faster there;
 - every step in bf16 (decodes, prefill chunks or both) when every projection has the AMX or
-  the AVX2 matmul or a small-M plan: the whole model in one C call (``csrc/decode_step.c``, the
-  same ops in the same order, bit-identical to the layer-by-layer path);
+  the AVX2 matmul or a small-M plan: the whole model in one C call
+  (``csrc/step/decode_step.c``, the same ops in the same order, bit-identical to the
+  layer-by-layer path);
 - greedy sampling's argmax over bf16 logits in C.
 """
 
