@@ -1,5 +1,5 @@
 """``pagedserve cache list|clear``: what pagedserve keeps on disk, and removing it (see
-:data:`DESCRIPTION`; the folder is ``pagedserve.model.loader.cache_dir``)."""
+:data:`DESCRIPTION`; the folder is ``pagedserve.platform.cache_dir``)."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def _object_entries(folder: str) -> list[CacheEntry]:
 
 
 def cache_entries(root: Optional[str] = None) -> list[CacheEntry]:
-    """Every entry of the cache folder ``root`` (default: ``loader.cache_dir()``), in the known
+    """Every entry of the cache folder ``root`` (default: ``platform.cache_dir()``), in the known
     folders only."""
     if root is None:
         from pagedserve.platform import cache_dir

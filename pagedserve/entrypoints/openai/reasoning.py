@@ -14,7 +14,7 @@ vLLM's newer name), the rest as ``content``. Where the output starts (:meth:`Rea
 In reasoning, the text runs until ``</think>``, the first ``<think>`` is dropped, and without
 ``</think>`` (cut by max_tokens) everything is reasoning. The engine leaves a request whose
 output starts in reasoning unconstrained (structured output, forced tool calls) until it has
-generated ``</think>`` (see ``pagedserve.core.sched.stop``), as vLLM; any other request (a
+generated ``</think>`` (see ``pagedserve.core.sched.scheduler.check_stop``), as vLLM; any other request (a
 ``qwen3`` one with no ``<think>`` in its prompt too) is constrained from its first token. Both
 tags must be single tokens of the model's vocabulary.
 """
