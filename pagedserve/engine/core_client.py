@@ -42,7 +42,9 @@ STARTUP_TIMEOUT_S = 600.0
 
 def _raise_core_error(kind: str, message: str) -> None:
     # ModelFileError and RequestError are ValueErrors: a bad model or config, not a crash.
-    exc = {"ValueError": ValueError, "ModelFileError": ValueError, "RequestError": ValueError, "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)
+    exc = {"ValueError": ValueError, "ModelFileError": ValueError, "RequestError": ValueError, "FileNotFoundError": FileNotFoundError}.get(
+        kind, RuntimeError
+    )
     raise exc(message if exc is not RuntimeError else f"engine core failed: {kind}: {message}")
 
 
