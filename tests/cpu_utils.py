@@ -1,14 +1,9 @@
-"""What the test host's CPU has (Linux /proc/cpuinfo), for tests of one kernel path."""
+"""What the test host's CPU has, for tests of one kernel path (read by ``pagedserve.platform``)."""
 from __future__ import annotations
+
+from pagedserve import platform
 
 
 def cpu_flags() -> set:
     """The first CPU's feature flags (e.g. "avx2", "avx512_bf16"); empty where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(platform.cpu_flags())

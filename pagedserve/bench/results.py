@@ -34,7 +34,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def cpu_class(flags: set[str]) -> str:
-    """``amx`` / ``avx512bf16`` / ``avx2`` / ``other`` from /proc/cpuinfo's flags."""
+    """``amx`` / ``avx512bf16`` / ``avx2`` / ``other`` from a CPU's flags (``platform.cpu_flags``)."""
     if "amx_bf16" in flags:
         return "amx"
     if "avx512_bf16" in flags:
@@ -47,22 +47,9 @@ def cpu_class(flags: set[str]) -> str:
 @functools.lru_cache(maxsize=None)
 def host_info() -> dict[str, Any]:
     """``{"cpu": model name, "class": cpu_class, "cores": usable cores}`` of this machine."""
-    name, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and name == "unknown":
-                    name = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-                if name != "unknown" and flags:
-                    break
-    except OSError:
-        import platform
+    from pagedserve import platform
 
-        name = platform.processor() or platform.machine() or "unknown"
+    name, flags = platform.cpu_model_name(), set(platform.cpu_flags())
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

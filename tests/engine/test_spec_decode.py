@@ -581,7 +581,7 @@ def test_decode_instance_with_drafts_after_a_remote_prefill():
     """Prefill/decode disaggregation: the decode instance speculates on a prompt whose KV came
     over the network; its tokens equal one engine's without drafts."""
     from server_utils import free_port
-    from test_kv_connector import idle, run
+    from kv_utils import idle, run
     from pagedserve.core.outputs import EngineCoreRequest
     from pagedserve.engine.core import EngineCore
     from pagedserve.sampling_params import SamplingParams

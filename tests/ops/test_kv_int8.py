@@ -162,7 +162,7 @@ def test_greedy_output_does_not_depend_on_batch_chunks_or_prefix_hits(tiny_model
 
 
 def test_int8_blocks_move_between_instances_with_their_scales(tiny_model_factory):
-    from test_kv_connector import add, idle, run
+    from kv_utils import add, idle, run
     from server_utils import free_port
     from pagedserve.engine.core import EngineCore
 

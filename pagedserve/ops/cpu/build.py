@@ -52,6 +52,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from pagedserve import platform as host  # (the stdlib's platform is imported above)
+
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
@@ -317,7 +319,7 @@ def _get(name: str) -> Optional[ctypes.CDLL]:
     with _lock:
         if name not in _libs:
             lib = None
-            if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0":
+            if host.switch_on("PAGEDSERVE_CPU_KERNELS"):
                 try:
                     lib = _compile(name)
                     _declare(name, lib)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from typing import Optional
 
 import torch
 
+from pagedserve import platform
 from pagedserve.ops.cpu.build import _get, get_lib
 
 # The layer-by-layer path's projections take the small-M kernel up to here (SG_MAX_ROWS in csrc/gemm/small_gemm.c).
@@ -21,7 +21,7 @@ SMALL_GEMM_MAX_ROWS = 64
 
 def get_small_gemm_lib() -> Optional[ctypes.CDLL]:
     """The compiled small-M matmul, or None when disabled (also by ``PAGEDSERVE_SMALL_GEMM=0``)."""
-    if os.environ.get("PAGEDSERVE_SMALL_GEMM", "1") == "0":
+    if not platform.switch_on("PAGEDSERVE_SMALL_GEMM"):
         return None
     return _get("decode")
 
@@ -30,7 +30,7 @@ def amx_available() -> bool:
     """Whether the AMX matmul runs here: the CPU has AMX-BF16, Linux granted the tile
     state, and ``PAGEDSERVE_AMX`` is not 0 (read when weights are packed; packed layers keep
     their kernel)."""
-    return os.environ.get("PAGEDSERVE_AMX", "1") != "0" and _amx_granted()
+    return platform.switch_on("PAGEDSERVE_AMX") and _amx_granted()
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,7 +71,7 @@ def _bf16_gemm(name: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[
 def avx2_gemm_available() -> bool:
     """Whether the AVX2 bf16 matmul (``gemm/avx2.c``) runs here (AVX2 + FMA) and
     ``PAGEDSERVE_AVX2_GEMM`` is not 0 (read when weights are packed)."""
-    if os.environ.get("PAGEDSERVE_AVX2_GEMM", "1") == "0":
+    if not platform.switch_on("PAGEDSERVE_AVX2_GEMM"):
         return False
     lib = _get("decode")
     return lib is not None and bool(lib.avx2_gemm_available())
@@ -330,7 +330,7 @@ def memory_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> Optional
     compiled kernels."""
     import time
 
-    lib = _get("decode") if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0" else None
+    lib = _get("decode") if platform.switch_on("PAGEDSERVE_CPU_KERNELS") else None
     if lib is None:
         return None
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
