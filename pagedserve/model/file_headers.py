@@ -47,6 +47,10 @@ MAX_GGUF_STRINGS = 1 << 24
 # Weights pagedserve loads (copied into float parameters); other dtypes are not a weight.
 FLOAT_WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 
+# GGUF tensor types pagedserve loads: the float ones as they are, the quantized ones repacked into
+# pagedserve's quantized layout (pagedserve.model.gguf_quant); a file with another type is refused.
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
 # safetensors dtype -> bits per element (every dtype the format defines).
 SAFETENSORS_BITS = {
     "BOOL": 8,
