@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server and llama-bench from the llama-cpp-python sdist, and convert HF
+# Build llama.cpp's llama-server, llama-bench, llama-quantize and llama-perplexity from the llama-cpp-python sdist, and convert HF
 # model dirs to BF16 GGUF with the same sources' convert_hf_to_gguf.py, for
 # benchmarks/vs_llama_server.py and benchmarks/compare_llamacpp.py.
 #
@@ -50,18 +50,18 @@ unpack() {
 }
 
 build() {
-  if [[ -x $BIN/llama-server && -x $BIN/llama-bench ]]; then
-    echo "already built: $BIN/llama-server $BIN/llama-bench"
+  if [[ -x $BIN/llama-server && -x $BIN/llama-bench && -x $BIN/llama-quantize && -x $BIN/llama-perplexity ]]; then
+    echo "already built: $BIN/llama-server $BIN/llama-bench $BIN/llama-quantize $BIN/llama-perplexity"
     return 0
   fi
   unpack
   nice -n 10 cmake -S "$LLAMA" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
-  nice -n 10 cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-server llama-bench
+  nice -n 10 cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-server llama-bench llama-quantize llama-perplexity
   mkdir -p "$BIN"
-  cp "$BUILD/bin/llama-server" "$BUILD/bin/llama-bench" "$BIN/"
-  echo "built: $BIN/llama-server $BIN/llama-bench"
+  cp "$BUILD/bin/llama-server" "$BUILD/bin/llama-bench" "$BUILD/bin/llama-quantize" "$BUILD/bin/llama-perplexity" "$BIN/"
+  echo "built: $BIN/llama-server $BIN/llama-bench $BIN/llama-quantize $BIN/llama-perplexity"
 }
 
 convert() {

@@ -75,7 +75,14 @@ class EngineConfig:
     Attributes:
         model: HF model directory or .gguf file; None = the default SmolLM2-135M-Instruct.
         dtype: "auto" (bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AVX2 + FMA, else float32),
-            "float32", "bfloat16" or "float16". Weights and KV cache use it.
+            "float32", "bfloat16" or "float16". Weights and KV cache use it; with quantized
+            weights it is the activations' type.
+        quantization: None (weights as the checkpoint stores them: a quantized GGUF file stays
+            quantized on the CPU, see ``pagedserve.ops.quantized``; dequantized in memory on
+            CUDA), "none" (every weight dequantized to ``dtype`` in memory, for exact comparisons
+            with HF transformers) or "int8" (vLLM's flag; the value is ours: the projections of
+            a float checkpoint become symmetric int8 per output channel at load time; weights
+            that are already quantized stay as they are). fp8 is refused with a hint.
         kv_cache_dtype: "auto" (the KV cache in ``dtype``) or "int8": K and V stored as int8
             with one float32 scale per token and KV head (symmetric, max |x| / 127), dequantized
             inside attention; about 1.9x the blocks in the same memory for head_dim 64. vLLM's
@@ -156,6 +163,15 @@ class EngineConfig:
 
     model: Optional[str] = field(default=None, metadata=_flag("HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"))
     dtype: str = field(default="auto", metadata=_flag("weights and KV cache dtype", choices=["auto", "float32", "bfloat16", "float16"]))
+    quantization: Optional[str] = field(
+        default=None,
+        metadata=_flag(
+            "weights: unset = as the checkpoint stores them (a quantized GGUF stays quantized), none = dequantized in memory, "
+            "int8 = float projections quantized to int8 per output channel at load",
+            "--quantization",
+            "-q",
+        ),
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_flag(
@@ -317,6 +333,10 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "none", "int8"):
+            q = str(self.quantization)
+            hint = " (fp8 weights are not supported on these CPUs; int8 keeps 1 byte per weight)" if q.startswith("fp8") else ""
+            raise ValueError(f"quantization must be unset, none or int8, got {self.quantization!r}{hint}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             hint = " (fp8 KV caches are not supported here; int8 halves the bytes the same way)" if str(self.kv_cache_dtype).startswith("fp8") else ""
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}{hint}")

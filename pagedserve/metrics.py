@@ -121,6 +121,12 @@ class EngineMetrics:
             self._request_success.labels(model_name=model_name, engine=self.engine, finished_reason=reason)
         self.replica_up = lab(Gauge(PREFIX + "engine_replica_up", "1 while the engine replica is in rotation.", L, registry=r))
         self.replica_up.set(1)
+        self._weight_bytes = Gauge(
+            PREFIX + "model_weight_bytes",
+            "Bytes the model's weights take in memory, by weights type.",
+            ["model_name", "engine", "weights_type"],
+            registry=r,
+        )
         # Prefill/decode disaggregation (zero on an instance without a KV connector).
         self.kv_transfer_sent_tokens = lab(
             Counter(PREFIX + "kv_transfer_sent_tokens", "Tokens whose KV this instance sent to a decode instance.", L, registry=r)
@@ -157,6 +163,11 @@ class EngineMetrics:
         self._finish_counted: dict[str, set[int]] = {}  # completions whose request_success is counted
 
     # -- fed by the engine thread ----------------------------------------------------------
+    def set_weights(self, weights_type: str, nbytes: int) -> None:
+        """The model's weights: type (``bfloat16``, ``Q4_1+Q8_0``) and bytes in memory."""
+        if weights_type:
+            self._weight_bytes.labels(model_name=self.model_name, engine=self.engine, weights_type=weights_type).set(nbytes)
+
     def observe_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)

@@ -139,10 +139,12 @@ def tiny_model_factory(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_llm():
-    """One float32 SmolLM2 engine for the session (small KV pool). Tests must leave it idle."""
+    """One float32 SmolLM2 engine for the session (small KV pool), its GGUF weights dequantized
+    in memory (``quantization="none"``: the weights HF transformers computes with). Tests must
+    leave it idle."""
     from pagedserve import LLM
 
-    return LLM(dtype="float32", kv_cache_memory_bytes=192 << 20, max_model_len=2048)
+    return LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=192 << 20, max_model_len=2048)
 
 
 def assert_engine_idle(llm_or_engine) -> None:

@@ -258,6 +258,10 @@ class EngineCoreInfo:
         model_dir: the resolved HF-style model directory (tokenizer and config live there).
         block_hash_seed: the prefix cache's hash seed (16 bytes, from the model identity), so
             a data-parallel front hashes requests' blocks exactly as this core does.
+        weights_type: the weights' kind: a float dtype name ("bfloat16") or the quantized
+            types joined by "+" ("Q4_1+Q8_0").
+        weight_bytes: bytes the weights take in memory (quantized values, scales and float
+            parameters).
     """
 
     config: "EngineConfig"
@@ -267,3 +271,5 @@ class EngineCoreInfo:
     device: str
     model_dir: str
     block_hash_seed: bytes = b""
+    weights_type: str = ""
+    weight_bytes: int = 0

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import TPGroup
+from pagedserve.ops.quantized import QuantizedWeight
 
 
 def verify_tp_size(hf_config, tp_size: int) -> None:
@@ -116,6 +117,25 @@ def shard_shapes(model: nn.Module) -> None:
         _resize(model.lm_head, out_features=model.embed_tokens.shard)
 
 
+def _shard_quantized(name: str, t: QuantizedWeight, module: str, r: int, rows: dict, cols: dict, shard: int) -> QuantizedWeight:
+    """Rank ``r``'s slice of a quantized weight, cut before it is used (the quantization groups
+    run along the inputs, so a column cut must fall on a group boundary).
+
+    Raises:
+        ValueError: a column cut inside a quantization group.
+    """
+    if module in rows:
+        return t.rows(r * rows[module], (r + 1) * rows[module])
+    if module in cols:
+        try:
+            return t.cols(r * cols[module], (r + 1) * cols[module])
+        except ValueError as e:
+            raise ValueError(f"{name}: this tensor-parallel size splits a quantization group ({e})") from None
+    if module in ("embed_tokens", "lm_head"):
+        return t.rows(r * shard, min((r + 1) * shard, t.out_features)).padded_rows(shard)
+    return t
+
+
 def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, group: TPGroup) -> Iterator[tuple[str, torch.Tensor]]:
     """Rank ``group.rank``'s slice of each ``(HF name, tensor)`` of a checkpoint, for a model
     shaped by :func:`shard_shapes`: q/k/v and gate/up rows, o/down columns (their bias on rank 0
@@ -131,6 +151,9 @@ def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, gro
     for name, t in weights:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if isinstance(t, QuantizedWeight):
+            yield name, _shard_quantized(name, t, module, r, rows, cols, shard)
+            continue
         if module in rows:
             t = t[r * rows[module] : (r + 1) * rows[module]]
         elif module in cols:

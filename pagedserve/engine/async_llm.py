@@ -93,6 +93,7 @@ class AsyncLLM:
         self.max_model_len = self.config.max_model_len
         self.vocab_size = self.input_processor.vocab_size
         self.metrics = metrics if metrics is not None else EngineMetrics(self.model_name)
+        self.metrics.set_weights(info.weights_type, info.weight_bytes)
         self.outputs = OutputHandler(
             self.client,
             self.output_processor,

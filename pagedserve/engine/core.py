@@ -82,6 +82,7 @@ class EngineCore:
             str(self.worker.device),
             self.worker.model_dir,
             kv.seed_hash,
+            *_weights_of(self.worker),
         )
         B = self.config.block_size
         logger.info(
@@ -189,3 +190,11 @@ class EngineCore:
         """A snapshot of every KV block's state and owner (see
         :func:`pagedserve.core.trace.block_map`); O(num_blocks), built on each call."""
         return block_map(self.scheduler.kv_cache_manager, [r.request_id for r in self.scheduler.running])
+
+
+def _weights_of(worker) -> tuple[str, int]:
+    """(weights_type, weight_bytes) of a worker (or a TP executor's rank 0)."""
+    w = getattr(worker, "weights", None) or getattr(getattr(worker, "worker", None), "weights", None)
+    if w is None:
+        return "", 0
+    return w.kind, w.quantized_bytes + w.float_bytes

@@ -15,9 +15,9 @@ KNOWN_DIRS = ("gguf", "kernels", "bench")
 DESCRIPTION = """\
 The cache folder ($PAGEDSERVE_CACHE, default ~/.cache/pagedserve) holds:
 
-  gguf/FILE-KEY      a GGUF checkpoint converted to an HF folder (float32 safetensors, about 4
-                     bytes a parameter: 0.5 GiB for the default 135M model), one per GGUF file
-                     ever loaded; FILE-KEY.tmpPID is a conversion running, or left by a killed one
+  gguf/FILE-KEY      a GGUF checkpoint's config and tokenizer (a few MB; the weights are read from
+                     the file itself; folders of older versions held a float32 copy), one per GGUF
+                     file ever loaded; FILE-KEY.tmpPID is one being written, or left by a killed one
   kernels/LIB-KEY.so the compiled CPU kernels, one per source version, compiler flags and CPU
   kernels/obj/       the objects they are linked from (UNIT-KEY.o, its compiler log UNIT-KEY.log),
                      one per unit, source version, flags, compiler and CPU

@@ -3,11 +3,12 @@ tokenizer and EOS ids. HF directories (config.json + *.safetensors + tokenizer f
 files (through the ``gguf`` package). No network access, ever. A server's front process uses only
 this module (no torch); :mod:`pagedserve.model.loader` adds the weights.
 
-A GGUF file is converted once into an HF-style directory in the cache (``gguf/`` under
-:func:`pagedserve.platform.cache_dir`): float32 safetensors with HF names, the config and the
-tokenizer (chat template included) read by transformers from the GGUF metadata. Later starts
-load that directory through the same path as a user's HF checkpoint. A process without torch
-(the front) converts in a child process that has it.
+A GGUF file gets a small HF-style directory in the cache (``gguf/`` under
+:func:`pagedserve.platform.cache_dir`) on first use: the config and the tokenizer (chat template
+included) that transformers reads from the GGUF metadata, and ``source.json`` naming the file.
+No weights are written: the engine reads them from the GGUF file itself, quantized tensors
+kept quantized (:mod:`pagedserve.model.gguf_quant`). A process without torch (the front)
+writes that directory in a child process that has it (the shape check needs torch).
 
 Model files are checked before use (``pagedserve.model.validation``): headers, config and
 shapes are validated against each other and the file sizes before anything is allocated from
@@ -36,6 +37,7 @@ from pagedserve.model.validation import (
     check_weights,
     describe,
     read_gguf_header,
+    read_json,
     short,
     validate_model_dir,
 )
@@ -98,7 +100,11 @@ def resolve_model(model: Optional[str]) -> str:
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise ModelFileError(path, "no config.json: not an HF model directory")
-        validate_model_dir(path, shape_check=shape_check())
+        source = gguf_source(path)
+        if source is not None:
+            _check_gguf_dir(path, source)
+        else:
+            validate_model_dir(path, shape_check=shape_check())
         return path
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -145,20 +151,20 @@ def _gguf_weight_names(header: GGUFHeader) -> dict[str, str]:
     """GGUF name -> HF name for every tensor of a checked GGUF header.
 
     Raises:
-        ModelFileError: a tensor with no HF name, or of a type that is not a weight pagedserve
-            can dequantize.
+        ModelFileError: a tensor with no HF name, or of a type outside SUPPORTED_GGUF_TYPES.
     """
-    import gguf
+    from pagedserve.model.file_headers import SUPPORTED_GGUF_TYPES
 
-    dequantizable = {"F32", "F16"} | {t.name for t in gguf.quants._type_traits}
     names: dict[str, str] = {}
     for name, spec in header.tensors.items():
         try:
             names[name] = _gguf_hf_name(name)
         except KeyError:
             raise ModelFileError(header.path, f"tensor {short(name)} is not a llama-family weight pagedserve knows") from None
-        if spec.dtype not in dequantizable:
-            raise ModelFileError(header.path, f"tensor {short(name)} has ggml type {spec.dtype}, not a weight type pagedserve can dequantize")
+        if spec.dtype not in SUPPORTED_GGUF_TYPES:
+            raise ModelFileError(
+                header.path, f"tensor {short(name)} has ggml type {spec.dtype}; pagedserve loads only {', '.join(SUPPORTED_GGUF_TYPES)}"
+            )
     if len(set(names.values())) != len(names):
         raise ModelFileError(header.path, "two tensors map to the same HF weight name")
     return names
@@ -188,47 +194,81 @@ def iterate_gguf_arrays(path: str, num_heads: int, num_kv_heads: int, arch: str)
         yield name, np.array(arr, dtype=np.float32, order="C", copy=True)  # writable copy
 
 
-def convert_gguf(path: str) -> str:
-    """Convert a GGUF checkpoint to a cached HF directory; returns the directory.
+GGUF_DIR_VERSION = "v2"  # v1 folders held a float32 copy of the weights; they are never read
 
-    The header is checked first, then the config transformers reads from the metadata against
-    the tensor shapes, and only then is anything dequantized or written. The folder is written
-    under a temporary name and published whole with its ``.complete`` marker; a failed
-    conversion removes it, and a cached folder that no longer validates is converted again.
+
+def gguf_source(model_dir: str) -> Optional[str]:
+    """The GGUF file whose weights a cached GGUF folder stands for (its ``source.json``), or
+    None for a folder of safetensors weights.
 
     Raises:
-        ModelFileError: the file is not a usable GGUF checkpoint, or the cache is not writable.
+        ModelFileError: a ``source.json`` that is malformed or names a file that is gone.
     """
-    # Keyed by content (size + first and last MiB), not by path: every clone or venv holding the
-    # same file shares one converted copy.
+    path = os.path.join(model_dir, "source.json")
+    if not os.path.exists(path) or glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")):
+        return None
+    src = read_json(path, "source.json")
+    gguf = src.get("gguf") if isinstance(src, dict) else None
+    if not isinstance(gguf, str) or not gguf.endswith(".gguf"):
+        raise ModelFileError(path, "no 'gguf' file named in it")
+    if not os.path.isfile(gguf):
+        raise ModelFileError(path, f"its GGUF file {gguf} is gone: pass the .gguf file itself")
+    return gguf
+
+
+def gguf_content_key(path: str) -> str:
+    """A short content id of a GGUF file (hex): name, size, first and last MiB.
+
+    Raises:
+        ModelFileError: the file cannot be read.
+    """
     try:
         size = os.path.getsize(path)
-        h = hashlib.sha256(f"{os.path.basename(path)}|{size}|v1".encode())
+        h = hashlib.sha256(f"{os.path.basename(path)}|{size}|{GGUF_DIR_VERSION}".encode())
         with open(path, "rb") as fh:
             h.update(fh.read(1 << 20))
             fh.seek(max(0, size - (1 << 20)))
             h.update(fh.read(1 << 20))
     except OSError as e:
         raise ModelFileError(path, f"cannot read: {e.strerror or e}") from None
-    key = h.hexdigest()[:16]
-    out = os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)[:-5]}-{key}")
+    return h.hexdigest()[:16]
+
+
+def convert_gguf(path: str) -> str:
+    """The cached folder of a GGUF checkpoint (config, tokenizer, ``source.json``; no weights),
+    written on first use; returns the folder.
+
+    The header is checked first, then the config transformers reads from the metadata against
+    the tensor shapes and types, and only then is anything written. The folder is written under
+    a temporary name and published whole with its ``.complete`` marker; a failed conversion
+    removes it, and a cached folder that no longer validates is written again.
+
+    Raises:
+        ModelFileError: the file is not a usable GGUF checkpoint, or the cache is not writable.
+    """
+    # Keyed by content (size + first and last MiB), not by path: every clone or venv holding the
+    # same file shares one folder; source.json names the file last used.
+    out = os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)[:-5]}-{gguf_content_key(path)}")
+    src = os.path.abspath(path)
     if os.path.exists(os.path.join(out, ".complete")):
         try:
-            validate_model_dir(out, shape_check=shape_check())
+            if gguf_source(out) != src:
+                _write_source(out, src)
+            _check_gguf_dir(out, src)
             return out
-        except ModelFileError as e:
-            logger.warning("The cached conversion %s is unusable (%s); converting %s again", out, e, path)
+        except (ModelFileError, OSError) as e:
+            logger.warning("The cached folder %s is unusable (%s); writing it again for %s", out, e, path)
             shutil.rmtree(out, ignore_errors=True)
     header = read_gguf_header(path)  # nothing is allocated or written before this passes
-    if not torch_available():  # the shape check needs torch's meta device: a child converts
+    if not torch_available():  # the shape check needs torch's meta device: a child writes it
         return _convert_in_child(path, out)
-    logger.info("Converting %s to %s (first start only)", path, out)
+    logger.info("Reading the config and tokenizer of %s into %s (first start only; the weights stay in the file)", path, out)
     _remove_stale_tmp(out)
     tmp = out + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _convert_gguf_into(path, header, tmp)
-        validate_model_dir(tmp, shape_check=shape_check())
+        _check_gguf_dir(tmp, src)
         open(os.path.join(tmp, ".complete"), "w").close()
         try:
             os.replace(tmp, out)
@@ -250,8 +290,49 @@ def convert_gguf(path: str) -> str:
     return out
 
 
+def _write_source(folder: str, gguf: str) -> None:
+    tmp = os.path.join(folder, f"source.json.tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump({"gguf": gguf}, fh)
+    os.replace(tmp, os.path.join(folder, "source.json"))
+
+
+_checked_gguf_dirs: dict[tuple, tuple] = {}
+
+
+def _check_gguf_dir(folder: str, gguf: str) -> None:
+    """The folder's config against the GGUF file's header: tensor names, types and shapes
+    (remembered until either changes).
+
+    Raises:
+        ModelFileError: naming the file and what is wrong.
+    """
+    cfg_path = os.path.join(folder, "config.json")
+    key = (os.path.abspath(folder), gguf, shape_check() is not None)
+    try:
+        state = tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in (cfg_path, gguf))
+    except OSError as e:
+        raise ModelFileError(folder, f"cannot read: {e.strerror or e}") from None
+    if _checked_gguf_dirs.get(key) == state:
+        return
+    check_config(cfg_path, read_json(cfg_path, "config.json"))
+    header = read_gguf_header(gguf)
+    names = _gguf_weight_names(header)
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:
+        raise ModelFileError(cfg_path, f"transformers cannot read it ({describe(e)})") from None
+    # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.
+    specs = {hf: TensorSpec(hf, "F32", tuple(reversed(header.tensors[g].shape)), gguf) for g, hf in names.items()}
+    check_weights(gguf, config, specs, shape_check())
+    if len(_checked_gguf_dirs) > 64:
+        _checked_gguf_dirs.clear()
+    _checked_gguf_dirs[key] = state
+
+
 def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
-    from safetensors.numpy import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     names = _gguf_weight_names(header)
@@ -261,7 +342,6 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
         config = AutoConfig.from_pretrained(d or ".", gguf_file=f)
     except Exception as e:
         raise ModelFileError(path, f"transformers cannot read its metadata ({describe(e)})") from None
-    arch = config.model_type
     if "lm_head.weight" not in names.values():
         config.tie_word_embeddings = True
     check_config(path, config.to_dict())
@@ -272,15 +352,11 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
     except Exception as e:
         raise ModelFileError(path, f"transformers cannot build its tokenizer ({describe(e)})") from None
     os.makedirs(tmp)
-    tensors = dict(iterate_gguf_arrays(path, config.num_attention_heads, config.num_key_value_heads, arch))
-    save_file(tensors, os.path.join(tmp, "model.safetensors"))
-    del tensors
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id).save_pretrained(tmp)
-    with open(os.path.join(tmp, "source.json"), "w") as fh:
-        json.dump({"gguf": os.path.abspath(path)}, fh)
+    _write_source(tmp, os.path.abspath(path))
 
 
 def _convert_in_child(path: str, out: str) -> str:
@@ -366,6 +442,9 @@ def model_fingerprint(model_dir: str, sample_bytes: int = 1 << 20) -> str:
     if os.path.exists(cfg):
         with open(cfg, "rb") as fh:
             h.update(fh.read())
+    source = gguf_source(model_dir)
+    if source is not None:
+        h.update(f"\x00gguf\x00{gguf_content_key(source)}".encode())
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         size = os.path.getsize(path)
         h.update(f"\x00{os.path.basename(path)}\x00{size}\x00".encode())

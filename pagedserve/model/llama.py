@@ -22,7 +22,9 @@ from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.backends import TorchBackend
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
 from pagedserve.model.packed_linear import PackedLinear, attach_small_gemm, pack_linears
+from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
 from pagedserve.model.validation import SUPPORTED_MODEL_TYPES, ModelFileError, TensorSpec, describe
+from pagedserve.ops.quantized import QuantizedWeight, cat_rows
 
 
 class Attention(nn.Module):
@@ -117,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self._logits_linear: Optional[PackedLinear] = None  # set by pack_for_cpu
+        self._logits_linear: Optional[nn.Module] = None  # set by pack_for_cpu, or by load_weights (quantized)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.backend: TorchBackend = TorchBackend()
@@ -159,13 +161,15 @@ class LlamaForCausalLM(nn.Module):
         """Pre-pack every projection (and the logits weight) for the CPU matmuls (bf16 or float32
         on CPU), after the weights are loaded. See :mod:`pagedserve.model.packed_linear`.
         An untied ``lm_head`` is dropped once packed (its packed copy replaces it)."""
-        logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         plans: dict = {}
-        self._logits_linear = PackedLinear(logits_weight)
-        attach_small_gemm(self._logits_linear, plans)
+        if not isinstance(self._logits_linear, QuantLinear):
+            logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+            packed = PackedLinear(logits_weight)
+            attach_small_gemm(packed, plans)
+            self._logits_linear = packed
+            if not self.tie_word_embeddings:
+                self.lm_head = None  # the [vocab, hidden] matrix would otherwise be held twice
         pack_linears(self.layers, plans)
-        if not self.tie_word_embeddings:
-            self.lm_head = None  # the [vocab, hidden] matrix would otherwise be held twice
 
     # -- weights ---------------------------------------------------------------------------
     _FUSED = {
@@ -176,15 +180,30 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    @classmethod
+    def module_of(cls, name: str) -> str:
+        """The module path that holds HF weight ``name``: ``model.layers.0.self_attn.q_proj.weight``
+        -> ``layers.0.self_attn.qkv_proj``, ``model.embed_tokens.weight`` -> ``embed_tokens``."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        parts = name.split(".")[:-1]
+        return ".".join(cls._FUSED[p][0] if p in cls._FUSED else p for p in parts)
+
     def load_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs named as in the HF checkpoint (``model.layers.0...``).
 
-        q/k/v and gate/up are copied into their fused matrices.
+        q/k/v and gate/up are copied into their fused matrices. A
+        :class:`~pagedserve.ops.quantized.QuantizedWeight` goes to the quantized module that
+        :func:`pagedserve.model.quant_linear.quantize_modules` put in its place (fused parts
+        concatenated by rows, exactly).
 
         Raises:
-            ValueError: on an unknown name, a shape mismatch, or a parameter left unloaded.
+            ValueError: on an unknown name, a shape mismatch, a quantized weight for a float
+                module (or the reverse), or a weight left unloaded.
         """
         params = dict(self.named_parameters())
+        quant_modules = {n: m for n, m in self.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+        pending: dict[str, dict[int, QuantizedWeight]] = {}
         loaded: set[str] = set()
         attn0 = self.layers[0].self_attn
         q, kv = attn0.q_size, attn0.kv_size
@@ -203,6 +222,19 @@ class LlamaForCausalLM(nn.Module):
                     target, shard = self._FUSED[p]
                     fused = (".".join(parts[:i] + [target] + parts[i + 1 :]), shard, target)
                     break
+            module_path = name.rsplit(".", 1)[0] if fused is None else fused[0].rsplit(".", 1)[0]
+            if module_path in quant_modules and name.endswith(".weight"):
+                if not isinstance(tensor, QuantizedWeight):
+                    raise ValueError(f"weight {name!r} is not quantized but {module_path} was built quantized")
+                if fused is None:
+                    quant_modules[module_path].set_weight(tensor)
+                    loaded.add(name)
+                else:
+                    pending.setdefault(module_path, {})[fused[1]] = tensor
+                    loaded.add(f"{fused[0]}#{fused[1]}")
+                continue
+            if isinstance(tensor, QuantizedWeight):
+                raise ValueError(f"weight {name!r} is quantized but {module_path} is not a quantized module")
             if fused is None:
                 if name not in params:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
@@ -225,8 +257,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.add(f"{pname}#{shard}")
+        for module_path, parts in pending.items():
+            quant_modules[module_path].set_weight(cat_rows([parts[i] for i in sorted(parts)]))
         expected = set()
-        for pname in params:
+        names = list(params) + [f"{n}.weight" for n in quant_modules]
+        for pname in names:
             leaf = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
             if leaf == "qkv_proj":
                 expected.update(f"{pname}#{s}" for s in range(3))
@@ -237,6 +272,12 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if isinstance(self.embed_tokens, QuantEmbedding) and self.tie_word_embeddings:
+            head = QuantLinear(self.config.hidden_size, self.embed_tokens.num_embeddings)
+            head.set_weight(self.embed_tokens.qweight)
+            self._logits_linear = head
+        elif isinstance(getattr(self, "lm_head", None), QuantLinear):
+            self._logits_linear = self.lm_head
 
 
 def check_checkpoint(config_path: str, hf_config, tensors: Mapping[str, TensorSpec]) -> None:

@@ -18,6 +18,7 @@ from pagedserve.model.files import (  # noqa: F401  (the public names of model f
     DEFAULT_MODEL_PACKAGE,
     convert_gguf,
     default_model_path,
+    gguf_source,
     iterate_gguf_arrays,
     load_config,
     load_eos_token_ids,
@@ -33,6 +34,46 @@ def iterate_gguf_weights(path: str, num_heads: int, num_kv_heads: int, arch: str
     """Dequantized float32 tensors of a GGUF file, with HF names and layouts."""
     for name, arr in iterate_gguf_arrays(path, num_heads, num_kv_heads, arch):
         yield name, torch.from_numpy(arr)
+
+
+def gguf_quantized_modules(model_dir: str, module_of) -> set[str]:
+    """The module paths (``module_of(hf_name)``) whose weights a GGUF-backed folder holds
+    quantized: every part of a fused module (q/k/v, gate/up) quantized; empty for other folders."""
+    from pagedserve.model.file_headers import read_gguf_header
+    from pagedserve.model.files import _gguf_weight_names
+
+    source = gguf_source(model_dir)
+    if source is None:
+        return set()
+    header = read_gguf_header(source)
+    quantized: dict[str, bool] = {}
+    for gname, hf in _gguf_weight_names(header).items():
+        if not hf.endswith(".weight") or len(header.tensors[gname].shape) != 2:
+            continue
+        module = module_of(hf)
+        is_q = header.tensors[gname].dtype not in ("F32", "F16", "BF16")
+        quantized[module] = quantized.get(module, True) and is_q
+    return {m for m, q in quantized.items() if q}
+
+
+def iterate_weights(model_dir: str, hf_config, quantized: bool) -> Iterator[tuple[str, object]]:
+    """``(HF name, tensor)`` of a checkpoint folder: its safetensors files, or the GGUF file a
+    cached GGUF folder stands for (:func:`gguf_source`), whose quantized tensors come as
+    :class:`~pagedserve.ops.quantized.QuantizedWeight` when ``quantized`` (else dequantized to
+    float32 in memory, one tensor at a time).
+
+    Raises:
+        ModelFileError: a weight file that cannot be read.
+    """
+    source = gguf_source(model_dir)
+    if source is None:
+        yield from iterate_safetensors_weights(model_dir)
+        return
+    from pagedserve.model.gguf_quant import iterate_gguf_tensors
+
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    yield from iterate_gguf_tensors(source, heads, kv_heads, hf_config.model_type, quantized=quantized)
 
 
 def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

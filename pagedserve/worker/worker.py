@@ -27,7 +27,9 @@ from pagedserve.model.backends import select_backend
 from pagedserve.model.layers import RotaryEmbedding
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.packed_linear import packing_available
+from pagedserve.model.quant_linear import QuantEmbedding, quantize_modules
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagedserve.worker.weights import WeightsInfo, dequantize_unlisted, describe_weights, quantize_int8
 
 logger = logging.getLogger("pagedserve")
 
@@ -144,7 +146,7 @@ class Worker:
         """Folded into the prefix-cache hash seed: a cache never serves another model's KV, and
         two instances of one checkpoint (wherever it lives) name blocks alike (KV transfer)."""
         if self._model_identity is None:
-            self._model_identity = f"{loader.model_fingerprint(self.model_dir)}|{self.dtype}"
+            self._model_identity = f"{loader.model_fingerprint(self.model_dir)}|{self.dtype}|{self.weights.kind}"
         return self._model_identity
 
     def _max_positions(self) -> int:
@@ -166,18 +168,36 @@ class Worker:
         return max_pos
 
     def _load_model(self, max_positions: int) -> LlamaForCausalLM:
+        cfg = self.config
+        gguf = loader.gguf_source(self.model_dir)
+        quant_modules: set[str] = set()
+        if gguf is not None and cfg.quantization != "none":
+            quant_modules = loader.gguf_quantized_modules(self.model_dir, LlamaForCausalLM.module_of)
+            if quant_modules and self.device.type != "cpu":
+                logger.info("%s: quantized weights are dequantized to %s in memory on %s", gguf, self.dtype, self.device)
+                quant_modules = set()
         with torch.device("meta"):
             model = LlamaForCausalLM(self.hf_config, max_positions, tp=self.tp)
             if self.tp is not None:  # this rank's shapes: it never holds the whole model
                 shard_shapes(model)
+                quant_modules.discard("embed_tokens")  # the vocab-parallel embedding stays float
+            quantize_modules(model, quant_modules)
         model = model.to_empty(device=self.device)
-        weights = loader.iterate_safetensors_weights(self.model_dir)
+        weights = loader.iterate_weights(self.model_dir, self.hf_config, quantized=bool(quant_modules))
+        weights = dequantize_unlisted(weights, quant_modules)
         if self.tp is not None:
             weights = shard_checkpoint(weights, self.hf_config, self.tp)
         model.load_weights(weights)
         model = model.to(self.dtype)
+        if cfg.quantization == "int8":
+            quantize_int8(model)
+        for module in model.modules():
+            if isinstance(module, QuantEmbedding):
+                module.dtype = self.dtype
         # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
         model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
+        self.weights: WeightsInfo = describe_weights(model)
+        logger.info("pagedserve worker: weights %s", self.weights)
         if packing_available(self.device, self.dtype):
             model.pack_for_cpu()
         model.backend = select_backend(model, self.device, self.dtype)
@@ -258,6 +278,7 @@ class Worker:
                 kv.shape[3],
                 attn.head_dim,
                 hash_seed(self.model_identity),
+                self.weights.kind,
             )
             self.kv_connector = NetworkConnectorWorker(config.kv_transfer, kv, layout)
 

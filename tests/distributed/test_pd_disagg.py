@@ -325,9 +325,10 @@ def test_duplicated_reordered_and_forged_notices(cluster):
         assert sock.poll(5000) and msgpack.unpackb(sock.recv_multipart()[0])[1] == "bad_request"
         # A consumer with another block size is refused in the handshake.
         assert ask(["hello", {"block_size": 32, 1: 2}, kvp["remote_engine_id"]])[1] == "handshake"  # not a layout at all
-        theirs = kv_layout("another-model", "float32", 32, 2, 2, 32, b"seed")
+        theirs = kv_layout("another-model", "float32", 32, 2, 2, 32, b"seed", weights="Q4_K")
         hello = ask(["hello", theirs, kvp["remote_engine_id"]])
         assert hello[0] == "error" and hello[1] == "handshake" and "block_size: producer 16, consumer 32" in hello[2], hello
+        assert "consumer 'Q4_K'" in hello[2]  # other weights (another quantization) never exchange KV
         assert "hash_seed differs" in hello[2] and "model differs" in hello[2]  # told that, not the values
     finally:
         sock.close(0)

@@ -162,11 +162,14 @@ def load_chain(path: str) -> str:
     """What a start does with a model path, short of the KV cache: resolve (convert a GGUF),
     read the config, and load every weight into a real (tiny) model."""
     from pagedserve.model.llama import LlamaForCausalLM
+    from pagedserve.model.quant_linear import quantize_modules
 
     model_dir = loader.resolve_model(path)
     cfg = loader.load_config(model_dir)
     model = LlamaForCausalLM(cfg, 64)
-    model.load_weights(loader.iterate_safetensors_weights(model_dir))
+    quantized = loader.gguf_quantized_modules(model_dir, LlamaForCausalLM.module_of)
+    quantize_modules(model, quantized)
+    model.load_weights(loader.iterate_weights(model_dir, cfg, quantized=bool(quantized)))
     return model_dir
 
 
@@ -396,29 +399,29 @@ def test_failed_conversion_leaves_nothing_and_a_broken_cache_is_redone(files, mo
     path = gguf_case(files, files["gguf_bytes"])
     gguf_cache = os.path.join(loader.cache_dir(), "gguf")
     stem = os.path.basename(path)[:-5]
-    real = model_files.iterate_gguf_arrays
+    real = model_files._write_source
 
     def dies_midway(*a, **k):
-        it = real(*a, **k)
-        yield next(it)
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(model_files, "iterate_gguf_arrays", dies_midway)
+    monkeypatch.setattr(model_files, "_write_source", dies_midway)
     err = assert_clean(path)
     assert err is not None and "conversion to" in str(err) and "RuntimeError: disk on fire" in str(err), err
     assert not glob.glob(os.path.join(gguf_cache, stem + "-*")), os.listdir(gguf_cache)
-    monkeypatch.setattr(model_files, "iterate_gguf_arrays", real)
+    monkeypatch.setattr(model_files, "_write_source", real)
     out = load_chain(path)
     assert os.path.exists(os.path.join(out, ".complete"))
+    # No weights are written: the folder holds the config, the tokenizer and source.json.
+    assert not glob.glob(os.path.join(out, "*.safetensors")) and model_files.gguf_source(out) == os.path.abspath(path)
     # A crash mid-conversion (kill -9) leaves <out>.tmp<pid>: removed by the next conversion.
     stale = out + ".tmp999999999"
     os.makedirs(stale)
-    # A published copy whose weights got truncated later is not trusted: converted again.
-    st_path = os.path.join(out, "model.safetensors")
-    with open(st_path, "r+b") as fh:
-        fh.truncate(os.path.getsize(st_path) // 2)
+    # A published folder whose config got truncated later is not trusted: written again.
+    cfg_path = os.path.join(out, "config.json")
+    with open(cfg_path, "r+b") as fh:
+        fh.truncate(os.path.getsize(cfg_path) // 2)
     assert load_chain(path) == out
-    assert validation.read_safetensors_header(st_path) and not os.path.exists(stale)
+    assert validation.read_json(cfg_path, "config.json") and not os.path.exists(stale)
 
 
 # -- through LLM(...) and the CLI -----------------------------------------------------------------------

@@ -25,12 +25,16 @@ MAX_READ_BLOCKS = 32  # blocks per read reply (bounds one message: 32 x 16 token
 MAX_HEADER_BYTES = 1 << 20
 
 
-def kv_layout(model: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, hash_seed: bytes) -> dict:
-    """What a peer must match: the model's fingerprint, the KV dtype, block size and shape, and
-    the seed of the chained block hashes."""
+def kv_layout(
+    model: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, hash_seed: bytes, weights: str = ""
+) -> dict:
+    """What a peer must match: the model's fingerprint, the weights' kind (``bfloat16``,
+    ``Q4_1+Q8_0``: KV computed by other weights is other KV), the KV dtype, block size and
+    shape, and the seed of the chained block hashes."""
     return {
         "protocol": PROTOCOL_VERSION,
         "model": model,
+        "weights": weights,
         "dtype": dtype,
         "block_size": block_size,
         "num_layers": num_layers,
@@ -41,7 +45,7 @@ def kv_layout(model: str, dtype: str, block_size: int, num_layers: int, num_kv_h
     }
 
 
-SHOWN_KEYS = ("protocol", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "order")
+SHOWN_KEYS = ("protocol", "weights", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "order")
 
 
 def layout_mismatch(producer: dict, consumer: Any) -> Optional[str]:

@@ -1,0 +1,132 @@
+"""Quantized weights through the whole engine: the default GGUF file served as it is (no float
+copy written), against the same file dequantized in memory; batching and chunking leave a row's
+result unchanged; online int8 of a float checkpoint; the weights' kind in the model identity."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.model import loader
+from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Paged attention stores the key/value cache in fixed-size blocks so that",
+]
+
+
+def _model(llm: LLM):
+    return llm.llm_engine.core.worker.model_runner.model
+
+
+def _worker(llm: LLM):
+    return llm.llm_engine.core.worker
+
+
+class _Logits:
+    """Record the logits rows the sampler sees while active."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.model = _model(llm)
+        self.rows: list[torch.Tensor] = []
+
+    def __enter__(self) -> "_Logits":
+        orig = type(self.model).compute_logits
+
+        def wrapped(hidden):
+            logits = orig(self.model, hidden)
+            self.rows.append(logits.detach().float().clone())
+            return logits
+
+        self.model.compute_logits = wrapped
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.compute_logits
+
+
+def _greedy(llm: LLM, prompts, n: int = 12):
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def quant_llm():
+    return LLM(dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=512, num_threads=2)
+
+
+def test_gguf_served_quantized_without_a_float_copy(quant_llm):
+    worker = _worker(quant_llm)
+    assert worker.weights.kind == "Q4_1+Q8_0"
+    model = _model(quant_llm)
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert isinstance(model._logits_linear, QuantLinear)  # the tied LM head reads the Q8_0 embedding
+    assert model._logits_linear.qweight is model.embed_tokens.qweight
+    # The file's quantized bytes, give or take the float32 scales (Q4_1: 20 bytes per 32 weights
+    # in the file, 24 here; Q8_0: 34 -> 36).
+    size = os.path.getsize(loader.default_model_path())
+    assert 1.0 * size < worker.weights.quantized_bytes < 1.25 * size
+    folder = worker.model_dir
+    assert loader.gguf_source(folder) == os.path.abspath(loader.default_model_path())
+    written = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    assert written < 20 << 20
+    assert not [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+
+
+def test_quantized_matches_dequantized_in_memory(quant_llm):
+    """float32 activations: the quantized path and the dequantized weights compute the same
+    products (the same float32 weights), so logits agree to rounding and greedy tokens match."""
+    ref = LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=32 << 20, max_model_len=512, num_threads=2)
+    assert _worker(ref).weights.kind == "float32" and not isinstance(_model(ref).embed_tokens, QuantEmbedding)
+    with _Logits(quant_llm) as a:
+        got = _greedy(quant_llm, PROMPTS[0])
+    with _Logits(ref) as b:
+        want = _greedy(ref, PROMPTS[0])
+    assert got[0][0] == want[0][0]
+    diff = max((x - y).abs().max().item() for x, y in zip(a.rows, b.rows))
+    assert diff < 2e-3, diff
+    # Different weights never share KV: the model identity names the weights' kind.
+    assert _worker(ref).model_identity != _worker(quant_llm).model_identity
+    del ref
+
+
+def test_quantized_rows_do_not_depend_on_the_batch(quant_llm):
+    """Each prompt alone, then all together, then with a small token budget (chunked prefill):
+    identical tokens and logprobs, bit for bit."""
+    together = _greedy(quant_llm, PROMPTS)
+    alone = [_greedy(quant_llm, p)[0] for p in PROMPTS]
+    assert together == alone
+    chunked = LLM(dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=512, max_num_batched_tokens=16, num_threads=2)
+    assert _greedy(chunked, PROMPTS) == together
+
+
+def test_online_int8_of_a_float_checkpoint(tiny_model_factory):
+    tiny_dir = tiny_model_factory("llama")
+    ref = LLM(tiny_dir, dtype="float32", num_kv_blocks=32, max_model_len=128, num_threads=2)
+    q = LLM(tiny_dir, dtype="float32", quantization="int8", num_kv_blocks=32, max_model_len=128, num_threads=2)
+    assert _worker(q).weights.kind == "int8" and _worker(ref).weights.kind == "float32"
+    layer = _model(q).layers[0]
+    assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.qweight.group == layer.mlp.down_proj.in_features
+    with _Logits(ref) as a:
+        _greedy(ref, PROMPTS[1], n=4)
+    with _Logits(q) as b:
+        _greedy(q, PROMPTS[1], n=4)
+    # Random weights: per-channel int8 moves the logits a little, never grossly.
+    rel = (a.rows[0] - b.rows[0]).norm() / a.rows[0].norm()
+    assert 0 < rel.item() < 0.05, rel.item()
+    assert _worker(ref).model_identity != _worker(q).model_identity
+
+
+def test_quantization_values_are_checked():
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="fp8 weights are not supported"):
+        EngineConfig(quantization="fp8")
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="awq")
