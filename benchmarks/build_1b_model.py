@@ -9,10 +9,12 @@ a fixed seed, built directly in bf16 (peak RSS ~2.7 GB, ~30 s), saved with ``sav
 (safetensors) next to the tokenizer. Greedy output of random weights is meaningless text; the
 benchmarks ignore EOS, so every request still makes exactly the tokens asked for.
 
-    .venv/bin/python benchmarks/build_1b_model.py [--out DIR] [--seed 0] [--gguf]
+    .venv/bin/python benchmarks/build_1b_model.py [--out DIR] [--seed 0] [--gguf [--quantize Q4_K_M,Q8_0]]
 
 ``--gguf`` also writes ``DIR/model-bf16.gguf`` with llama.cpp's converter
-(``benchmarks/llamacpp_setup.sh convert``). Default DIR: ~/.cache/pagedserve-bench/llama-1b-shapes.
+(``benchmarks/llamacpp_setup.sh convert``); ``--quantize Q4_K_M,Q8_0`` (with ``--gguf``) then makes
+``DIR/model-Q4_K_M.gguf`` etc. from it with ``llama-quantize`` (llama.cpp's default recipe per
+type; for issue 48's gguf_quality.py and gguf_vs_llamacpp.py). Default DIR: ~/.cache/pagedserve-bench/llama-1b-shapes.
 An existing complete DIR is reused (``--force`` rebuilds it). ``--tiny`` (a smoke run) builds the
 same way a 2-layer, hidden-256 model into DIR-tiny (default ~/.cache/pagedserve-bench/llama-1b-shapes-tiny),
 and with ``--gguf`` converts it only where llama.cpp's converter is already unpacked.
@@ -110,6 +112,21 @@ def convert_gguf(model_dir: str) -> str:
     return gguf
 
 
+def quantize_gguf(model_dir: str, qtype: str, threads: int = 2) -> str:
+    """``DIR/model-QTYPE.gguf`` from ``DIR/model-bf16.gguf`` with llama.cpp's ``llama-quantize``
+    (``$LLAMACPP_CACHE/bin``, built by ``llamacpp_setup.sh build``); reused when it exists."""
+    out = os.path.join(model_dir, f"model-{qtype}.gguf")
+    if os.path.exists(out):
+        return out
+    cache = os.environ.get("LLAMACPP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve-llamacpp"))
+    binary = os.path.join(cache, "bin", "llama-quantize")
+    if not os.path.exists(binary):
+        raise SystemExit(f"{binary} not found: benchmarks/llamacpp_setup.sh build")
+    subprocess.run(["nice", "-n", "10", binary, os.path.join(model_dir, GGUF_NAME), out + ".tmp", qtype, str(threads)], check=True)
+    os.replace(out + ".tmp", out)
+    return out
+
+
 def _converter_unpacked() -> bool:
     out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "llamacpp_setup.sh"), "status"], capture_output=True, text=True)
     return out.returncode == 0 and "converter: present" in out.stdout
@@ -120,6 +137,7 @@ def main() -> int:
     ap.add_argument("--out", default=DEFAULT_OUT, help="model directory to write (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", action="store_true", help=f"also write DIR/{GGUF_NAME} with llama.cpp's converter")
+    ap.add_argument("--quantize", default=None, help="with --gguf: also llama-quantize it to these types (e.g. Q4_K_M,Q8_0)")
     ap.add_argument("--force", action="store_true", help="rebuild even if DIR is complete")
     ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 256, into DIR-tiny (smoke tests of the benchmark scripts only)")
     args = ap.parse_args()
@@ -138,6 +156,11 @@ def main() -> int:
         if args.force and os.path.exists(os.path.join(out, GGUF_NAME)):
             os.remove(os.path.join(out, GGUF_NAME))
         print(f"gguf: {convert_gguf(out)}")
+        for qtype in (args.quantize or "").split(","):
+            if qtype.strip():
+                if args.force and os.path.exists(os.path.join(out, f"model-{qtype.strip()}.gguf")):
+                    os.remove(os.path.join(out, f"model-{qtype.strip()}.gguf"))
+                print(f"gguf: {quantize_gguf(out, qtype.strip())}")
     return 0
 
 

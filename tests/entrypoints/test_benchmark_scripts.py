@@ -24,6 +24,7 @@ FAST = {
     "chunked_prefill_itl.py": "chunked_prefill_itl",
     "prefix_caching.py": "prefix_caching",
     "structured_output_cost.py": "structured_output_cost",
+    "gguf_quality.py": "gguf_quality",  # SmolLM2's GGUF quantized and dequantized, ~400 tokens
 }
 SLOW = {
     "compare_llamacpp.py": "compare_llamacpp",  # two processes (the script, then bench latency)
@@ -36,6 +37,7 @@ SLOW = {
     "dp_routing.py": "dp_routing",
     "pd_disagg.py": "pd_disagg",
     "vs_llama_server.py": "vs_llama_server",
+    "gguf_vs_llamacpp.py": "gguf_vs_llamacpp",  # bench latency, RSS processes, llama-bench where built
 }
 HELPERS = {"bench_procs.py"}  # imported by vs_llama_server.py, not run
 
