@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     pass  # imported where used: the CLI parser (and a server front) must not load torch
 
 
-OPS = ("matmul", "attention", "fused", "kv_int8", "step", "sampler")
+OPS = ("matmul", "attention", "fused", "kv_int8", "step", "sampler", "qmatmul")
 MATMUL_SHAPES = {  # (out, in) of qkv, o, gate_up, down; layers
     "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
     "1b": ([(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], 4),

@@ -38,6 +38,11 @@ sampler
     What ``allowed_token_ids`` and ``bad_words`` cost a step (sampling metadata + sampler over
     32 greedy rows of SmolLM2's vocabulary), and the admission cost of n copies of a
     full-vocabulary ``allowed_token_ids``.
+qmatmul
+    The matmul on quantized weights (``csrc/quant/``'s qgemm, 4-bit and 8-bit) against the bf16
+    matmul the engine uses, a model's projections (``--shapes``) at ``--rows`` (default 1, 4, 16,
+    32, 64), with the weights' GB/s and their share of the memory-read bandwidth probe
+    (:mod:`pagedserve.bench.kernel_quant`).
 
 ``--rev REV`` adds, for matmul and attention, the engine's kernel built from git revision REV's
 ``csrc/`` (A/B of a kernel change; the same bits are required where the kernel promises them):
@@ -67,6 +72,7 @@ from typing import TYPE_CHECKING
 from pagedserve.bench.kernel_attention import _decode_rows, _tables, op_attention
 from pagedserve.bench.kernel_common import BLOCK, HEAD_DIM, MATMUL_SHAPES, OPS, _case, alternate
 from pagedserve.bench.kernel_matmul import op_matmul
+from pagedserve.bench.kernel_quant import op_qmatmul
 
 if TYPE_CHECKING:
     import torch  # imported where used: the CLI parser (and a server front) must not load torch
@@ -77,8 +83,8 @@ def add_kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run (tiny sizes, 2 rounds); figures mean nothing")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per side (default 9; --tiny: 2)")
     p.add_argument("--threads", type=int, default=None, help="OpenMP / torch threads (default: torch's, one per core)")
-    p.add_argument("--rows", default=None, help="matmul: row counts (default 1,4,16,32,64,256,2048; --dtype float32: 1,32,256)")
-    p.add_argument("--shapes", choices=sorted(MATMUL_SHAPES), default="smollm2", help="matmul: whose projections")
+    p.add_argument("--rows", default=None, help="matmul, qmatmul: row counts (matmul default 1,4,16,32,64,256,2048; --dtype float32: 1,32,256)")
+    p.add_argument("--shapes", choices=sorted(MATMUL_SHAPES), default="smollm2", help="matmul, qmatmul: whose projections")
     p.add_argument("--lm-head", action="store_true", help="matmul: add SmolLM2's LM head (49152 x 576)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="matmul and attention")
     p.add_argument("--phase", choices=["decode", "prefill", "both"], default="both", help="attention")
@@ -439,7 +445,15 @@ def _command(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-_RUN = {"matmul": op_matmul, "attention": op_attention, "fused": op_fused, "kv_int8": op_kv_int8, "step": op_step, "sampler": op_sampler}
+_RUN = {
+    "matmul": op_matmul,
+    "attention": op_attention,
+    "fused": op_fused,
+    "kv_int8": op_kv_int8,
+    "step": op_step,
+    "sampler": op_sampler,
+    "qmatmul": op_qmatmul,
+}
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:

@@ -13,10 +13,12 @@ The sources in ``csrc/`` are translation units laid out by kind, one file per id
   ``avx512bf16.c``;
 - ``gemm/``: the bf16 matmuls, ``gemm.c`` (checks the CPU) over ``small_gemm.c`` (AVX512-BF16, on
   oneDNN's packed weights, 1-64 rows at a time), ``amx.c`` and ``avx2.c`` (own weight layouts);
-- ``step/decode_step.c``: a whole step's layer loop; ``probe/``: the memory-bandwidth probe.
+- ``step/decode_step.c``: a whole step's layer loop; ``probe/``: the memory-bandwidth probe;
+- ``quant/``: the matmul on quantized weights (:mod:`pagedserve.ops.quantized`'s layout) and their
+  dequantization, ``qgemm.c`` (checks, the scalar loops) over ``avx2.c`` and ``avx512.c``.
 
-They are linked into three libraries, ``paged_attention``, ``fused_ops`` and ``decode`` (the step,
-the matmuls and the fused ops again), each cached as one shared object under
+They are linked into four libraries, ``paged_attention``, ``fused_ops``, ``decode`` (the step,
+the matmuls and the fused ops again) and ``quant``, each cached as one shared object under
 ``$PAGEDSERVE_CACHE/kernels``, keyed by the sources, the compiler flags and the CPU, and linked
 from the units' objects (``kernels/obj/``, same keys; compiled in parallel). Each unit is
 compiled on its own: the portable ones (the dispatch, the scalar loops) for the baseline of the
@@ -113,6 +115,17 @@ _LIBS = {
             ("probe/stream_read.c", "portable"),
             ("probe/avx2.c", "avx2"),
             ("probe/avx512.c", "avx512"),
+        ],
+    ),
+    # The quantized-weight matmul and dequantization: the dequantized weight must be the
+    # reference's bits (a product, then a sum), so no contraction (the dot products use explicit FMA).
+    "quant": (
+        ["-ffp-contract=off"],
+        [
+            ("common/cpu.c", "portable"),
+            ("quant/qgemm.c", "portable"),
+            ("quant/avx2.c", "avx2"),
+            ("quant/avx512.c", "avx512"),
         ],
     ),
 }
@@ -284,6 +297,11 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
             fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32]
         lib.paged_attention_bf16_fast_path.restype = ctypes.c_int
         lib.paged_attention_bf16_fast_path.argtypes = [i64, i64]
+    elif name == "quant":
+        lib.qgemm.restype = ctypes.c_int
+        lib.qgemm.argtypes = [p, i32, i64, i64, i64, p, i32, i64, p, p, i64, p, i32, i64]
+        lib.qdequant.restype = ctypes.c_int
+        lib.qdequant.argtypes = [p, i32, i64, p, p, i64, i64, p, i32]
     elif name == "decode":
         lib.small_gemm_bf16.restype = ctypes.c_int
         lib.small_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, i64]
@@ -344,6 +362,12 @@ def get_fused_lib() -> Optional[ctypes.CDLL]:
 def get_decode_lib() -> Optional[ctypes.CDLL]:
     """The compiled small-M matmul and decode step, whatever ``PAGEDSERVE_SMALL_GEMM`` says."""
     return _get("decode")
+
+
+def get_quant_lib() -> Optional[ctypes.CDLL]:
+    """The compiled quantized-weight matmul and dequantization (``csrc/quant/``), or None when
+    disabled or unavailable."""
+    return _get("quant")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
