@@ -72,6 +72,8 @@ def latency_pagedserve(args: argparse.Namespace, prompts: list[list[int]], decod
             decode_rates.append((n - 1) / (t2 - t1))
     res = _result("pagedserve", args, ttfts, decode_rates)
     res["dtype"] = engine.core.info.dtype
+    res["weights_type"] = engine.core.info.weights_type
+    res["weight_bytes"] = engine.core.info.weight_bytes
     res["kv_cache_dtype"] = args.kv_cache_dtype
     del engine
     gc.collect()
@@ -185,6 +187,8 @@ def _print_bandwidth_ceiling(res: dict[str, Any], args: argparse.Namespace) -> N
     mf = model_flops(cfg)
     esize = 2 if res.get("dtype") in ("bfloat16", "float16") else 4
     weight_bytes = (mf.layer_params + mf.lm_head_params) * esize
+    if res.get("weight_bytes"):  # what the engine holds (quantized weights: their bytes)
+        weight_bytes = res["weight_bytes"]
     ceiling = bw / weight_bytes
     if getattr(args, "speculative_config", None):
         print(f"{'':13}with draft tokens several tokens share one weight read: the bandwidth ceiling does not apply")

@@ -372,7 +372,7 @@ def plain_bf16():
     decode's (float32, float16 and the PyTorch backend promise that only to rounding: README)."""
     from pagedserve import LLM
 
-    llm = LLM(dtype="bfloat16", max_model_len=2048, num_threads=1, num_kv_blocks=200)
+    llm = LLM(dtype="bfloat16", quantization="none", max_model_len=2048, num_threads=1, num_kv_blocks=200)
     yield llm
     del llm
 
@@ -383,7 +383,7 @@ def test_engine_greedy_output_unchanged(plain_bf16):
 
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     base = [o.outputs[0].token_ids for o in plain_bf16.generate(COPY_PROMPTS, greedy, use_tqdm=False)]
-    llm = LLM(dtype="bfloat16", max_model_len=256, num_threads=1, num_kv_blocks=24, speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    llm = LLM(dtype="bfloat16", quantization="none", max_model_len=256, num_threads=1, num_kv_blocks=24, speculative_config=dict(NGRAM, num_speculative_tokens=4))
     try:
         mixed = [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=64, ignore_eos=True), SamplingParams(temperature=0, max_tokens=64, logprobs=2, ignore_eos=True),
                  SamplingParams(temperature=0, max_tokens=64, repetition_penalty=1.3)]
@@ -430,7 +430,7 @@ def _with_and_without_drafts(plain_bf16, prompts, params):
     from pagedserve import LLM
 
     ref = plain_bf16.generate(prompts, params, use_tqdm=False)
-    llm = LLM(dtype="bfloat16", max_model_len=256, num_threads=1, num_kv_blocks=64, speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    llm = LLM(dtype="bfloat16", quantization="none", max_model_len=256, num_threads=1, num_kv_blocks=64, speculative_config=dict(NGRAM, num_speculative_tokens=4))
     try:
         got = llm.generate(prompts, params, use_tqdm=False)
         drafted = {e["request_id"] for rec in llm.get_step_trace() for e in rec["scheduled"] if e.get("num_draft_tokens")}

@@ -312,7 +312,7 @@ def test_smollm2_bf16_matches_hf_bf16(hf_smollm2):
     from pagedserve.model.loader import DEFAULT_MODEL_FILE
 
     hf = AutoModelForCausalLM.from_pretrained(hf_smollm2.name_or_path, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.bfloat16).eval()
-    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=512)
     reports = compare_with_hf(llm, hf, PROMPTS, max_new_tokens=16, num_hf_generate=0, logit_tol=BF16_LOGIT_TOL)
     print(reports)
 

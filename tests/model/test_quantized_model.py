@@ -96,14 +96,49 @@ def test_quantized_matches_dequantized_in_memory(quant_llm):
     del ref
 
 
-def test_quantized_rows_do_not_depend_on_the_batch(quant_llm):
-    """Each prompt alone, then all together, then with a small token budget (chunked prefill):
-    identical tokens and logprobs, bit for bit."""
-    together = _greedy(quant_llm, PROMPTS)
-    alone = [_greedy(quant_llm, p)[0] for p in PROMPTS]
+def test_quantized_rows_do_not_depend_on_the_batch(monkeypatch):
+    """Every product on qgemm (each output a float32 sum in input order, whatever the rows
+    around it; the default): each prompt alone, all together, and with a small token budget
+    (chunked prefill) give identical tokens and logprobs, bit for bit. bf16, where the attention
+    kernel also reads every K/V from the cache whatever the chunking (float32 prefill attention
+    is PyTorch's SDPA, equal only to rounding)."""
+    from pagedserve.ops.cpu import kernels as cpu_kernels
+
+    if not cpu_kernels.prefill_kernel_preferred(torch.bfloat16, 9, 3, 64):
+        pytest.skip("no vectorised bf16 attention kernel here: chunked prefill is equal only to rounding")
+    monkeypatch.setenv("PAGEDSERVE_QGEMM_MAX_ROWS", "all")
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=512, num_threads=2)
+    together = _greedy(llm, PROMPTS)
+    alone = [_greedy(llm, p)[0] for p in PROMPTS]
     assert together == alone
-    chunked = LLM(dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=512, max_num_batched_tokens=16, num_threads=2)
+    del llm
+    chunked = LLM(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=512, max_num_batched_tokens=16, num_threads=2)
     assert _greedy(chunked, PROMPTS) == together
+
+
+def test_quantized_decode_with_drafts_and_preemption_matches_plain_decode(monkeypatch):
+    """n-gram drafts (k + 1 rows verified in one step) and a pool small enough to preempt (the
+    recompute is a prefill): greedy tokens and logprobs equal plain decoding's, bit for bit (bf16:
+    see the test above)."""
+    from pagedserve.ops.cpu import kernels as cpu_kernels
+
+    if not cpu_kernels.prefill_kernel_preferred(torch.bfloat16, 9, 3, 64):
+        pytest.skip("no vectorised bf16 attention kernel here: recompute is equal only to rounding")
+    prompts = ["one two three four five one two three four five one two three four", "a b c d a b c d a b c d a b"]
+    monkeypatch.setenv("PAGEDSERVE_QGEMM_MAX_ROWS", "all")
+    plain = LLM(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=512, num_threads=2)
+    want = _greedy(plain, prompts, n=40)
+    del plain
+    spec = LLM(
+        dtype="bfloat16",
+        num_kv_blocks=7,
+        max_model_len=112,
+        num_threads=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    )
+    assert _greedy(spec, prompts, n=40) == want
+    stats = spec.llm_engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
 
 
 def test_online_int8_of_a_float_checkpoint(tiny_model_factory):

@@ -81,11 +81,11 @@ def test_smollm2_bf16_on_avx2_alone_equals_batched_and_chunked():
         pytest.skip("the AVX2 matmul is not used on this CPU")
     prompts = ["The capital of France is", "Write a poem about the sea:" * 6, "def fibonacci(n):" * 9, "Once upon a time"]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512, enable_prefix_caching=False)
+    llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=512, enable_prefix_caching=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
     del llm
-    small = LLM(dtype="bfloat16", num_kv_blocks=16, max_model_len=256, max_num_batched_tokens=48, enable_prefix_caching=False)
+    small = LLM(dtype="bfloat16", quantization="none", num_kv_blocks=16, max_model_len=256, max_num_batched_tokens=48, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)] == alone
     assert small.llm_engine.get_stats().num_preemptions > 0
     assert_engine_idle(small)

@@ -221,7 +221,7 @@ def test_smollm2_bf16_alone_matches_batched(small_gemm, monkeypatch):
     (K = 1536), and 3 of these 5 prompts decoded differently alone than together. Both the
     small-M path and the oneDNN path (``PAGEDSERVE_SMALL_GEMM=0``) are now invariant."""
     monkeypatch.setenv("PAGEDSERVE_SMALL_GEMM", small_gemm)
-    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=512)
     prompts = ["The capital of France is", "Write a poem about the sea:", "def fibonacci(n):", "Once upon a time", "List three colors:"]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -286,11 +286,11 @@ def test_smollm2_bf16_chunking_and_preemption_do_not_change_output():
         pytest.skip("no AMX here: bf16 invariance under chunking is only claimed for the AMX kernels")
     prompts = ["The capital of France is", "Write a poem about the sea:" * 6, "def fibonacci(n):" * 9, "Once upon a time", "List three colors:" * 12]
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    ref_llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512, enable_prefix_caching=False)
+    ref_llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=512, enable_prefix_caching=False)
     alone = [ref_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     del ref_llm
     # (With PAGEDSERVE_AMX=0, oneDNN's kernels, the first prompt's answer differed here.)
-    llm = LLM(dtype="bfloat16", num_kv_blocks=20, max_model_len=320, max_num_batched_tokens=48, enable_prefix_caching=False)
+    llm = LLM(dtype="bfloat16", quantization="none", num_kv_blocks=20, max_model_len=320, max_num_batched_tokens=48, enable_prefix_caching=False)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert llm.llm_engine.get_stats().num_preemptions > 0

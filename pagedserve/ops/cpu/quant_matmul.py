@@ -23,6 +23,7 @@ them.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional
 
@@ -124,6 +125,23 @@ def _check(x: torch.Tensor, w: QuantizedWeight, bias: Optional[torch.Tensor]) ->
         )
 
 
+def _max_rows() -> Optional[int]:
+    """``PAGEDSERVE_QGEMM_MAX_ROWS`` (an integer, or ``all`` for None) where set, else
+    :data:`QGEMM_MAX_ROWS`. Read per call (tests and benchmarks switch it at run time).
+
+    Raises:
+        ValueError: a value that is neither ``all`` nor an integer >= 0.
+    """
+    env = os.environ.get("PAGEDSERVE_QGEMM_MAX_ROWS")
+    if env is None or env == "":
+        return QGEMM_MAX_ROWS
+    if env == "all":
+        return None
+    if not env.isdigit():
+        raise ValueError(f"PAGEDSERVE_QGEMM_MAX_ROWS must be 'all' or an integer >= 0, got {env!r}")
+    return int(env)
+
+
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)``: ``[M, N]`` in x's dtype (float32 or bfloat16).
 
@@ -138,9 +156,10 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: Optional[torch.Tenso
     """
     _check(x, w, bias)
     lib = get_quant_lib()
+    max_rows = _max_rows()
     if lib is None:
         return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
-    if QGEMM_MAX_ROWS is not None and x.shape[0] > QGEMM_MAX_ROWS:
+    if max_rows is not None and x.shape[0] > max_rows:
         return F.linear(x, _scratch_weight(w, x.dtype), None if bias is None else bias.to(x.dtype))
     if bias is None:
         return qgemm(x, w)
