@@ -81,29 +81,31 @@ convert() {
 }
 
 smollm2() {
-  # pagedserve's default model is a GGUF; resolve_model dequantizes it to an HF dir. The
-  # converter needs "architectures" in config.json, so convert a copy with it added.
+  # pagedserve's default model is a Q4_1 GGUF, served quantized; its cached folder holds only the
+  # config and tokenizer. The converter needs float weights and "architectures" in config.json:
+  # write the file's tensors dequantized (float32 safetensors, HF names) beside a copy of those.
   local out=${1:-$CACHE/smollm2-bf16.gguf}
   if [[ -f $out ]]; then echo "exists: $out"; return 0; fi
   local hf=$CACHE/smollm2-hf
   (cd "$ROOT" && "$PYTHON" - "$hf" <<'PY'
 import json, os, shutil, sys
+from safetensors.torch import save_file
 from pagedserve.model import loader
 src, dst = loader.resolve_model(None), sys.argv[1]
 os.makedirs(dst, exist_ok=True)
 for name in os.listdir(src):
-    if name == "config.json" or name.startswith("."):
+    if name in ("config.json", "source.json") or name.startswith("."):
         continue
-    link = os.path.join(dst, name)
-    if os.path.lexists(link):
-        os.remove(link)
-    os.symlink(os.path.join(src, name), link)  # the weights are not copied
+    shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 with open(os.path.join(src, "config.json")) as fh:
     cfg = json.load(fh)
 cfg["architectures"] = ["LlamaForCausalLM"]
 with open(os.path.join(dst, "config.json"), "w") as fh:
     json.dump(cfg, fh, indent=2)
-print(f"HF dir for the converter: {dst} (links to {src})")
+hf_config = loader.load_config(src)
+tensors = {name: t.contiguous() for name, t in loader.iterate_weights(src, hf_config, quantized=False)}
+save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+print(f"HF dir for the converter: {dst} (float32 weights of {loader.gguf_source(src)})")
 PY
   )
   convert "$hf" "$out"
