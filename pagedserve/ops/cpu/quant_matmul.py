@@ -14,7 +14,7 @@ kernels of ``csrc/quant/``:
 Measured (``pagedserve bench kernels --op qmatmul``: SmolLM2-135M's 120 projections, bf16 x, 2
 threads, a 2-core Intel Xeon with AMX, memory-read probe 32.5 GB/s): at M = 1, 4-bit qgemm 4.6 ms
 (17.2 GB/s of quantized weights, 53% of the probe), 8-bit 6.2 ms (19.2 GB/s), the engine's bf16
-AMX matmul 9.9 ms; at 16 rows qgemm 24 ms against 26 ms for dequantize + ``F.linear``.
+AMX matmul 9.9 ms; from 24 rows on dequantize + ``F.linear`` is faster (:data:`QGEMM_CROSSOVER_ROWS`).
 
 Without the kernels (``PAGEDSERVE_CPU_KERNELS=0``, no C compiler) both use the reference
 ``QuantizedWeight.dequantize`` and ``F.linear``. The tensors are checked here; the C code trusts
@@ -40,14 +40,13 @@ from pagedserve.ops.quantized import QuantizedWeight
 # up for prefill speed on an AMX CPU may set it to QGEMM_CROSSOVER_ROWS.
 QGEMM_MAX_ROWS: Optional[int] = None
 # Where dequantize + F.linear starts to beat qgemm (`pagedserve bench kernels --op qmatmul --rows
-# 1,4,8,12,16,20,24,32,64`, SmolLM2's 120 projections, bf16 x, 2 threads, a 2-core Intel Xeon
-# with AMX: qgemm's AVX-512 unit against oneDNN's AMX bf16 kernel). With qgemm's register tiles
-# alone, 4-bit: 20.1 / 26.3 / 31.6 ms against 26.3 / 26.3 / 27.5 ms at 12 / 16 / 20 rows (8-bit:
-# 24.7 against 26.3 ms at 16, 32.7 against 27.5 at 20): 16 rows. qgemm's dequantized panels (12
-# rows on) are 1.1x faster at 16 rows and 1.5x at 64 than those tiles (one thread), which moves the
-# crossover up; not re-measured on a quiet host. Not measured on CPUs without AMX either, where
-# F.linear in bf16 is slower.
-QGEMM_CROSSOVER_ROWS = 16
+# 1,4,8,12,16,24,32,64`, SmolLM2's 120 projections, bf16 x, 2 threads, a 2-core Intel Xeon with
+# AMX: qgemm's AVX-512 unit against oneDNN's AMX bf16 kernel), 4-bit weights: qgemm 25.0 / 33.1 /
+# 41.0 / 72.9 ms against 29.8 / 32.6 / 33.9 / 38.8 ms at 16 / 24 / 32 / 64 rows (8-bit qgemm about
+# 5% slower): 24 rows. (qgemm's register tiles alone, before its dequantized panels for 12+ rows,
+# crossed at 16: 26.3 against 26.3 ms.) A shared host, figures indicative; not measured on CPUs
+# without AMX, where F.linear in bf16 is slower.
+QGEMM_CROSSOVER_ROWS = 24
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # The per-thread buffer the dense weight is dequantized into above QGEMM_MAX_ROWS, reused: a fresh
