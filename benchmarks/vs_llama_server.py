@@ -84,12 +84,20 @@ def _env() -> dict:
 
 
 # -- the two servers -------------------------------------------------------------------------
+def _quant_args(args: argparse.Namespace, model: Optional[str]) -> list[str]:
+    """pagedserve's --quantization: as --quantization says; by default "none" for the default
+    model (its Q4_1 file dequantized, the weights of llama-server's BF16 conversion), else the
+    checkpoint's own (a quantized GGUF given to both engines runs quantized on both)."""
+    q = args.quantization if args.quantization is not None else ("none" if model is None else None)
+    return ["--quantization", q] if q else []
+
+
 def pagedserve_server(args: argparse.Namespace, model: Optional[str], log_dir: str) -> Server:
     port = free_port()
     cmd = CLI + ["serve"] + ([model] if model else []) + [
         "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--num-threads", str(args.threads),
         "--max-num-seqs", str(max(64, args.concurrency)), "--uvicorn-log-level", "warning",
-    ] + (["--kv-cache-memory", "32000000"] if args.tiny else []) + shlex.split(args.pagedserve_args)
+    ] + (["--kv-cache-memory", "32000000"] if args.tiny else []) + _quant_args(args, model) + shlex.split(args.pagedserve_args)
     return Server("pagedserve", cmd, port, log_dir, env=_env(), cwd=ROOT)
 
 
@@ -173,7 +181,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
             cmd = CLI + ["bench", "throughput", "--backend", "pagedserve", "--dtype", args.dtype, "--num-threads", str(args.threads),
                          "--num-prompts", str(args.num_prompts), "--min-input-len", str(args.min_input_len),
                          "--max-input-len", str(args.max_input_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
-            cmd += (["--model", model] if model else [])
+            cmd += (["--model", model] if model else []) + _quant_args(args, model)
             cmd += (["--kv-cache-memory", "32000000", "--peak-measure-seconds", "0.2"] if args.tiny else [])
             off = _run_json(cmd, os.path.join(log_dir, f"offline-{i + 1}.json"), os.path.join(log_dir, f"offline-{i + 1}.log"))
             if off["total_prompt_tokens"] != sum(q.prompt_len for q in w1):
@@ -196,7 +204,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
             peak = peak_flops_for(cfg, resolve_dtype(args.dtype, torch.device("cpu")), "cpu", 1.0)
             if not args.no_batch1 and with_llama:
                 cmd = CLI + ["bench", "latency", "--dtype", args.dtype, "--num-threads", str(args.threads), "--input-len", str(args.batch1_input_len),
-                             "--output-len", str(args.output_len), "--num-iters", str(args.iters)] + (["--model", model] if model else [])
+                             "--output-len", str(args.output_len), "--num-iters", str(args.iters)] + (["--model", model] if model else []) + _quant_args(args, model)
                 lat = _run_json(cmd, os.path.join(log_dir, f"latency-{i + 1}.json"), os.path.join(log_dir, f"latency-{i + 1}.log"))
                 r["pagedserve_batch1"] = lat["results"][0]
                 r["llama_bench"] = llama_bench(args, gguf)
@@ -272,6 +280,8 @@ def main() -> int:
     ap.add_argument("--llama-bin", default=os.path.join(LLAMACPP_CACHE, "bin"), help="folder of llama-server and llama-bench (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="threads of each engine (default: 2)")
+    ap.add_argument("--quantization", default=None, choices=["none", "int8"],
+                    help="pagedserve's --quantization (default: none for the default model, whose BF16 conversion llama-server runs; else the checkpoint's own)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
                     help="pagedserve's --dtype (default: bfloat16; float32 on a CPU without bf16 compute, where the GGUF stays BF16)")
     ap.add_argument("--num-prompts", type=int, default=32, help="W1's size (the requests are built as for this many)")

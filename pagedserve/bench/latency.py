@@ -187,8 +187,8 @@ def _print_bandwidth_ceiling(res: dict[str, Any], args: argparse.Namespace) -> N
     mf = model_flops(cfg)
     esize = 2 if res.get("dtype") in ("bfloat16", "float16") else 4
     weight_bytes = (mf.layer_params + mf.lm_head_params) * esize
-    if res.get("weight_bytes"):  # what the engine holds (quantized weights: their bytes)
-        weight_bytes = res["weight_bytes"]
+    if res.get("weight_bytes") and res.get("weights_type") not in ("", "float32", "bfloat16", "float16"):
+        weight_bytes = res["weight_bytes"]  # quantized: the bytes the engine holds
     ceiling = bw / weight_bytes
     if getattr(args, "speculative_config", None):
         print(f"{'':13}with draft tokens several tokens share one weight read: the bandwidth ceiling does not apply")

@@ -541,7 +541,7 @@ def test_server_with_drafts_streams_the_same_text(plain_bf16):
     stop = " Monday, Wednesday"  # a slip the greedy text makes once, mid-way
     assert ref.count(stop) == 1
     cut = ref[: ref.index(stop)]
-    config = EngineConfig(dtype="bfloat16", num_kv_blocks=160, max_model_len=2048, num_threads=1,
+    config = EngineConfig(dtype="bfloat16", quantization="none", num_kv_blocks=160, max_model_len=2048, num_threads=1,
                           speculative_config=dict(NGRAM, num_speculative_tokens=4))
     llm = AsyncLLM(config, engine_process=True)
     try:

@@ -201,7 +201,7 @@ def test_smollm2_int8_cache_stays_close_to_bf16_on_real_text(smollm2_dir):
     prompts = [ids[i * 997: i * 997 + 200] for i in range(8)]
     outs = {}
     for kvd in ("auto", "int8"):
-        llm = LLM(dtype="bfloat16", kv_cache_dtype=kvd, num_threads=2, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+        llm = LLM(dtype="bfloat16", quantization="none", kv_cache_dtype=kvd, num_threads=2, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
         outs[kvd] = _greedy(llm, prompts, 64)
         del llm
     common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 64) for x, y in zip(outs["auto"], outs["int8"])]
