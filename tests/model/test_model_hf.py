@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from conftest import assert_engine_idle
+from logits_utils import capture_logits
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
 
@@ -108,28 +109,6 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
                 break
             o = hf(torch.tensor([[t]]), use_cache=True, **{cache_kw: o.past_key_values})
     return out
-
-
-class capture_logits:
-    """Record the logits rows our model computes (the rows the sampler sees) while active."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.model = llm.llm_engine.core.worker.model_runner.model
-        self.rows: list[torch.Tensor] = []
-
-    def __enter__(self) -> "capture_logits":
-        orig = type(self.model).compute_logits
-
-        def wrapped(hidden):
-            logits = orig(self.model, hidden)
-            self.rows.append(logits.detach().float().clone())
-            return logits
-
-        self.model.compute_logits = wrapped
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.model.compute_logits
 
 
 def compare_with_hf(

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from logits_utils import capture_logits
 from pagedserve import LLM, SamplingParams
 from pagedserve.model import loader
 from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
@@ -26,28 +27,6 @@ def _model(llm: LLM):
 
 def _worker(llm: LLM):
     return llm.llm_engine.core.worker
-
-
-class _Logits:
-    """Record the logits rows the sampler sees while active."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.model = _model(llm)
-        self.rows: list[torch.Tensor] = []
-
-    def __enter__(self) -> "_Logits":
-        orig = type(self.model).compute_logits
-
-        def wrapped(hidden):
-            logits = orig(self.model, hidden)
-            self.rows.append(logits.detach().float().clone())
-            return logits
-
-        self.model.compute_logits = wrapped
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.model.compute_logits
 
 
 def _greedy(llm: LLM, prompts, n: int = 12):
@@ -84,9 +63,9 @@ def test_quantized_matches_dequantized_in_memory(quant_llm):
     products (the same float32 weights), so logits agree to rounding and greedy tokens match."""
     ref = LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=32 << 20, max_model_len=512, num_threads=2)
     assert _worker(ref).weights.kind == "float32" and not isinstance(_model(ref).embed_tokens, QuantEmbedding)
-    with _Logits(quant_llm) as a:
+    with capture_logits(quant_llm) as a:
         got = _greedy(quant_llm, PROMPTS[0])
-    with _Logits(ref) as b:
+    with capture_logits(ref) as b:
         want = _greedy(ref, PROMPTS[0])
     assert got[0][0] == want[0][0]
     diff = max((x - y).abs().max().item() for x, y in zip(a.rows, b.rows))
@@ -148,9 +127,9 @@ def test_online_int8_of_a_float_checkpoint(tiny_model_factory):
     assert _worker(q).weights.kind == "int8" and _worker(ref).weights.kind == "float32"
     layer = _model(q).layers[0]
     assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.qweight.group == layer.mlp.down_proj.in_features
-    with _Logits(ref) as a:
+    with capture_logits(ref) as a:
         _greedy(ref, PROMPTS[1], n=4)
-    with _Logits(q) as b:
+    with capture_logits(q) as b:
         _greedy(q, PROMPTS[1], n=4)
     # Random weights: per-channel int8 moves the logits a little, never grossly.
     rel = (a.rows[0] - b.rows[0]).norm() / a.rows[0].norm()
@@ -172,9 +151,9 @@ def test_tiny_quantized_gguf_equals_dequantized_and_shards_under_tensor_parallel
     assert _worker(one).weights.kind == qtype
     ref = LLM(path, num_threads=2, quantization="none", **kw)
     prompt = "the the in er"
-    with _Logits(one) as a:
+    with capture_logits(one) as a:
         want = _greedy(one, prompt, n=8)
-    with _Logits(ref) as b:
+    with capture_logits(ref) as b:
         _greedy(ref, prompt, n=8)
     assert (a.rows[0] - b.rows[0]).abs().max().item() < 1e-3
     del ref

@@ -63,6 +63,12 @@ def _weight_args(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, Option
     return w.qdata.contiguous(), w.scales.contiguous(), mins
 
 
+def _weight_pointers(w: QuantizedWeight, tensors: tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]) -> tuple:
+    """``(qdata, bits, group, scales, mins)`` as the C functions take them (mins: NULL when None)."""
+    q, scales, mins = tensors
+    return q.data_ptr(), w.bits, w.group, scales.data_ptr(), None if mins is None else mins.data_ptr()
+
+
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The dense ``[N, K]`` weight in ``dtype``, bit for bit :meth:`QuantizedWeight.dequantize`
     (``qdequant`` for float32 and bfloat16 when the kernels are available)."""
@@ -76,18 +82,8 @@ def _dequantize_into(w: QuantizedWeight, dtype: torch.dtype, out: Optional[torch
     n, k = w.shape
     if out is None:
         out = torch.empty(n, k, dtype=dtype)
-    q, scales, mins = _weight_args(w)
-    rc = lib.qdequant(
-        q.data_ptr(),
-        w.bits,
-        w.group,
-        scales.data_ptr(),
-        None if mins is None else mins.data_ptr(),
-        n,
-        k,
-        out.data_ptr(),
-        int(dtype == torch.bfloat16),
-    )
+    tensors = _weight_args(w)  # kept alive through the call
+    rc = lib.qdequant(*_weight_pointers(w, tensors), n, k, out.data_ptr(), int(dtype == torch.bfloat16))
     if rc != 0:
         raise RuntimeError(f"qdequant failed ({rc}) for a {w.qtype} weight {tuple(w.shape)}")
     return out
@@ -191,22 +187,9 @@ def qgemm(x: torch.Tensor, w: QuantizedWeight, out_dtype: Optional[torch.dtype] 
     if x.stride(1) != 1 or (m > 1 and x.stride(0) < k):
         x = x.contiguous()
     ldx = x.stride(0) if m > 1 else k  # rows ldx apart (a row of a wider tensor, or a column slice)
-    q, scales, mins = _weight_args(w)
+    tensors = _weight_args(w)  # kept alive through the call
     rc = lib.qgemm(
-        x.data_ptr(),
-        int(x.dtype == torch.bfloat16),
-        m,
-        k,
-        ldx,
-        q.data_ptr(),
-        w.bits,
-        w.group,
-        scales.data_ptr(),
-        None if mins is None else mins.data_ptr(),
-        n,
-        out.data_ptr(),
-        int(out_dtype == torch.bfloat16),
-        n,
+        x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, ldx, *_weight_pointers(w, tensors), n, out.data_ptr(), int(out_dtype == torch.bfloat16), n
     )
     if rc != 0:
         raise RuntimeError(f"qgemm failed ({rc}) for x {tuple(x.shape)} and a {w.qtype} weight {tuple(w.shape)}")
