@@ -193,7 +193,8 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int], *, where: str = 
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
         blocks = np.ascontiguousarray(rows[r0:r1]).reshape(-1, type_size)
-        q, s, m = decode(blocks)
+        with np.errstate(invalid="ignore", over="ignore"):  # a file's inf/NaN scales stay as gguf reads them
+            q, s, m = decode(blocks)
         nb = blocks.shape[0]  # the output rows are contiguous: these reshapes are views
         qdata[r0:r1].reshape(nb, -1)[...] = q
         scales[r0:r1].reshape(nb, -1)[...] = s
