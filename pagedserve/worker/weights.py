@@ -33,9 +33,15 @@ def quantize_int8(model: LlamaForCausalLM) -> int:
         ValueError: a projection whose input width is not a multiple of 16.
     """
     count = 0
-    for module in list(model.layers.modules()):
+    for path, module in list(model.layers.named_modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
+                if child.in_features % 16:
+                    where = ".".join(p for p in ("layers", path, name) if p)
+                    raise ValueError(
+                        f"--quantization int8: {where} has {child.in_features} inputs, not a multiple of 16 (the int8 kernels' step); "
+                        "serve this model unquantized"
+                    )
                 q = QuantLinear(child.in_features, child.out_features, child.bias)
                 q.set_weight(quantize_int8_per_channel(child.weight.data))
                 setattr(module, name, q)

@@ -28,6 +28,7 @@ from pagedserve.model.layers import RotaryEmbedding
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.packed_linear import packing_available
 from pagedserve.model.quant_linear import QuantEmbedding, quantize_modules
+from pagedserve.ops.cpu import quant_matmul
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 from pagedserve.worker.weights import WeightsInfo, dequantize_unlisted, describe_weights, quantize_int8
 
@@ -197,6 +198,8 @@ class Worker:
         # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
         model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
         self.weights: WeightsInfo = describe_weights(model)
+        if self.weights.kinds:
+            quant_matmul.check_settings()
         logger.info("pagedserve worker: weights %s", self.weights)
         if packing_available(self.device, self.dtype):
             model.pack_for_cpu()

@@ -166,6 +166,32 @@ def test_tiny_quantized_gguf_equals_dequantized_and_shards_under_tensor_parallel
         del tp
 
 
+def test_float16_activations_bad_settings_and_int8_limits(tmp_path, monkeypatch, tiny_model_factory):
+    """float16 activations on quantized weights are computed in float32 (equal to float32's
+    logits to float16 rounding); a malformed PAGEDSERVE_QGEMM_MAX_ROWS and an int8 layer whose
+    inputs are not a multiple of 16 are refused at start-up, naming what is wrong."""
+    from gguf_utils import write_tiny_gguf
+
+    path = write_tiny_gguf(str(tmp_path / "tiny-q8.gguf"), hidden=64, inter=128, layers=2, heads=4, kv_heads=2, qtype="Q8_0")
+    kw = dict(num_kv_blocks=32, max_model_len=128, num_threads=2)
+    half = LLM(path, dtype="float16", **kw)
+    with capture_logits(half) as a:
+        _greedy(half, "the in", n=2)
+    del half
+    full = LLM(path, dtype="float32", **kw)
+    with capture_logits(full) as b:
+        _greedy(full, "the in", n=2)
+    del full
+    assert (a.rows[0] - b.rows[0]).abs().max().item() < 0.05
+    monkeypatch.setenv("PAGEDSERVE_QGEMM_MAX_ROWS", "abc")
+    with pytest.raises(ValueError, match="PAGEDSERVE_QGEMM_MAX_ROWS must be 'all' or an integer"):
+        LLM(path, **kw)
+    monkeypatch.delenv("PAGEDSERVE_QGEMM_MAX_ROWS")
+    odd = tiny_model_factory("llama", intermediate_size=100)
+    with pytest.raises(ValueError, match=r"--quantization int8: layers\.0\.mlp\.down_proj has 100 inputs, not a multiple of 16"):
+        LLM(odd, quantization="int8", **kw)
+
+
 def test_quantization_values_are_checked():
     from pagedserve.config import EngineConfig
 

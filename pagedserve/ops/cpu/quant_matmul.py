@@ -120,6 +120,16 @@ def _check(x: torch.Tensor, w: QuantizedWeight, bias: Optional[torch.Tensor]) ->
         )
 
 
+def check_settings() -> None:
+    """Check the environment's settings of these kernels once, at start-up (the engine calls it
+    when it loads quantized weights), rather than at the first request.
+
+    Raises:
+        ValueError: a malformed ``PAGEDSERVE_QGEMM_MAX_ROWS``.
+    """
+    _max_rows()
+
+
 def _max_rows() -> Optional[int]:
     """``PAGEDSERVE_QGEMM_MAX_ROWS`` (an integer, or ``all`` for None) where set, else
     :data:`QGEMM_MAX_ROWS`. Read per call (tests and benchmarks switch it at run time).
@@ -138,7 +148,8 @@ def _max_rows() -> Optional[int]:
 
 
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x [M, K] @ W.T (+ bias)``: ``[M, N]`` in x's dtype (float32 or bfloat16).
+    """``x [M, K] @ W.T (+ bias)``: ``[M, N]`` in x's dtype (float32 or bfloat16; float16 is
+    computed in float32 and rounded back).
 
     ``qgemm`` (each output a float32 sum of ``x * W``, plus the bias in float32, rounded once to
     x's dtype; a row's bits independent of M); above :data:`QGEMM_MAX_ROWS` rows when it is set,
@@ -149,6 +160,8 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: Optional[torch.Tenso
         ValueError: x not a 2-D float32/bfloat16 CPU tensor with the weight's K inputs, or a bias
             not of shape ``(N,)``.
     """
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float16:  # float16 activations: computed in float32
+        return quant_matmul(x.float(), w, bias).to(torch.float16)
     _check(x, w, bias)
     lib = get_quant_lib()
     max_rows = _max_rows()
