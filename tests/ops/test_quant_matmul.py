@@ -194,7 +194,9 @@ def test_quant_matmul_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="2-D"):
         qm.quant_matmul(torch.randn(64), w)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        qm.quant_matmul(torch.randn(2, 64).half(), w)
+        qm.quant_matmul(torch.randn(2, 64).double(), w)
+    x16 = torch.randn(2, 64).half()  # float16 is computed in float32 and rounded back
+    assert torch.equal(qm.quant_matmul(x16, w), qm.quant_matmul(x16.float(), w).half())
     with pytest.raises(ValueError, match="bias"):
         qm.quant_matmul(torch.randn(2, 64), w, torch.randn(8))
     with pytest.raises(ValueError, match="QuantizedWeight"):
