@@ -170,9 +170,9 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: Optional[torch.Tenso
     if max_rows is not None and x.shape[0] > max_rows:
         return F.linear(x, _scratch_weight(w, x.dtype), None if bias is None else bias.to(x.dtype))
     if bias is None:
-        return qgemm(x, w)
+        return _qgemm(lib, x, w, x.dtype)
     # with a bias the sum stays float32 until the bias is added: one rounding to bf16, as F.linear
-    out = qgemm(x, w, torch.float32)
+    out = _qgemm(lib, x, w, torch.float32)
     out += bias.to(torch.float32)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -192,6 +192,11 @@ def qgemm(x: torch.Tensor, w: QuantizedWeight, out_dtype: Optional[torch.dtype] 
     lib = get_quant_lib()
     if lib is None:
         raise RuntimeError("the quantized-weight kernels are not available (PAGEDSERVE_CPU_KERNELS=0 or no C compiler)")
+    return _qgemm(lib, x, w, out_dtype)
+
+
+def _qgemm(lib, x: torch.Tensor, w: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`qgemm` on arguments already checked."""
     m, k = x.shape
     n = w.out_features
     out = torch.empty(m, n, dtype=out_dtype)
