@@ -21,6 +21,9 @@ _LAZY = {
     "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
+    "EmbeddingRequestOutput": "pagedserve.outputs",
+    "EmbeddingOutput": "pagedserve.outputs",
+    "PoolingParams": "pagedserve.pooler_config",
 }
 __all__ = [*_LAZY, "__version__"]
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
 from pagedserve.kv_transfer_config import KVTransferConfig
+from pagedserve.pooler_config import RUNNERS, PoolerConfig, parse_pooler_config, pooler_config_dict
 from pagedserve.spec_decode_config import SpeculativeConfig
 
 DEFAULT_TOKEN_BUDGET = 2048
@@ -87,6 +88,14 @@ class EngineConfig:
             with one float32 scale per token and KV head (symmetric, max |x| / 127), dequantized
             inside attention; about 1.9x the blocks in the same memory for head_dim 64. vLLM's
             fp8 choices are refused (no fp8 arithmetic on these CPUs).
+        runner: "generate" (text generation; "auto" means it too) or "pooling" (vLLM's
+            ``--runner pooling``: the model turns prompts into embeddings, ``LLM.embed`` and
+            ``/v1/embeddings``; generation requests are refused). See :mod:`pagedserve.pooler_config`.
+        pooler_config: with ``runner="pooling"``, ``{"pooling_type": "LAST"|"MEAN"|"CLS",
+            "normalize": bool}`` (a dict or JSON text); unset keys come from the checkpoint's
+            sentence-transformers files, else LAST and normalize. Resolved at start-up into a
+            dict with every key filled in. Prefix caching stays on only with LAST pooling (MEAN
+            and CLS need every prompt position computed).
         block_size: tokens per KV cache block.
         max_model_len: longest sequence (prompt + output, tokens); None = the model's
             max_position_embeddings, lowered to what the KV cache can hold.
@@ -176,6 +185,15 @@ class EngineConfig:
         default="auto",
         metadata=_flag(
             "KV cache storage: auto (the model's dtype) or int8 (per-token, per-head scales; about half the bytes)", choices=["auto", "int8"]
+        ),
+    )
+    runner: str = field(
+        default="auto", metadata=_flag("generate (text) or pooling (embeddings: /v1/embeddings, LLM.embed); auto = generate", choices=list(RUNNERS))
+    )
+    pooler_config: Optional[dict] = field(
+        default=None,
+        metadata=_flag(
+            'with --runner pooling, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true|false} (default: the checkpoint\'s sentence-transformers config, else LAST, normalized)'
         ),
     )
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
@@ -325,6 +343,18 @@ class EngineConfig:
             self.speculative_config = dataclasses.asdict(dataclass_from_value(SpeculativeConfig, self.speculative_config, "speculative_config"))
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config together with tensor_parallel_size > 1 is not supported")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.runner == "auto":
+            self.runner = "generate"
+        if self.pooler_config is not None:
+            if self.runner != "pooling":
+                raise ValueError("pooler_config is only used with runner='pooling' (--runner pooling)")
+            self.pooler_config = pooler_config_dict(parse_pooler_config(self.pooler_config))
+        if self.runner == "pooling":
+            for name, what in (("speculative_config", "speculative decoding"), ("kv_transfer_config", "prefill/decode disaggregation")):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"runner='pooling' produces no tokens, so {name} ({what}) does not apply")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -362,6 +392,13 @@ class EngineConfig:
     def kv_transfer(self) -> Optional[KVTransferConfig]:
         """The parsed ``kv_transfer_config`` (None without disaggregation)."""
         return KVTransferConfig(**self.kv_transfer_config) if self.kv_transfer_config is not None else None
+
+    @property
+    def pooler(self) -> Optional[PoolerConfig]:
+        """The parsed ``pooler_config`` (None unless ``runner="pooling"``)."""
+        if self.runner != "pooling":
+            return None
+        return parse_pooler_config(self.pooler_config)
 
     @property
     def speculative(self) -> Optional[SpeculativeConfig]:

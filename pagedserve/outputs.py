@@ -66,6 +66,9 @@ class RequestOutput:
             a DELTA request and in every output otherwise, once the first token is out.
         kv_transfer_params: a prefill instance's ``do_remote_decode`` request, finished: where
             a decode instance reads its KV (see ``pagedserve.distributed.kv_transfer``).
+        pooled: the pooling runner's raw pooled hidden state of the finished request
+            (little-endian float32 bytes, ``[hidden_size]``, before truncation and
+            normalization; ``LLM.embed`` and ``/v1/embeddings`` turn it into the embedding).
     """
 
     request_id: str
@@ -78,3 +81,27 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     kv_transfer_params: Optional[dict] = None
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    pooled: Optional[bytes] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's ``EmbeddingOutput``): ``embedding`` holds
+    ``hidden_size`` floats (or the requested ``dimensions``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

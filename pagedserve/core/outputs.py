@@ -42,6 +42,8 @@ class ModelRunnerOutput:
             once, in order, through chunking and preemption).
         num_accepted_tokens: for requests scheduled with draft tokens, how many of the drafts
             were kept (a leading run, 0 to all); ``sampled`` is then the token after them.
+        pooled: the pooling runner: request id -> its pooled hidden state (little-endian float32
+            bytes, ``[hidden_size]``), for requests whose prompt ended this step.
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
@@ -49,6 +51,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     kv_connector_output: Optional["KVConnectorOutput"] = None
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,6 +141,8 @@ class EngineCoreOutput:
         new_prompt_logprobs: with the request's first token, when it asked for prompt
             logprobs: :data:`PromptLogprobs` of prompt positions 0 .. P - 2 (position ``i``
             scores prompt token ``i + 1``).
+        pooled: the pooling runner's output of a finished request (see
+            ``ModelRunnerOutput.pooled``).
     """
 
     request_id: str
@@ -150,6 +155,7 @@ class EngineCoreOutput:
     error: Optional[str] = None
     kv_transfer_params: Optional[dict] = None
     new_prompt_logprobs: Optional[PromptLogprobs] = None
+    pooled: Optional[bytes] = None
 
 
 @dataclass

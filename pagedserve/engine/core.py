@@ -8,6 +8,7 @@ do). It runs in the caller's process (``LLM``) or in a process of its own behind
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Iterable, Optional
@@ -19,6 +20,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.core.trace import StepTracer, block_map
+from pagedserve.pooler_config import pooler_config_dict, resolve_pooler_config
 
 logger = logging.getLogger("pagedserve")
 
@@ -53,6 +55,8 @@ class EngineCore:
         try:
             spec = self.worker.kv_spec
             self.config = config.resolved(spec.max_model_len)
+            if self.config.runner == "pooling":
+                self.config = _with_pooling(self.config, self.worker.model_dir)
             self.config.verify_token_budget()
             self.worker.initialize_cache(self.config)
         except BaseException:
@@ -190,6 +194,19 @@ class EngineCore:
         """A snapshot of every KV block's state and owner (see
         :func:`pagedserve.core.trace.block_map`); O(num_blocks), built on each call."""
         return block_map(self.scheduler.kv_cache_manager, [r.request_id for r in self.scheduler.running])
+
+
+def _with_pooling(config: EngineConfig, model_dir: str) -> EngineConfig:
+    """``config`` with its pooler config resolved against the checkpoint (see
+    :func:`pagedserve.pooler_config.resolve_pooler_config`), and prefix caching off unless
+    the pooling is LAST (MEAN and CLS read positions a prefix hit would skip; vLLM does the same)."""
+    pooler = resolve_pooler_config(config.pooler_config, model_dir)
+    caching = config.enable_prefix_caching
+    if caching and pooler.pooling_type != "LAST":
+        logger.info("pagedserve: prefix caching is off: %s pooling reads every prompt position", pooler.pooling_type)
+        caching = False
+    logger.info("pagedserve: pooling runner, %s pooling, normalize %s", pooler.pooling_type, pooler.normalize)
+    return dataclasses.replace(config, pooler_config=pooler_config_dict(pooler), enable_prefix_caching=caching)
 
 
 def _weights_of(worker) -> tuple[str, int]:

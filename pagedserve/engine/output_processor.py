@@ -40,6 +40,7 @@ class SequenceState:
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     finish_sent: bool = False
+    pooled: Optional[bytes] = None  # the pooling runner's vector, with the final output
     terminators: frozenset = frozenset()  # EOS and stop token ids of this sequence
 
     @property
@@ -162,6 +163,8 @@ class OutputProcessor:
         seq.first_scheduled_time = out.first_scheduled_time
         if out.kv_transfer_params is not None:
             seq.kv_transfer_params = out.kv_transfer_params
+        if out.pooled is not None:
+            seq.pooled = out.pooled
         if out.new_token_ids:
             seq.output_token_ids.extend(out.new_token_ids)
             if seq.first_token_time is None:
@@ -240,4 +243,5 @@ class OutputProcessor:
             metrics=metrics,
             kv_transfer_params=s0.kv_transfer_params if finished else None,
             prompt_logprobs=prompt_logprobs,
+            pooled=s0.pooled,
         )

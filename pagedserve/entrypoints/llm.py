@@ -1,4 +1,4 @@
-"""Offline API: ``LLM.generate`` and ``LLM.chat``, with vLLM's names and shapes."""
+"""Offline API: ``LLM.generate``, ``LLM.chat`` and ``LLM.embed``, with vLLM's names and shapes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import SchedulerStats
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedserve.pooler_config import PoolingParams, finish_embedding, pooling_sampling_params
 from pagedserve.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -79,10 +80,51 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        if self.llm_engine.config.runner == "pooling":
+            raise ValueError("this engine was started with runner='pooling': it makes embeddings (LLM.embed), not text")
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority must hold one value per prompt: {len(priorities)} for {len(prompts)} prompts")
         return self._run(prompts, params_list, use_tqdm, priorities)
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (str, token-id list or ``{"prompt_token_ids": [...]}``), in
+        input order, as vLLM's ``LLM.embed``: the pooled final-norm hidden states of the prompt
+        (see :mod:`pagedserve.pooler_config`). Needs ``LLM(..., runner="pooling")``.
+
+        Raises:
+            ValueError: a generating engine, invalid prompts or pooling params (nothing is queued then).
+        """
+        cfg = self.llm_engine.config.pooler
+        if cfg is None:
+            raise ValueError('embed() needs an engine started with runner="pooling" (LLM(model, runner="pooling")); this one generates text')
+        if prompts is None or isinstance(prompts, bytes):
+            raise ValueError(f"prompts must be a string, a token-id list, a dict or a list of these, got {type(prompts).__name__}")
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pp_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            pp_list = list(pooling_params)
+            if len(pp_list) != len(prompts):
+                raise ValueError("pooling_params must be one PoolingParams or one per prompt")
+        for pp in pp_list:
+            pp.verify(cfg)
+        sp = pooling_sampling_params(truncate_prompt_tokens)
+        outs = self._run(prompts, [sp] * len(prompts), use_tqdm, [0] * len(prompts))
+        return [
+            EmbeddingRequestOutput(
+                o.request_id, EmbeddingOutput(finish_embedding(o.pooled or b"", cfg, pp)), o.prompt_token_ids, True, o.num_cached_tokens
+            )
+            for o, pp in zip(outs, pp_list)
+        ]
 
     def chat(
         self,

@@ -48,6 +48,8 @@ class CachedRequestState:
             whatever happens to it.
         num_prompt_logprobs_done: with ``prompt_logprobs``, the prompt positions already scored
             (position ``i`` scores prompt token ``i + 1``), so a recomputed chunk sends none twice.
+        pooled: with the pooling runner, what earlier chunks of the prompt contributed (see
+            ``ModelRunner._pool``); reset when a chunk starts at position 0 again (preemption).
     """
 
     req_id: str
@@ -55,6 +57,7 @@ class CachedRequestState:
     eos_token_ids: list[int]
     generator: Optional[torch.Generator] = None
     num_prompt_logprobs_done: int = 0  # prompt positions whose logprobs were sent (kept through preemption)
+    pooled: Optional[torch.Tensor] = None  # pooling runner: the running sum (MEAN) or first state (CLS), [hidden] float32
 
     @classmethod
     def create(cls, req_id: str, params: SamplingParams, eos_token_ids: list[int]) -> "CachedRequestState":

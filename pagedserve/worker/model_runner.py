@@ -58,6 +58,9 @@ class ModelRunner:
             with ``kv_cache_dtype="int8"`` ``num_layers x [2, num_blocks, num_kv_heads,
             cell_bytes]`` int8 (:mod:`pagedserve.ops.kv_int8`).
         max_num_reqs, max_model_len: size of the input batch (rows, tokens per row).
+        pooling_type: None (generate: sample tokens) or the pooling runner's "LAST", "MEAN" or
+            "CLS": a request whose chunk reaches the end of its prompt gets its pooled final-norm
+            hidden state (``ModelRunnerOutput.pooled``) instead of a sampled token.
     """
 
     def __init__(
@@ -70,8 +73,10 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         kv_cache_dtype: str = "auto",
+        pooling_type: Optional[str] = None,
     ) -> None:
         cfg = model.config
+        self.pooling_type = pooling_type
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -165,6 +170,9 @@ class ModelRunner:
         hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, meta)
 
         out = ModelRunnerOutput()
+        if self.pooling_type is not None:
+            self._pool(order, rows, nsched, context, ends, hidden, out)
+            return out
         self._prompt_logprobs(order, rows, nsched, context, ends, hidden, out)
         # A request samples when its chunk (less its drafts) reaches the end of the tokens the worker holds.
         ndraft = np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order)) if spec else 0
@@ -278,6 +286,44 @@ class ModelRunner:
             k, n = int(batch.num_logprobs[rows[i]]), len(appended[i])
             out.logprobs[req_ids[i]] = [(ids[j][: k + 1], lp[j][: k + 1], ranks[j]) for j in range(at, at + n)]
             at += n
+
+    def _pool(
+        self,
+        order: list[str],
+        rows: np.ndarray,
+        nsched: np.ndarray,
+        context: np.ndarray,
+        ends: np.ndarray,
+        hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Pooling runner: fold this step's chunk of each prompt into its pooled state (MEAN: a
+        float32 running sum of the rows; CLS: the row of position 0; LAST: nothing until the
+        end) and, for each request whose chunk ends its prompt, put the pooled vector
+        ``[hidden_size]`` (MEAN: the sum over the prompt's length) in ``out.pooled`` as
+        little-endian float32 bytes. A chunk that starts at position 0 starts over (a request
+        recomputed after preemption)."""
+        batch = self.input_batch
+        kind = self.pooling_type
+        done = context + nsched >= batch.num_prompt_tokens[rows]
+        for i, rid in enumerate(order):
+            state = self.requests[rid]
+            lo, hi = int(ends[i] - nsched[i]), int(ends[i])
+            if kind == "MEAN":
+                part = hidden[lo:hi].float().sum(0)
+                state.pooled = part if context[i] == 0 or state.pooled is None else state.pooled + part
+            elif kind == "CLS" and context[i] == 0:
+                state.pooled = hidden[lo].float()
+            if not done[i]:
+                continue
+            if kind == "LAST":
+                vec = hidden[hi - 1].float()
+            elif kind == "MEAN":
+                vec = state.pooled / float(batch.num_prompt_tokens[rows[i]])  # type: ignore[operator]
+            else:
+                vec = state.pooled  # type: ignore[assignment]
+            state.pooled = None
+            out.pooled[rid] = vec.cpu().numpy().astype("<f4").tobytes()
 
     # Rows of logits scored at once for prompt logprobs: [rows, vocab] float32 (49k vocab: 100 MB).
     PROMPT_LOGPROBS_ROWS = 512

@@ -265,6 +265,7 @@ class Worker:
             config.max_num_seqs,
             config.max_model_len,
             config.kv_cache_dtype,
+            pooling_type=config.pooler.pooling_type if config.pooler is not None else None,
         )
         if config.kv_transfer_config is not None:
             from pagedserve.core.kv_cache_manager import hash_seed

@@ -350,6 +350,10 @@ class Scheduler:
             req = self.scheduled_requests.get(rid)
             if req is not None and not req.is_finished():
                 req.add_prompt_logprobs(chunk)
+        for rid, pooled in runner_output.pooled.items():
+            req = self.scheduled_requests.get(rid)
+            if req is not None and not req.is_finished():
+                outputs.append(self._finish_pooled(req, pooled, now))
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
         for rid, tok in runner_output.sampled.items():
             req = self.scheduled_requests.get(rid)
@@ -391,6 +395,23 @@ class Scheduler:
         if runner_output.kv_connector_output is not None:
             stats.kv_transfer_seconds = list(runner_output.kv_connector_output.transfer_seconds)
         return EngineCoreOutputs(outputs, now, stats)
+
+    def _finish_pooled(self, req: Request, pooled: bytes, now: float) -> EngineCoreOutput:
+        """The pooling runner: ``req``'s prompt is done and pooled; it finishes ("stop") without
+        a token and its blocks are freed now."""
+        req.first_token_time = req.last_token_time = now
+        self.stats.num_prompt_tokens += req.num_prompt_tokens
+        req.status = RequestStatus.FINISHED_STOPPED
+        self.running.remove(req)
+        self._free(req)
+        return EngineCoreOutput(
+            req.request_id,
+            [],
+            finish_reason="stop",
+            num_cached_tokens=max(0, req.num_cached_tokens),
+            first_scheduled_time=req.first_scheduled_time,
+            pooled=pooled,
+        )
 
     def _update_from_kv_output(self, kvo: KVConnectorOutput) -> list[EngineCoreOutput]:
         """Apply the KV transfers the worker side finished: loaded (or to-recompute) requests

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`AsyncLLM`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, GET /v1/models/{id},
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/embeddings (``--runner pooling``), GET /v1/models, GET /v1/models/{id},
 GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
 
 ``pagedserve serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY]`` binds its port first,
@@ -60,6 +60,7 @@ from pagedserve.entrypoints.openai.server_args import ServerArgs
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_common import release_unused_kv
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.tools import plan_tools
 from pagedserve.metrics import CONTENT_TYPE
@@ -134,6 +135,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     completions = OpenAIServingCompletion(llm, served, **kw)
     chats = OpenAIServingChat(llm, served, **kw)
     responses = OpenAIServingResponses(chats)
+    embeddings = OpenAIServingEmbedding(llm, served, **kw)
     model_root = llm.config.model or served[0]
     # Tokenizing, rendering and compiling constraints run on one worker thread, not on the event
     # loop: a big schema must not pause every stream. One thread: the tokenizer is shared.
@@ -233,6 +235,14 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
                 chats.chat_stream(req, request_id, model, conv, prompt, params, tools, engine_id), media_type="text/event-stream", headers=SSE_HEADERS
             )
         return await run_until_disconnect(raw_request, chats.chat_full(req, request_id, model, conv, prompt, params, tools, engine_id))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw_request: Request):
+        request_id, engine_id = request_ids("embd", raw_request, req.request_id)
+        with admission.admit():
+            model, prompts, params = await off_loop(embeddings.prepare, req)
+        embeddings.log_request(engine_id, req, [len(p.token_ids) for p in prompts], [params])  # type: ignore[list-item]
+        return await run_until_disconnect(raw_request, embeddings.embed_full(req, request_id, model, prompts, params, engine_id))
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw_request: Request):

@@ -200,7 +200,10 @@ class OpenAIServing:
         self.request_timeout = request_timeout
 
     def check_request(self, req: Any) -> str:
-        """The model check, the unknown-field check and the deadline of a request; the name to report."""
+        """The model check, the unknown-field check and the deadline of a request; the name to report.
+        A pooling engine (``--runner pooling``) refuses every generating request here."""
+        if self.llm.config.runner == "pooling":
+            raise APIError("This server runs --runner pooling: it makes embeddings (/v1/embeddings), not text.", param="model")
         check_extra_fields(req)
         if req.timeout is not None and not 0 < req.timeout <= MAX_TIMEOUT_S:
             raise APIError(f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {req.timeout}.", param="timeout")
@@ -233,7 +236,7 @@ class OpenAIServing:
     def log_request(self, request_id: str, req: Any, prompt_lens: list[int], params: list[SamplingParams]) -> None:
         """``--enable-log-requests``: one line per request (never the prompt text)."""
         if self.log_requests:
-            logger.info("request %s: %s prompt tokens, stream=%s, params=%s", request_id, prompt_lens, bool(req.stream), params[0])
+            logger.info("request %s: %s prompt tokens, stream=%s, params=%s", request_id, prompt_lens, bool(getattr(req, "stream", False)), params[0])
 
     def sampling_params(self, req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> SamplingParams:
         """The request's SamplingParams, checked (a structured-output constraint is compiled).
