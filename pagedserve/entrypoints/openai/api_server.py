@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`AsyncLLM`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/embeddings (``--runner pooling``), GET /v1/models, GET /v1/models/{id},
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API and error shape: :mod:`.serving_messages`),
 GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
 
 ``pagedserve serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY]`` binds its port first,
@@ -31,6 +32,7 @@ from fastapi_offline import FastAPIOffline
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai import dashboard
+from pagedserve.entrypoints.openai.anthropic_errors import AnthropicErrorMiddleware
 from pagedserve.entrypoints.openai.http_common import (
     SSE_HEADERS,
     APIError,
@@ -48,6 +50,7 @@ from pagedserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedserve.entrypoints.openai.protocol_anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from pagedserve.entrypoints.openai.protocol_responses import (
     DetokenizeResponse,
     ModelCard,
@@ -61,6 +64,7 @@ from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_common import release_unused_kv
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from pagedserve.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.tools import plan_tools
 from pagedserve.metrics import CONTENT_TYPE
@@ -135,6 +139,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     completions = OpenAIServingCompletion(llm, served, **kw)
     chats = OpenAIServingChat(llm, served, **kw)
     responses = OpenAIServingResponses(chats)
+    messages = AnthropicServingMessages(chats)
     embeddings = OpenAIServingEmbedding(llm, served, **kw)
     model_root = llm.config.model or served[0]
     # Tokenizing, rendering and compiling constraints run on one worker thread, not on the event
@@ -170,6 +175,7 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=server.max_request_body_bytes, max_header_bytes=server.max_header_bytes)
     if server.enable_request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: every error of /v1/messages in Anthropic's shape
     install_error_handlers(app)
 
     @app.get("/health")
@@ -255,6 +261,23 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
             return StreamingResponse(responses.response_stream(*args), media_type="text/event-stream", headers=SSE_HEADERS)
         result = await run_until_disconnect(raw_request, responses.response_full(*args))
         return result if isinstance(result, Response) else JSONResponse(result)  # a Response: the client left (499)
+
+    @app.post("/v1/messages")
+    async def create_message(req: AnthropicMessagesRequest, raw_request: Request):
+        request_id, engine_id = request_ids("msg", raw_request, None)
+        message_id = "msg_" + request_id[len("msg-") :]
+        with admission.admit():
+            prepared = await off_loop(messages.prepare, req)
+        chats.log_request(engine_id, req, [len(prepared.prompt.token_ids)], [prepared.params])
+        if req.stream:
+            return StreamingResponse(messages.message_stream(message_id, prepared, engine_id), media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await run_until_disconnect(raw_request, messages.message_full(message_id, prepared, engine_id))
+        return result if isinstance(result, Response) else JSONResponse(result)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(req: AnthropicCountTokensRequest):
+        with admission.admit():
+            return JSONResponse(await off_loop(messages.count_tokens, req))
 
     def not_stored(response_id: str) -> APIError:
         return APIError(
