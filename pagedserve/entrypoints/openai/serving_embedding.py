@@ -95,6 +95,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise APIError(str(e), param="dimensions") from None
         self.input_processor.check_priority(req.priority)
         inputs = req.input
+        if not inputs:
+            raise APIError("input must not be empty.", param="input")
         if isinstance(inputs, list) and inputs and not all(isinstance(x, int) for x in inputs) and len(inputs) > self.MAX_INPUTS:
             raise APIError(f"input holds {len(inputs)} items; at most {self.MAX_INPUTS} are allowed per request.", param="input")
         prompts = []
