@@ -162,6 +162,8 @@ BAD = [
     ({"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
     ({"max_tokens": 4, "messages": ASK, "mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
     ({"max_tokens": 4, "messages": ASK, "stop_sequences": [""]}, "stop_sequences"),
+    ({"max_tokens": 4, "messages": ASK, "tools": [TOOL], "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "tool_choice 'any' and output_config.format"),
     ({"max_tokens": 4, "messages": ASK, "stream": True, "system": [{"type": "image"}]}, "system"),
     ({"max_tokens": 4, "messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather",
                                                                              "input": {}}]}], "tools": [TOOL]}, "tool_result"),

@@ -31,11 +31,17 @@ from pagedserve.entrypoints.openai.serving_common import TokenizedPrompt
 from pagedserve.entrypoints.openai.tools import ToolPlan, plan_tools
 from pagedserve.sampling_params import SamplingParams
 
-# Chat's names in refusals of a translated request: (chat's, Anthropic's).
+# Chat's names in refusals of a translated request: (chat's, Anthropic's); the first word of a
+# message, or (the quoted tool choices and response_format) anywhere in it.
 _CHAT_NAMES = (
     ("response_format.json_schema.schema", "output_config.format.schema"),
     ("response_format", "output_config.format"),
     ("stop", "stop_sequences"),
+)
+_CHAT_WORDS = (
+    ("tool_choice 'required'", "tool_choice 'any'"),
+    ("tool_choice 'named'", "tool_choice 'tool'"),
+    ("response_format", "output_config.format"),
 )
 
 
@@ -55,9 +61,11 @@ def _renamed(refused: Exception) -> APIError:
     """A chat refusal with the Anthropic request's field names."""
     e = api_error(refused)
     for chat_name, name in _CHAT_NAMES:
-        if e.param == chat_name.split(".")[0] and e.message.startswith(chat_name.split(".")[0]):
-            e.message = e.message.replace(chat_name, name, 1)
+        if e.param == chat_name.split(".")[0] and e.message.startswith(chat_name):
+            e.message = name + e.message[len(chat_name) :]
             e.param = name.split(".")[0]
+    for chat_words, words in _CHAT_WORDS:
+        e.message = e.message.replace(chat_words, words)
     if "messages[" in e.message:  # chat's turns are numbered otherwise than Anthropic's
         e.message, e.param = f"messages, as rendered into chat turns: {e.message}", "messages"
     return e
