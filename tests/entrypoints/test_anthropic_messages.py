@@ -229,3 +229,29 @@ def test_translation_to_chat():
     with pytest.raises(APIError, match="strict") as e:
         to_chat_request(AnthropicMessagesRequest(model="m", max_tokens=1, messages=ASK, tools=[{**TOOL, "strict": True}]))
     assert e.value.param == "tools"
+
+
+def test_a_failure_mid_stream_is_an_error_event():
+    """After message_start the stream cannot become a 4xx: the failure is an ``error`` event in
+    Anthropic's shape, and the message never stops."""
+    import asyncio
+
+    from pagedserve.entrypoints.openai.protocol_responses import ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, DeltaMessage
+    from pagedserve.entrypoints.openai.serving_common import TokenizedPrompt
+    from pagedserve.entrypoints.openai.serving_messages import AnthropicServingMessages, PreparedMessage
+
+    class FailingChats:
+        async def chat_chunks(self, *args):
+            yield ChatCompletionStreamResponse(id="x", model="m", choices=[ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content="Hi"))])
+            raise APIError("the grammar could not be followed.")
+
+    prepared = PreparedMessage(None, "m", [], TokenizedPrompt(None, [1, 2, 3]), None, None)
+
+    async def frames() -> list[str]:
+        return [f async for f in AnthropicServingMessages(FailingChats()).message_stream("msg_1", prepared, "e")]
+
+    out = asyncio.run(frames())
+    kinds = [f.split("\n")[0] for f in out]
+    assert kinds == ["event: message_start", "event: ping", "event: content_block_start", "event: content_block_delta", "event: error"]
+    assert json.loads(out[-1].split("\n")[1][len("data: "):]) == {"type": "error", "error": {"type": "invalid_request_error",
+                                                                                          "message": "the grammar could not be followed."}}
