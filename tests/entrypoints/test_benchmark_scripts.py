@@ -25,6 +25,7 @@ FAST = {
     "prefix_caching.py": "prefix_caching",
     "structured_output_cost.py": "structured_output_cost",
     "gguf_quality.py": "gguf_quality",  # SmolLM2's GGUF quantized and dequantized, ~400 tokens
+    "embeddings_vs_hf.py": "embeddings_vs_hf",  # the tiny model, 8 inputs: LLM.embed against HF's AutoModel
 }
 SLOW = {
     "compare_llamacpp.py": "compare_llamacpp",  # two processes (the script, then bench latency)
