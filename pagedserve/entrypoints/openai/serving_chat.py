@@ -41,12 +41,12 @@ from pagedserve.entrypoints.openai.serving_common import (
     stream_error,
 )
 from pagedserve.entrypoints.openai.token_strings import finite_logprob, prompt_logprobs_json
+from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedserve.entrypoints.openai.tools import (
     ToolCallStream,
     ToolPlan,
     check_answers_a_call,
     plan_tools,
-    random_tool_call_id,
     tool_call_for_template,
     tools_template,
 )
@@ -95,6 +95,8 @@ class OpenAIServingChat(OpenAIServing):
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.input_processor.resolve_max_tokens(self.requested_max_tokens(req.requested_max_tokens), len(ids), field_name, "messages")
         params = self.sampling_params(req, max_tokens)
+        if plan.keeps_special_tokens:  # the parser's markers are special tokens ([TOOL_CALLS])
+            params.skip_special_tokens = False
         self.check_prompt_logprobs([len(ids)], params)
         if self.reasoning is not None and self.reasoning.thinks(ids, req.chat_template_kwargs):
             params._reasoning_end_token_id = self.reasoning.end_id  # constraints wait for </think>
@@ -172,7 +174,8 @@ class OpenAIServingChat(OpenAIServing):
             model_template = " ".join(model_template.values())
         if (tools or any(m.get("tool_calls") for m in conv)) and server_template is None and "tools" not in model_template:
             server_template = tools_template()  # the model's template would drop the tools and the calls
-            kwargs.setdefault("tool_call_format", "json" if self.tool_call_parser in ("json", "llama3_json") else "hermes")
+            parser = TOOL_PARSERS.get(self.tool_call_parser or "")
+            kwargs.setdefault("tool_call_format", parser.template_format if parser is not None else "hermes")
         try:
             if chat_template is not None:  # a client's program: sandboxed, with bounds on loops and output
                 text = render_untrusted(chat_template, conv, self.tokenizer, add_generation_prompt, continue_final_message, **kwargs)
@@ -204,7 +207,7 @@ class OpenAIServingChat(OpenAIServing):
         content, calls = plan.calls_from_text(text)
         if single_call:
             calls = calls[:1]
-        tool_calls = [ToolCall(id=random_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        tool_calls = [ToolCall(id=plan.new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         return ChatResponseMessage(role="assistant", content=content, tool_calls=tool_calls), bool(tool_calls)
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int, name) -> ChatChoiceLogProbs:

@@ -8,22 +8,29 @@ a model's text into ``(content, tool calls)``, at the end of a request or as it 
   or a JSON list of them (Llama 3's JSON tool format); anything else is content.
 * ``llama3_json`` (vLLM's name for Llama 3.1-3.3): the same objects, optionally after
   ``<|python_tag|>``, several separated by ``;``.
+* ``qwen3_coder``, ``mistral``, ``pythonic``: in their own modules
+  (:mod:`tool_parsers_qwen3_coder`, :mod:`tool_parsers_mistral`, :mod:`tool_parsers_pythonic`);
+  they stream each call's arguments as they parse (:mod:`tool_parser_base`).
 
 A streaming parser emits content as soon as it cannot be the start of a tool call, and each
-tool call whole once it is complete, so the concatenated stream equals the end-of-request parse.
+tool call whole once it is complete (the three above) or piece by piece, so the concatenated
+stream equals the end-of-request parse. ``TOOL_PARSERS`` holds them all, by name.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Optional
 
+from pagedserve.entrypoints.openai.http_common import random_id
+from pagedserve.entrypoints.openai.tool_parser_base import ParsedToolCall, ToolParser, partial_suffix
+from pagedserve.entrypoints.openai.tool_parsers_mistral import MistralToolParser
+from pagedserve.entrypoints.openai.tool_parsers_pythonic import PythonicToolParser
+from pagedserve.entrypoints.openai.tool_parsers_qwen3_coder import Qwen3CoderToolParser
 
-@dataclass
-class ParsedToolCall:
-    name: str
-    arguments: str  # JSON text
+_partial_suffix = partial_suffix  # its old name here (the reasoning parser's streams use it)
+
+__all__ = ["TOOL_PARSERS", "ParsedToolCall", "ToolParser", "HermesToolParser", "JsonToolParser", "Llama3JsonToolParser"]
 
 
 def _call_from(obj) -> Optional[ParsedToolCall]:
@@ -44,9 +51,14 @@ class HermesToolParser:
     """``<tool_call>{json}</tool_call>`` blocks."""
 
     name = "hermes"
+    template_format = "hermes"
+    keeps_special_tokens = False
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+    def new_call_id(self) -> str:
+        return random_id("chatcmpl-tool-")
+
+    def extract(self, text: str, tools: Optional[list] = None) -> tuple[Optional[str], list[ParsedToolCall]]:
         """(content or None, calls) of a whole answer. A block that is not a valid call (or not
         closed and not valid JSON) stays in the content."""
         stream = self.streaming()
@@ -56,7 +68,7 @@ class HermesToolParser:
         calls += more_calls
         return (content if content.strip() or not calls else None), calls
 
-    def streaming(self) -> "_HermesStream":
+    def streaming(self, tools: Optional[list] = None) -> "_HermesStream":
         return _HermesStream(self.OPEN, self.CLOSE)
 
 
@@ -74,7 +86,7 @@ class _HermesStream:
             if not self.in_call:
                 i = self.buffer.find(self.open)
                 if i < 0:
-                    keep = _partial_suffix(self.buffer, self.open)  # may still become the tag
+                    keep = partial_suffix(self.buffer, self.open)  # may still become the tag
                     content += self.buffer[: len(self.buffer) - keep]
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     return content, calls
@@ -109,20 +121,17 @@ def _parse_json_call(body: str) -> Optional[ParsedToolCall]:
         return None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 class JsonToolParser:
     """The whole answer is a JSON call or a JSON list of calls."""
 
     name = "json"
+    template_format = "json"
+    keeps_special_tokens = False
 
-    def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+    def new_call_id(self) -> str:
+        return random_id("chatcmpl-tool-")
+
+    def extract(self, text: str, tools: Optional[list] = None) -> tuple[Optional[str], list[ParsedToolCall]]:
         stripped = text.strip()
         if stripped[:1] in ("{", "["):
             try:
@@ -135,7 +144,7 @@ class JsonToolParser:
                 return None, calls  # type: ignore[return-value]
         return text, []
 
-    def streaming(self) -> "_JsonStream":
+    def streaming(self, tools: Optional[list] = None) -> "_JsonStream":
         return _JsonStream(self)
 
 
@@ -178,7 +187,7 @@ class Llama3JsonToolParser(JsonToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+    def extract(self, text: str, tools: Optional[list] = None) -> tuple[Optional[str], list[ParsedToolCall]]:
         body = text.strip()
         body = body[len(self.TAG) :].lstrip() if body.startswith(self.TAG) else body
         if body.startswith("["):
@@ -198,8 +207,18 @@ class Llama3JsonToolParser(JsonToolParser):
                 i += 1
         return (None, calls) if calls else (text, [])
 
-    def streaming(self) -> "_JsonStream":
+    def streaming(self, tools: Optional[list] = None) -> "_JsonStream":
         return _JsonStream(self, starts=("{", "[", self.TAG))
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesToolParser(), JsonToolParser(), Llama3JsonToolParser())}
+TOOL_PARSERS: dict[str, ToolParser] = {
+    p.name: p
+    for p in (
+        HermesToolParser(),
+        JsonToolParser(),
+        Llama3JsonToolParser(),
+        Qwen3CoderToolParser(),
+        MistralToolParser(),
+        PythonicToolParser(),
+    )
+}

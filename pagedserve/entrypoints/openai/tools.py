@@ -19,7 +19,8 @@ when the model's own template does not render tools (:func:`tools_template`).
 Every refusal is the front's :class:`APIError` (400) naming ``tools``, ``tool_choice`` or the
 message at fault.
 
-Every call gets an id ``chatcmpl-tool-<hex>``; a response with calls finishes with
+Every call gets an id ``chatcmpl-tool-<hex>`` (under ``--tool-call-parser mistral``: 9 letters
+and digits, the ids Mistral's templates take back); a response with calls finishes with
 ``"tool_calls"``, or ``"stop"`` for a forced named function (as OpenAI and vLLM).
 """
 
@@ -31,6 +32,7 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from pagedserve.entrypoints.openai.http_common import APIError, random_id
+from pagedserve.entrypoints.openai.tool_parser_base import ToolCallDelta
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
 from pagedserve.sampling_params import StructuredOutputsParams
 
@@ -88,7 +90,8 @@ class ToolPlan:
         mode: "none", "auto", "required" or "named".
         named: the forced function's name (mode "named").
         constraint: the grammar of "required" / "named".
-        parser: the tool-call parser name (mode "auto").
+        parser: the server's tool-call parser name (it parses the calls of mode "auto"; in
+            every mode it makes the calls' ids).
     """
 
     mode: str = "none"
@@ -107,6 +110,15 @@ class ToolPlan:
     def parses_calls(self) -> bool:
         return self.mode in ("auto", "required", "named")
 
+    def new_call_id(self) -> str:
+        return TOOL_PARSERS[self.parser].new_call_id() if self.parser in TOOL_PARSERS else random_tool_call_id()
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Mode "auto" with a parser whose markers are special tokens (``mistral``'s
+        ``[TOOL_CALLS]``): the answer must be decoded with them, as vLLM's adjust_request."""
+        return self.mode == "auto" and self.parser in TOOL_PARSERS and TOOL_PARSERS[self.parser].keeps_special_tokens
+
     def calls_from_text(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
         """(content, calls) of a finished answer."""
         if self.mode == "named":
@@ -118,7 +130,7 @@ class ToolPlan:
             except (json.JSONDecodeError, KeyError, TypeError):
                 return text, []  # cut by length: not a complete list
         if self.mode == "auto":
-            return TOOL_PARSERS[self.parser].extract(text)
+            return TOOL_PARSERS[self.parser].extract(text, self.tools)
         return text, []
 
 
@@ -159,7 +171,7 @@ def plan_tools(
     # compiles it; closed by close_objects, so the only arguments are "{}".
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}} for t in tools}
     if choice == "none":
-        return ToolPlan("none", tools)
+        return ToolPlan("none", tools, parser=parser)
     if choice == "auto":
         if not enable_auto or parser is None:
             raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.', param="tool_choice")
@@ -187,25 +199,30 @@ def plan_tools(
         for path, d in defs.items():
             key, name = path.split("/", 1)
             array.setdefault(key, {})[name] = d
-        return ToolPlan("required", tools, constraint=StructuredOutputsParams(json=array))
+        return ToolPlan("required", tools, constraint=StructuredOutputsParams(json=array), parser=parser)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in schemas:
             raise APIError(f"tool_choice names the function {name!r}, which is not in tools.", param="tool_choice")
-        return ToolPlan("named", tools, named=name, constraint=StructuredOutputsParams(json=schemas[name]))
+        return ToolPlan("named", tools, named=name, constraint=StructuredOutputsParams(json=schemas[name]), parser=parser)
     raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.', param="tool_choice")
 
 
 class ToolCallStream:
     """One streamed choice under a :class:`ToolPlan`: text deltas in, ``DeltaMessage``s out,
-    whose content and tool calls concatenate to what ``calls_from_text`` gives at the end."""
+    whose content and tool calls concatenate to what ``calls_from_text`` gives at the end.
+
+    A parser's stream gives whole calls (:class:`ParsedToolCall`: one delta with the call's
+    index, id, name and arguments) or pieces (:class:`ToolCallDelta`: the first, with the name,
+    opens the call as above; each next one is a delta with only the index and more arguments)."""
 
     def __init__(self, plan: ToolPlan, single_call: bool = False) -> None:
         self.plan = plan
         self.single_call = single_call
         self.num_calls = 0
         self.text: list[str] = []
-        self.parser = TOOL_PARSERS[plan.parser].streaming() if plan.mode == "auto" else None
+        self.parser = TOOL_PARSERS[plan.parser].streaming(plan.tools) if plan.mode == "auto" else None
+        self.dropping = False  # the pieces of a call beyond single_call's first
         self.named_id: Optional[str] = None
         self.held = ""  # whitespace-only content not sent yet
         self.sent_text = False
@@ -214,19 +231,25 @@ class ToolCallStream:
     def called(self) -> bool:
         return self.num_calls > 0
 
-    def _calls(self, calls: list[ParsedToolCall]) -> list:
+    def _calls(self, calls: list) -> list:
         from pagedserve.entrypoints.openai.protocol_responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 
         out = []
         for c in calls:
+            if isinstance(c, ToolCallDelta) and c.name is None:  # more arguments of the last call
+                if self.num_calls and not self.dropping and c.arguments:
+                    delta = DeltaToolCall(index=self.num_calls - 1, function=DeltaFunctionCall(arguments=c.arguments))
+                    out.append(DeltaMessage(tool_calls=[delta]))
+                continue
             if self.single_call and self.num_calls:
-                break
+                self.dropping = True
+                continue
             out.append(
                 DeltaMessage(
                     tool_calls=[
                         DeltaToolCall(
                             index=self.num_calls,
-                            id=random_tool_call_id(),
+                            id=self.plan.new_call_id(),
                             type="function",
                             function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
                         )
@@ -244,7 +267,7 @@ class ToolCallStream:
         mode = self.plan.mode
         if mode == "named":  # the arguments stream as they are generated
             if self.named_id is None:
-                self.named_id = random_tool_call_id()
+                self.named_id = self.plan.new_call_id()
                 self.num_calls = 1
                 return [
                     DeltaMessage(

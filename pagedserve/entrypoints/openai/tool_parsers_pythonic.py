@@ -1,0 +1,232 @@
+"""The ``pythonic`` tool-call parser (vLLM's name): calls as a Python list of function calls with
+keyword arguments, as Llama 3.2 and Llama 4 write them.
+
+    [get_weather(city="Paris", unit="c"), get_time(zone='Europe/Paris')]
+
+The list must start the answer (after spaces), or follow Llama 4's ``<|python_start|>`` (text
+before the tag is content; a ``<|python_end|>`` after the list is dropped). Each argument value
+is read with :mod:`ast` (``ast.parse``, never ``eval``) and must be a literal
+(:func:`python_literal`): strings, numbers, True / False / None, lists, tuples and dicts with
+string keys of those; JSON's true / false / null are taken too. A positional argument, a name,
+an expression or a call inside an argument is not a tool call: that text is content (see
+:mod:`tool_parser_base` for calls that go wrong part-way). Text after the list is content.
+Calls stream one argument at a time.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from typing import Any, Optional, Union
+
+from pagedserve.entrypoints.openai.http_common import random_id
+from pagedserve.entrypoints.openai.tool_parser_base import CallTextStream, ParsedToolCall, extract_by_streaming
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+class _NotLiteral(ValueError):
+    pass
+
+
+def _literal(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant):
+        v = node.value
+        if v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v):
+            return v
+        raise _NotLiteral(repr(v))  # bytes, complex, Ellipsis, infinities
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(node.operand, ast.Constant):
+        v = node.operand.value
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        out = {}
+        for key, item in zip(node.keys, node.values):
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                raise _NotLiteral("dict keys must be strings")
+            out[key.value] = _literal(item)
+        return out
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    raise _NotLiteral(type(node).__name__)
+
+
+NOT_LITERAL: Any = object()  # what python_literal gives for text that is not a literal
+
+
+def python_literal(text: str) -> Any:
+    """The value of the Python literal ``text`` (see the module's doc), or :data:`NOT_LITERAL`."""
+    try:
+        return _literal(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, TypeError):
+        return NOT_LITERAL
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_KEYWORD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*=(?!=)")
+_PARTIAL_KEYWORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\s*")
+_CLOSING = {")": "(", "]": "[", "}": "{"}
+
+
+def value_end(s: str, i: int) -> Union[int, bool, None]:
+    """Where the argument value starting at ``s[i]`` ends: the index of the ``,`` or ``)`` after
+    it, outside brackets and strings; None if ``s`` ends first; False on a bracket that does not
+    match or a comment."""
+    stack: list[str] = []
+    n = len(s)
+    k = i
+    while k < n:
+        ch = s[k]
+        if ch in "\"'":
+            if s.startswith(ch * 3, k):
+                quote = ch * 3
+            elif s.startswith(ch * 2, k) and k + 2 == n:
+                return None  # "" or the start of """
+            else:
+                quote = ch
+            k += len(quote)
+            while True:
+                if k >= n:
+                    return None
+                if s[k] == "\\":
+                    k += 2
+                elif s.startswith(quote, k):
+                    k += len(quote)
+                    break
+                elif len(quote) == 1 and s[k] == "\n":
+                    return False
+                else:
+                    k += 1
+            continue
+        if ch == "#":
+            return False
+        if ch in "([{":
+            stack.append(ch)
+        elif ch in ")]}":
+            if not stack:
+                return k if ch == ")" else False
+            if stack.pop() != _CLOSING[ch]:
+                return False
+        elif ch == "," and not stack:
+            return k
+        k += 1
+    return None
+
+
+class PythonicToolParser:
+    """``[name(arg=literal, ...), ...]``, optionally inside ``<|python_start|>...<|python_end|>``."""
+
+    name = "pythonic"
+    template_format = "pythonic"
+    keeps_special_tokens = False
+
+    def extract(self, text: str, tools: Optional[list] = None) -> tuple[Optional[str], list[ParsedToolCall]]:
+        return extract_by_streaming(self.streaming(tools), text)
+
+    def streaming(self, tools: Optional[list] = None) -> "_PythonicStream":
+        return _PythonicStream()
+
+    def new_call_id(self) -> str:
+        return random_id("chatcmpl-tool-")
+
+
+class _PythonicStream(CallTextStream):
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = "start"
+        self.calls_in_list = 0
+
+    def step(self, final: bool) -> bool:
+        st = self.state
+        i = self.skip_space()
+        if st == "start":  # the answer's beginning: a list, the tag, or text
+            tag = self.expect(i, ("[", self.START))
+            if tag is None and not final:
+                return False
+            if not tag:
+                self.state = self.TEXT
+                return True
+            self.take(i + len(tag))
+            self.state = "call" if tag == "[" else "list"
+            self.calls_in_list = 0
+            return True
+        if st == self.TEXT:
+            if self.text_until((self.START,), final) is None:
+                return False
+            self.state = "list"
+            return True
+        if st == "list":  # after the tag: the list
+            tag = self.expect(i, ("[",))
+            if not tag:
+                return self.more(final) if tag is None else self._bad()
+            self.take(i + 1)
+            self.state, self.calls_in_list = "call", 0
+            return True
+        if st == "call":  # a call's name and its "("; or "]" after a trailing comma
+            if self.buf[i : i + 1] == "]" and self.calls_in_list:
+                self.take(i + 1)
+                self.commit()
+                self.state = "end"
+                return True
+            m = _IDENT.match(self.buf, i)
+            if m is None or m.end() == len(self.buf):
+                return self.more(final) if m is not None or i == len(self.buf) else self._bad()
+            j = m.end() + len(self.buf[m.end() :]) - len(self.buf[m.end() :].lstrip())
+            if j == len(self.buf):
+                return self.more(final)
+            if self.buf[j] != "(":
+                return self._bad()
+            self.take(j + 1)
+            self.name(m.group())
+            self.state = "args"
+            return True
+        if st == "args":  # the next keyword argument, or ")"
+            if i == len(self.buf):
+                return self.more(final)
+            if self.buf[i] == ")":
+                self.take(i + 1)
+                self.close_call()
+                self.state = "after_call"
+                self.calls_in_list += 1
+                return True
+            m = _KEYWORD.match(self.buf, i)
+            if m is None:
+                return self.more(final) if _PARTIAL_KEYWORD.fullmatch(self.buf, i) else self._bad()
+            end = value_end(self.buf, m.end())
+            if end is None:
+                return self.more(final)
+            if end is False:
+                return self._bad()
+            assert isinstance(end, int)
+            value = python_literal(self.buf[m.end() : end])
+            if value is NOT_LITERAL or not self.argument(m.group(1), value):
+                return self._bad()
+            self.buf = self.buf[end + 1 if self.buf[end] == "," else end :]
+            return True
+        if st == "after_call":  # "," and the next call, or "]"
+            tag = self.expect(i, (",", "]"))
+            if not tag:
+                return self.more(final) if tag is None else self._bad()
+            self.take(i + 1)
+            self.commit()
+            self.state = "call" if tag == "," else "end"
+            return True
+        if st == "end":  # after the list: an optional <|python_end|>, then text
+            tag = self.expect(i, (self.END,))
+            if tag is None and not final:
+                return False
+            if tag:
+                self.take(i + len(tag))
+            self.commit()
+            self.state = self.TEXT
+            return True
+        raise AssertionError(st)
+
+    def _bad(self) -> bool:
+        self.bad()
+        return True
