@@ -24,6 +24,7 @@ cut, concatenates to the end-of-request parse.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
@@ -125,6 +126,7 @@ def tool_properties(tools: Optional[list], name: str) -> dict:
 
 
 MORE = None  # a step that needs more text
+_SPACE = re.compile(r"\s*")
 
 
 class CallTextStream:
@@ -192,9 +194,9 @@ class CallTextStream:
         self.raw += out
         return out
 
-    def skip_space(self) -> int:
-        """Index of the first non-space character of ``buf`` (its length if none)."""
-        return len(self.buf) - len(self.buf.lstrip())
+    def skip_space(self, j: int = 0) -> int:
+        """Index of the first non-space character of ``buf`` from ``j`` (its length if none)."""
+        return _SPACE.match(self.buf, j).end()  # type: ignore[union-attr]
 
     def expect(self, i: int, tokens: tuple[str, ...]) -> Optional[str]:
         """Which of ``tokens`` starts ``buf`` at ``i``; MORE (None) if ``buf`` ends in one's

@@ -105,7 +105,7 @@ class _MistralStream(CallTextStream):
             if not tag:
                 return self.more(final) if tag is None else self._bad()
             if tag == self.ARGS:
-                j = self._space_after(j + len(tag))
+                j = self.skip_space(j + len(tag))
                 if j == len(self.buf):
                     return self.more(final)
                 if self.buf[j] != "{":
@@ -155,16 +155,13 @@ class _MistralStream(CallTextStream):
         self.state = self.TEXT
         return True
 
-    def _space_after(self, j: int) -> int:
-        return j + len(self.buf[j:]) - len(self.buf[j:].lstrip())
-
     def _decode(self, i: int) -> Optional[tuple[Any, int]]:
         """The JSON value at ``i`` and the index after it, if followed by ``,`` or ``}``."""
         try:
             value, end = _DECODER.raw_decode(self.buf, i)
         except (json.JSONDecodeError, ValueError, RecursionError):
             return None
-        k = self._space_after(end)
+        k = self.skip_space(end)
         if k == len(self.buf) or self.buf[k] not in ",}":
             return None
         return value, k
@@ -177,10 +174,10 @@ class _MistralStream(CallTextStream):
             key, end = _DECODER.raw_decode(self.buf, i)
         except (json.JSONDecodeError, ValueError):
             return None
-        k = self._space_after(end)
+        k = self.skip_space(end)
         if k == len(self.buf) or self.buf[k] != ":":
             return None
-        return key, self._space_after(k + 1)
+        return key, self.skip_space(k + 1)
 
     def _argument(self, i: int, final: bool) -> bool:
         if i == len(self.buf):

@@ -71,49 +71,71 @@ _PARTIAL_KEYWORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\s*")
 _CLOSING = {")": "(", "]": "[", "}": "{"}
 
 
-def value_end(s: str, i: int) -> Union[int, bool, None]:
-    """Where the argument value starting at ``s[i]`` ends: the index of the ``,`` or ``)`` after
-    it, outside brackets and strings; None if ``s`` ends first; False on a bracket that does not
-    match or a comment."""
-    stack: list[str] = []
-    n = len(s)
-    k = i
-    while k < n:
-        ch = s[k]
-        if ch in "\"'":
-            if s.startswith(ch * 3, k):
-                quote = ch * 3
-            elif s.startswith(ch * 2, k) and k + 2 == n:
-                return None  # "" or the start of """
-            else:
-                quote = ch
-            k += len(quote)
-            while True:
-                if k >= n:
-                    return None
-                if s[k] == "\\":
-                    k += 2
-                elif s.startswith(quote, k):
-                    k += len(quote)
+class ValueEnd:
+    """Finds where an argument value ends: the index of the ``,`` or ``)`` after it, outside
+    brackets and strings. Resumable: the text may grow between calls (a long string value is
+    scanned once, not again at every token)."""
+
+    _STRING_STOP = {q: re.compile(r"[\\\n" + q + "]") for q in ("'", '"')}
+
+    def __init__(self, start: int) -> None:
+        self.start = start  # where the value starts in the text
+        self.k = start  # scanned up to here
+        self.stack: list[str] = []
+        self.quote = ""  # inside a string: its quote
+
+    def scan(self, s: str) -> Union[int, bool, None]:
+        """The end's index; None if ``s`` ends first; False on a bracket that does not match, a
+        newline in a one-line string, or a comment."""
+        n, k = len(s), self.k
+        while k < n:
+            if self.quote:  # inside a string: jump to the next backslash, newline or quote
+                m = self._STRING_STOP[self.quote[0]].search(s, k)
+                if m is None:
+                    k = n
                     break
-                elif len(quote) == 1 and s[k] == "\n":
-                    return False
+                k = m.start()
+                c = s[k]
+                if c == "\\":
+                    if k + 1 >= n:
+                        break  # the escaped character is not there yet
+                    k += 2
+                elif c == "\n":
+                    if len(self.quote) == 1:
+                        return False
+                    k += 1
+                elif s.startswith(self.quote, k):
+                    k += len(self.quote)
+                    self.quote = ""
+                elif len(self.quote) == 3 and k + 3 > n and self.quote.startswith(s[k:]):
+                    break  # maybe the closing triple quote, cut
                 else:
                     k += 1
-            continue
-        if ch == "#":
-            return False
-        if ch in "([{":
-            stack.append(ch)
-        elif ch in ")]}":
-            if not stack:
-                return k if ch == ")" else False
-            if stack.pop() != _CLOSING[ch]:
+                continue
+            c = s[k]
+            if c in "\"'":
+                if s.startswith(c * 3, k):
+                    self.quote = c * 3
+                elif k + 2 >= n and s[k:] in (c, c * 2):
+                    break  # "" or the start of """: wait
+                else:
+                    self.quote = c
+                k += len(self.quote)
+                continue
+            if c == "#":
                 return False
-        elif ch == "," and not stack:
-            return k
-        k += 1
-    return None
+            if c in "([{":
+                self.stack.append(c)
+            elif c in ")]}":
+                if not self.stack:
+                    return k if c == ")" else False
+                if self.stack.pop() != _CLOSING[c]:
+                    return False
+            elif c == "," and not self.stack:
+                return k
+            k += 1
+        self.k = k
+        return None
 
 
 class PythonicToolParser:
@@ -140,6 +162,7 @@ class _PythonicStream(CallTextStream):
         super().__init__()
         self.state = "start"
         self.calls_in_list = 0
+        self.value: Optional[ValueEnd] = None  # the scan of the argument value in progress
 
     def step(self, final: bool) -> bool:
         st = self.state
@@ -176,7 +199,7 @@ class _PythonicStream(CallTextStream):
             m = _IDENT.match(self.buf, i)
             if m is None or m.end() == len(self.buf):
                 return self.more(final) if m is not None or i == len(self.buf) else self._bad()
-            j = m.end() + len(self.buf[m.end() :]) - len(self.buf[m.end() :].lstrip())
+            j = self.skip_space(m.end())
             if j == len(self.buf):
                 return self.more(final)
             if self.buf[j] != "(":
@@ -197,7 +220,11 @@ class _PythonicStream(CallTextStream):
             m = _KEYWORD.match(self.buf, i)
             if m is None:
                 return self.more(final) if _PARTIAL_KEYWORD.fullmatch(self.buf, i) else self._bad()
-            end = value_end(self.buf, m.end())
+            if self.value is None or self.value.start != m.end():
+                self.value = ValueEnd(m.end())
+            end = self.value.scan(self.buf)
+            if end is not None:
+                self.value = None
             if end is None:
                 return self.more(final)
             if end is False:
@@ -226,6 +253,10 @@ class _PythonicStream(CallTextStream):
             self.state = self.TEXT
             return True
         raise AssertionError(st)
+
+    def bad(self) -> None:
+        super().bad()
+        self.value = None
 
     def _bad(self) -> bool:
         self.bad()
