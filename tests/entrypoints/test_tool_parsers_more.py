@@ -66,6 +66,9 @@ CASES = [
     # Cut after an argument: the call keeps it; the rest is content.
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2",
      "\n<parameter=days>\n2", [("get_weather", {"city": "Paris"})]),
+    # A second function that goes wrong: the first stands, the rest is content.
+    ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\n<function=get_weather\n</tool_call>",
+     "\n<function=get_weather\n</tool_call>", [("get_time", {})]),
     # Mistral 7B v0.3: [TOOL_CALLS] and a JSON list (key order free, extra keys ignored, string arguments).
     ("mistral", 'Let me look.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris, France", "unit": "c", '
      '"days": 2}}, {"arguments": {"path": "a.txt", "options": {"mode": [1, 2.5, null]}}, "name": "write_file", "id": "aB3dE6gH9"}, '
@@ -86,6 +89,7 @@ CASES = [
     ("mistral", "Sure [TOOL_CALLS] I cannot call that.", "Sure [TOOL_CALLS] I cannot call that.", []),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]{city: Paris}", "[TOOL_CALLS]get_weather[ARGS]{city: Paris}", []),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"ratio": NaN}', '[TOOL_CALLS]get_weather[ARGS]{"ratio": NaN}', []),
+    ("mistral", "[TOOL_CALLS]get_time[ARGS]{} [TOOL_CALLS] oops", " [TOOL_CALLS] oops", [("get_time", {})]),
     ("mistral", "[TOOL_CALLS][1, 2]", "[TOOL_CALLS][1, 2]", []),
     ("mistral", "No tools needed: [1, 2] and [TOOL_CALL", "No tools needed: [1, 2] and [TOOL_CALL", []),
     # Llama 3.2 pythonic: several calls, Python literals of every kind.

@@ -78,13 +78,13 @@ class _MistralStream(CallTextStream):
             if st == "after_call" and self.buf.startswith(self.BOT[: len(self.buf) - i], i):
                 if len(self.buf) - i < len(self.BOT):
                     return self._end_of_calls(final)
+                self.commit()  # the call before is complete: from here, this one's text
                 self.take(i + len(self.BOT))
-                self.commit()
                 self.state = "after_bot"
                 return True
             if st == "after_bot" and self.buf[i] == "[":
                 self.take(i + 1)
-                self.state = "list"
+                self.state, self.item = "list", {}
                 return True
             if _NAME.match(self.buf[i]):
                 if st == "after_call":  # the spaces before it are content if it is none

@@ -240,7 +240,7 @@ class _PythonicStream(CallTextStream):
             if not tag:
                 return self.more(final) if tag is None else self._bad()
             self.take(i + 1)
-            self.commit()
+            self.commit()  # the call before is complete: from here, the next one's text
             self.state = "call" if tag == "," else "end"
             return True
         if st == "end":  # after the list: an optional <|python_end|>, then text

@@ -183,8 +183,10 @@ class _Qwen3CoderStream(CallTextStream):
             if not tag:  # the block was not closed: what follows is text
                 self.raw, self.state = "", self.TEXT
                 return True
+            self.commit()  # the call before is complete: from here, the next one's text
             self.take(i + len(tag))
-            self.commit()
+            if tag == self.CLOSE:
+                self.commit()
             self.state = "between" if tag == self.CLOSE else "function_name"
             return True
         if st == "between":  # after a block: spaces before the next one are not content
