@@ -15,10 +15,12 @@ The sources in ``csrc/`` are translation units laid out by kind, one file per id
   oneDNN's packed weights, 1-64 rows at a time), ``amx.c`` and ``avx2.c`` (own weight layouts);
 - ``step/decode_step.c``: a whole step's layer loop; ``probe/``: the memory-bandwidth probe;
 - ``quant/``: the matmul on quantized weights (:mod:`pagedserve.ops.quantized`'s layout) and their
-  dequantization, ``qgemm.c`` (checks, the scalar loops) over ``avx2.c`` and ``avx512.c``.
+  dequantization, ``qgemm.c`` (checks, the scalar loops) over ``avx2.c`` and ``avx512.c``;
+- ``lora/``: the multi-LoRA delta, ``lora.c`` (checks, rows grouped by adapter, the portable
+  loops) over ``avx2.c`` and ``avx512.c`` (the same loops, ``body.h``, with each ISA's flags).
 
-They are linked into four libraries, ``paged_attention``, ``fused_ops``, ``decode`` (the step,
-the matmuls and the fused ops again) and ``quant``, each cached as one shared object under
+They are linked into five libraries, ``paged_attention``, ``fused_ops``, ``decode`` (the step,
+the matmuls and the fused ops again), ``quant`` and ``lora``, each cached as one shared object under
 ``$PAGEDSERVE_CACHE/kernels``, keyed by the sources, the compiler flags and the CPU, and linked
 from the units' objects (``kernels/obj/``, same keys; compiled in parallel). Each unit is
 compiled on its own: the portable ones (the dispatch, the scalar loops) for the baseline of the
@@ -126,6 +128,17 @@ _LIBS = {
             ("quant/qgemm.c", "portable"),
             ("quant/avx2.c", "avx2"),
             ("quant/avx512.c", "avx512"),
+        ],
+    ),
+    # The multi-LoRA delta: every unit adds in the same order (no contraction), so each ISA's
+    # units give the same bits (csrc/lora/lora.h).
+    "lora": (
+        ["-ffp-contract=off"],
+        [
+            ("common/cpu.c", "portable"),
+            ("lora/lora.c", "portable"),
+            ("lora/avx2.c", "avx2"),
+            ("lora/avx512.c", "avx512"),
         ],
     ),
 }
@@ -302,6 +315,9 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
         lib.qgemm.argtypes = [p, i32, i64, i64, i64, p, i32, i64, p, p, i64, p, i32, i64]
         lib.qdequant.restype = ctypes.c_int
         lib.qdequant.argtypes = [p, i32, i64, p, p, i64, i64, p, i32]
+    elif name == "lora":
+        lib.lora_add_delta.restype = ctypes.c_int
+        lib.lora_add_delta.argtypes = [p, i64, p, i64, i32, i64, p, i64, p, p, p, i64, i64, i64]
     elif name == "decode":
         lib.small_gemm_bf16.restype = ctypes.c_int
         lib.small_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, i64]
@@ -368,6 +384,11 @@ def get_quant_lib() -> Optional[ctypes.CDLL]:
     """The compiled quantized-weight matmul and dequantization (``csrc/quant/``), or None when
     disabled or unavailable."""
     return _get("quant")
+
+
+def get_lora_lib() -> Optional[ctypes.CDLL]:
+    """The compiled multi-LoRA delta (``csrc/lora/``), or None when disabled or unavailable."""
+    return _get("lora")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,0 +1,7 @@
+/* The LoRA delta loops (body.h) built with AVX-512 flags (build.py); run only when ps_cpu_isa()
+ * says so (lora.c). 512-bit vectors even where -mtune prefers 256 (the same sums either way). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
+#define PS_LORA_SUFFIX avx512
+#include "body.h"

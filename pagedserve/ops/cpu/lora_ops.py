@@ -1,0 +1,122 @@
+"""The multi-LoRA delta on the CPU through the C kernel of ``csrc/lora/`` (ctypes):
+:func:`add_lora_delta` adds, to each row of a projection's output whose adapter slot is >= 0,
+``B[s] @ (A[s] @ x[t])``, in place, for rows of several adapters and of the base model in one
+batch (S-LoRA / Punica's shrink and expand, here one C call per projection).
+
+The arithmetic (``csrc/lora/lora.h``): each rank value a float32 dot product in a fixed order, each
+delta a float32 sum over the rank in order, added to the output widened to float32 and rounded
+once to its dtype. A row's bits depend on that row alone (its input, its adapter), never on the
+other rows of the batch nor on the threads or the ISA unit (AVX-512, AVX2 or the portable loops:
+the same sums). The work is split over torch's OpenMP pool (tiles of up to 8 rows of one
+adapter times the rank, then times blocks of 64 outputs) from about 128k multiply-adds up.
+
+The tensors are checked here (ValueError); the C code trusts their layout but checks the slots
+and ranks (a slot outside ``[-1, S)`` or a rank outside ``[0, R]`` writes nothing: ValueError).
+:mod:`pagedserve.model.lora` holds the adapters' stacked weights and the PyTorch path used off
+the CPU or without the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.ops.cpu.build import get_lora_lib
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def lora_kernel_available() -> bool:
+    """Whether the C kernel is built and loaded (False with ``PAGEDSERVE_CPU_KERNELS=0`` or no
+    C compiler)."""
+    return get_lora_lib() is not None
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, ranks: torch.Tensor, row_slots: torch.Tensor) -> None:
+    for name, t in (("out", out), ("x", x), ("a", a), ("bt", bt), ("ranks", ranks), ("row_slots", row_slots)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if out.dim() != 2 or x.dim() != 2 or out.shape[0] != x.shape[0]:
+        raise ValueError(f"out [T, N] and x [T, K] must be 2-D with the same rows, got {tuple(out.shape)} and {tuple(x.shape)}")
+    if x.dtype != out.dtype or x.dtype not in _KERNEL_DTYPES + (torch.float16,):
+        raise ValueError(f"x and out must share a float32, bfloat16 or float16 dtype, got {x.dtype} and {out.dtype}")
+    if a.dim() != 3 or bt.dim() != 3 or a.dtype != torch.float32 or bt.dtype != torch.float32:
+        raise ValueError(f"a [S, R, K] and bt [S, R, N] must be 3-D float32, got {tuple(a.shape)} {a.dtype} and {tuple(bt.shape)} {bt.dtype}")
+    s, r, k = a.shape
+    n = out.shape[1]
+    if tuple(bt.shape) != (s, r, n) or k != x.shape[1]:
+        raise ValueError(f"a {tuple(a.shape)} and bt {tuple(bt.shape)} do not fit x {tuple(x.shape)} and out {tuple(out.shape)}")
+    if r < 1 or k < 1 or n < 1:
+        raise ValueError(f"empty dimensions: a {tuple(a.shape)}, bt {tuple(bt.shape)}")
+    if not (a.is_contiguous() and bt.is_contiguous()):
+        raise ValueError("a and bt must be contiguous")
+    if ranks.dtype != torch.int32 or tuple(ranks.shape) != (s,) or not ranks.is_contiguous():
+        raise ValueError(f"ranks must be a contiguous int32 tensor of shape ({s},), got {ranks.dtype} {tuple(ranks.shape)}")
+    if row_slots.dtype != torch.int32 or tuple(row_slots.shape) != (x.shape[0],):
+        raise ValueError(f"row_slots must be an int32 tensor of shape ({x.shape[0]},), got {row_slots.dtype} {tuple(row_slots.shape)}")
+
+
+def add_lora_delta(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, ranks: torch.Tensor, row_slots: torch.Tensor) -> None:
+    """``out[t] += bt[s].T @ (a[s] @ x[t])`` in place, for each row ``t`` with ``s = row_slots[t] >= 0``
+    (the first ``ranks[s]`` rank rows of slot ``s``; rows of slot -1 or of a rank-0 slot untouched,
+    bit for bit). Each delta is a float32 sum added to ``out`` widened to float32, rounded once to
+    its dtype (float16: computed through float32 copies, then rounded back).
+
+    Args:
+        out: ``[T, N]`` float32, bfloat16 or float16, CPU; rows may be a wider tensor's (stride 1
+            within a row), else computed in a copy and copied back.
+        x: ``[T, K]``, out's dtype, CPU (copied to row-major when it is not).
+        a: ``[S, R, K]`` float32, contiguous: slot s's A (rank rows beyond ``ranks[s]`` unused).
+        bt: ``[S, R, N]`` float32, contiguous: slot s's B transposed (scaling folded in).
+        ranks: ``[S]`` int32, each in ``[0, R]``.
+        row_slots: ``[T]`` int32, each in ``[-1, S)``.
+
+    Raises:
+        ValueError: a tensor of the wrong shape, dtype or device, a slot outside ``[-1, S)``,
+            a rank outside ``[0, R]`` (then nothing is written).
+        RuntimeError: the kernel is not available (:func:`lora_kernel_available`), or out of memory.
+    """
+    _check(out, x, a, bt, ranks, row_slots)
+    lib = get_lora_lib()
+    if lib is None:
+        raise RuntimeError("the LoRA CPU kernel is not available (PAGEDSERVE_CPU_KERNELS=0 or no C compiler)")
+    t, n = out.shape
+    if t == 0:
+        return
+    if out.dtype == torch.float16:  # through float32: out rounded once, as for the other dtypes
+        out32 = out.float()
+        add_lora_delta(out32, x.float(), a, bt, ranks, row_slots)
+        out.copy_(out32)
+        return
+    if out.stride(1) != 1 or (t > 1 and out.stride(0) < n):
+        tmp = out.contiguous()
+        add_lora_delta(tmp, x, a, bt, ranks, row_slots)
+        out.copy_(tmp)
+        return
+    k = x.shape[1]
+    if x.stride(1) != 1 or (t > 1 and x.stride(0) < k):
+        x = x.contiguous()
+    row_slots = row_slots.contiguous()
+    ldx = x.stride(0) if t > 1 else k
+    ldo = out.stride(0) if t > 1 else n
+    rc = lib.lora_add_delta(
+        x.data_ptr(),
+        ldx,
+        out.data_ptr(),
+        ldo,
+        int(out.dtype == torch.bfloat16),
+        t,
+        row_slots.data_ptr(),
+        a.shape[0],
+        ranks.data_ptr(),
+        a.data_ptr(),
+        bt.data_ptr(),
+        a.shape[1],
+        k,
+        n,
+    )
+    if rc == -1:
+        raise ValueError(f"lora_add_delta: a row slot outside [-1, {a.shape[0]}) or a rank outside [0, {a.shape[1]}] (nothing written)")
+    if rc != 0:
+        raise RuntimeError(f"lora_add_delta failed ({rc}: out of memory) for x {tuple(x.shape)}, a {tuple(a.shape)}")
