@@ -24,6 +24,7 @@ _LAZY = {
     "EmbeddingRequestOutput": "pagedserve.outputs",
     "EmbeddingOutput": "pagedserve.outputs",
     "PoolingParams": "pagedserve.pooler_config",
+    "LoRARequest": "pagedserve.lora_request",
 }
 __all__ = [*_LAZY, "__version__"]
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
 from pagedserve.kv_transfer_config import KVTransferConfig
+from pagedserve.lora_request import parse_lora_modules
 from pagedserve.pooler_config import RUNNERS, PoolerConfig, parse_pooler_config, pooler_config_dict
 from pagedserve.spec_decode_config import SpeculativeConfig
 
@@ -96,6 +97,12 @@ class EngineConfig:
             sentence-transformers files, else LAST and normalize. Resolved at start-up into a
             dict with every key filled in. Prefix caching stays on only with LAST pooling (MEAN
             and CLS need every prompt position computed).
+        enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules: multi-LoRA serving
+            (vLLM's flags; see :mod:`pagedserve.worker.lora_manager`). ``max_loras``: adapters a
+            step may run (resident slots, LRU); ``max_lora_rank``: the largest rank accepted;
+            ``max_cpu_loras``: adapters registered (loaded in memory) at once, None = 4 x
+            ``max_loras``; ``lora_modules`` (the server's): ``name=path`` or JSON
+            ``{"name", "path", "base_model_name"}`` entries registered at start.
         block_size: tokens per KV cache block.
         max_model_len: longest sequence (prompt + output, tokens); None = the model's
             max_position_embeddings, lowered to what the KV cache can hold.
@@ -195,6 +202,14 @@ class EngineConfig:
         metadata=_flag(
             'with --runner pooling, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true|false} (default: the checkpoint\'s sentence-transformers config, else LAST, normalized)'
         ),
+    )
+    enable_lora: bool = field(default=False, metadata=_flag("serve LoRA adapters (--lora-modules, per-request lora_request)"))
+    max_loras: int = field(default=4, metadata=_flag("LoRA adapters one step may run (resident slots, LRU)"))
+    max_lora_rank: int = field(default=16, metadata=_flag("largest LoRA rank accepted"))
+    max_cpu_loras: Optional[int] = field(default=None, metadata=_flag("LoRA adapters registered in memory at once (default 4 x --max-loras)"))
+    lora_modules: Optional[list[str]] = field(
+        default=None,
+        metadata=_flag('LoRA adapters served at start: name=path or JSON {"name", "path", "base_model_name"}', nargs="+", only="serve"),
     )
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
     max_model_len: Optional[int] = field(default=None, metadata=_flag("longest prompt + output (tokens)"))
@@ -355,6 +370,25 @@ class EngineConfig:
             for name, what in (("speculative_config", "speculative decoding"), ("kv_transfer_config", "prefill/decode disaggregation")):
                 if getattr(self, name) is not None:
                     raise ValueError(f"runner='pooling' produces no tokens, so {name} ({what}) does not apply")
+        for name in ("max_loras", "max_lora_rank"):
+            positive(name, allow_none=False)
+        positive("max_cpu_loras")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.lora_modules is not None:
+            if isinstance(self.lora_modules, str):
+                self.lora_modules = [self.lora_modules]
+            if not self.enable_lora:
+                raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+            parse_lora_modules(self.lora_modules)  # ValueError on a malformed entry
+        if self.enable_lora:
+            for bad, why in (
+                (self.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
+                (self.runner == "pooling", "runner='pooling'"),
+                (self.kv_transfer_config is not None, "kv_transfer_config (prefill/decode disaggregation)"),
+            ):
+                if bad:
+                    raise ValueError(f"enable_lora together with {why} is not supported")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -399,6 +433,11 @@ class EngineConfig:
         if self.runner != "pooling":
             return None
         return parse_pooler_config(self.pooler_config)
+
+    @property
+    def lora_capacity(self) -> int:
+        """Adapters that may be registered at once (``max_cpu_loras``, default 4 x ``max_loras``)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
 
     @property
     def speculative(self) -> Optional[SpeculativeConfig]:

@@ -43,6 +43,7 @@ from pagedserve.core.outputs import (
     SchedulerStats,
 )
 from pagedserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
@@ -228,6 +229,7 @@ for _cls in (
     HoldSpec,
     ReleaseSpec,
     KVConnectorMetadata,
+    LoRARequest,
     RequestOutputKind,
     EngineCoreRequestType,
     EngineCoreEventType,

@@ -17,6 +17,7 @@ import xxhash
 
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock
 from pagedserve.core.request import Request
+from pagedserve.lora_request import first_block_extra_keys
 
 
 def hash_seed(model_identity: str) -> bytes:
@@ -65,7 +66,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * B <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else self.seed_hash
-            extra = request.cache_salt.encode() if (i == 0 and request.cache_salt) else None
+            extra = first_block_extra_keys(request.cache_salt, request.lora_key) if i == 0 else None
             hashes.append(hash_block_tokens(parent, tokens[i * B : (i + 1) * B], extra))
 
     # -- lookup and allocation ------------------------------------------------------------

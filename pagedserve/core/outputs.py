@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class EngineCoreRequest:
             ``pagedserve.distributed.kv_transfer``), or None.
         priority: under ``scheduling_policy="priority"``, smaller values are scheduled first
             (0 otherwise).
+        lora_request: the LoRA adapter the request runs with (None: the base model).
+        lora_key: its digest as the front registered it (the core refuses a stale one).
     """
 
     request_id: str
@@ -120,6 +123,8 @@ class EngineCoreRequest:
     deadline: Optional[float] = None
     kv_transfer_params: Optional[dict] = None
     priority: int = 0
+    lora_request: Optional[LoRARequest] = None
+    lora_key: Optional[str] = None
 
 
 @dataclass
@@ -268,6 +273,8 @@ class EngineCoreInfo:
             types joined by "+" ("Q4_1+Q8_0").
         weight_bytes: bytes the weights take in memory (quantized values, scales and float
             parameters).
+        loras: the LoRA adapters registered at start (``--lora-modules``), as ``[LoRARequest,
+            digest]`` pairs.
     """
 
     config: "EngineConfig"
@@ -279,3 +286,4 @@ class EngineCoreInfo:
     block_hash_seed: bytes = b""
     weights_type: str = ""
     weight_bytes: int = 0
+    loras: list = field(default_factory=list)

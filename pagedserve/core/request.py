@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Optional
 
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -54,6 +55,8 @@ class Request:
         stop_reason: the stop token id or stop string that ended the request, if any.
         kv_transfer_params: the connector's parameters from the client (a decode instance:
             where to read the prompt's KV; a prefill instance: ``do_remote_decode``).
+        lora_request, lora_key: the LoRA adapter it runs with and the digest of its files
+            (:func:`pagedserve.lora_request.adapter_digest`), None for the base model.
     """
 
     def __init__(
@@ -67,6 +70,8 @@ class Request:
         deadline: Optional[float] = None,
         kv_transfer_params: Optional[dict] = None,
         priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
+        lora_key: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -75,6 +80,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = set(eos_token_ids)
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.lora_key = lora_key  # the adapter's digest: part of the first block's hash
         self.deadline = deadline  # time.monotonic() past which it finishes as "timeout"
         # Prefill/decode disaggregation (see pagedserve.distributed.kv_transfer): what the
         # client sent, and what the connector hands back when the request finishes.

@@ -36,19 +36,22 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from pagedserve.core.kv_cache_manager import hash_block_tokens
+from pagedserve.lora_request import first_block_extra_keys
 
 POLICIES = ("kv-aware", "least-loaded", "round-robin")
 DEFAULT_BALANCE_SLACK = 4
 
 
-def prompt_block_hashes(seed: bytes, token_ids: Sequence[int], block_size: int, cache_salt: Optional[str] = None) -> list[bytes]:
+def prompt_block_hashes(
+    seed: bytes, token_ids: Sequence[int], block_size: int, cache_salt: Optional[str] = None, lora_key: Optional[str] = None
+) -> list[bytes]:
     """Chained hashes of the blocks a replica could serve from its prefix cache: the full
-    blocks of ``token_ids[:-1]`` (as ``KVCacheManager.update_block_hashes``, the salt mixed
-    into the first block only). Returns 16-byte hashes, one per block."""
+    blocks of ``token_ids[:-1]`` (as ``KVCacheManager.update_block_hashes``, the salt and the
+    LoRA adapter's digest mixed into the first block only). Returns 16-byte hashes, one per block."""
     out: list[bytes] = []
     parent = seed
     for i in range((len(token_ids) - 1) // block_size):
-        extra = cache_salt.encode() if (i == 0 and cache_salt) else None
+        extra = first_block_extra_keys(cache_salt, lora_key) if i == 0 else None
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out
@@ -134,9 +137,9 @@ class DPRouter:
     def wants_hashes(self) -> bool:
         return self.policy == "kv-aware"
 
-    def request_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> dict[bytes, list[bytes]]:
+    def request_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str] = None, lora_key: Optional[str] = None) -> dict[bytes, list[bytes]]:
         """A request's leading block hashes under each distinct replica seed."""
-        return {seed: prompt_block_hashes(seed, token_ids, self.block_size, cache_salt) for seed in set(self.seeds)}
+        return {seed: prompt_block_hashes(seed, token_ids, self.block_size, cache_salt, lora_key) for seed in set(self.seeds)}
 
     def matched_blocks(self, replica: int, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` that ``replica`` caches or is computing for a request in

@@ -31,6 +31,7 @@ from pagedserve.core.outputs import SchedulerStats
 from pagedserve.engine.input_processor import ProcessedRequest, PromptType
 from pagedserve.engine.llm_engine import make_processors, served_model_names
 from pagedserve.engine.output_handler import EngineDeadError, OutputHandler, Stream
+from pagedserve.lora_request import LoRARequest
 from pagedserve.messages import AbortRequests, AddRequest, ReleaseKV, UtilityCall
 from pagedserve.messages import EngineCoreRequestType as Req
 from pagedserve.metrics import EngineMetrics
@@ -92,6 +93,8 @@ class AsyncLLM:
         self.input_processor, self.output_processor, self.tokenizer = make_processors(info, info.model_dir)
         self.max_model_len = self.config.max_model_len
         self.vocab_size = self.input_processor.vocab_size
+        # LoRA adapters by name (registered at start with --lora-modules, or by add_lora): (request, digest)
+        self.loras: dict[str, tuple[LoRARequest, str]] = {r.lora_name: (r, key) for r, key in info.loras}
         self.metrics = metrics if metrics is not None else EngineMetrics(self.model_name)
         self.metrics.set_weights(info.weights_type, info.weight_bytes)
         self.outputs = OutputHandler(
@@ -136,15 +139,27 @@ class AsyncLLM:
             return len(self.outputs.not_started)
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, cache_salt: Optional[str] = None, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: Optional[str] = None,
+        priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Validate an offline-style prompt (see ``InputProcessor.process``) and stream its outputs.
+        """Validate an offline-style prompt (see ``InputProcessor.process``) and stream its
+        outputs; ``lora_request`` (an adapter registered by name, loaded here if new) or None.
 
         Raises:
             ValueError: the request is invalid (the message names the field) or the id is in use.
             EngineDeadError: the engine core is not running.
         """
-        processed = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
+        lora = None
+        if lora_request is not None:
+            if lora_request.lora_name not in self.loras:
+                await self.add_lora(lora_request)
+            lora = self.loras[lora_request.lora_name]
+        processed = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt, priority=priority, lora=lora)
         async for out in self.generate_processed(processed):
             yield out
 
@@ -241,6 +256,47 @@ class AsyncLLM:
             EngineDeadError: the engine core is not running.
         """
         return await self._call_utility("get_block_map")
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Register (load and check) an adapter in the engine, under ``lora.lora_name``.
+
+        Raises:
+            ValueError: LoRA is off, the name is taken by another adapter, or the engine refused
+                the adapter (the message says why).
+        """
+        have = self.loras.get(lora.lora_name)
+        if have is not None:
+            if have[0].lora_path == lora.lora_path:
+                return
+            raise ValueError(f"a LoRA adapter named {lora.lora_name!r} is already loaded")
+        if not self.config.enable_lora:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
+        try:
+            key = await self._call_utility("add_lora", lora)
+        except RuntimeError as e:  # the core's refusal, "add_lora: <why>"
+            raise ValueError(str(e).removeprefix("add_lora: ")) from None
+        self.loras[lora.lora_name] = (lora, key)
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter by name; False when there is none.
+
+        Raises:
+            ValueError: live requests use it (retry when they finish).
+        """
+        entry = self.loras.get(name)
+        if entry is None:
+            return False
+        try:
+            await self._call_utility("remove_lora", entry[0].lora_int_id)
+        except RuntimeError as e:
+            raise ValueError(str(e).removeprefix("remove_lora: ")) from None
+        self.loras.pop(name, None)
+        return True
+
+    def next_lora_id(self) -> int:
+        """An adapter id no registered adapter uses."""
+        return max((r.lora_int_id for r, _ in self.loras.values()), default=0) + 1
 
     async def _call_utility(self, name: str, *args: Any) -> Any:
         loop = asyncio.get_running_loop()

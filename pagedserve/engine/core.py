@@ -20,6 +20,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.core.trace import StepTracer, block_map
+from pagedserve.lora_request import LoRARequest, adapter_digest, parse_lora_modules
 from pagedserve.pooler_config import pooler_config_dict, resolve_pooler_config
 
 logger = logging.getLogger("pagedserve")
@@ -76,6 +77,13 @@ class EngineCore:
                 self.config.kv_transfer, self.config.block_size, kv.block_hashes, -(-self.config.max_model_len // self.config.block_size)
             )
         self.scheduler = Scheduler(self.config, kv, grammars, connector)
+        self.loras: dict[int, tuple[LoRARequest, str]] = {}  # registered adapters: id -> (request, digest)
+        try:
+            for lora in parse_lora_modules(self.config.lora_modules):
+                self.add_lora(lora)
+        except BaseException:
+            self.worker.shutdown()
+            raise
         tracer = StepTracer(self.config.trace_buffer_steps, self.config.trace_file)
         self.tracer: Optional[StepTracer] = tracer if tracer.enabled else None
         self.info = EngineCoreInfo(
@@ -87,6 +95,7 @@ class EngineCore:
             self.worker.model_dir,
             kv.seed_hash,
             *_weights_of(self.worker),
+            [[r, key] for r, key in self.loras.values()],
         )
         B = self.config.block_size
         logger.info(
@@ -106,7 +115,14 @@ class EngineCore:
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a validated request. Raises ValueError when its id is in use."""
+        """Queue a validated request. Raises ValueError when its id is in use or its LoRA
+        adapter is not registered here."""
+        lora_key = None
+        if req.lora_request is not None:
+            entry = self.loras.get(req.lora_request.lora_int_id)
+            if entry is None or entry[0].lora_name != req.lora_request.lora_name or (req.lora_key is not None and req.lora_key != entry[1]):
+                raise ValueError(f"LoRA adapter {req.lora_request.lora_name!r} (id {req.lora_request.lora_int_id}) is not loaded")
+            lora_key = entry[1]
         self.scheduler.add_request(
             Request(
                 req.request_id,
@@ -118,8 +134,58 @@ class EngineCore:
                 req.deadline,
                 req.kv_transfer_params,
                 req.priority,
+                req.lora_request,
+                lora_key,
             )
         )
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> str:
+        """Register a LoRA adapter: the worker loads and checks it (see
+        :mod:`pagedserve.worker.lora_manager`). Returns the digest its KV is cached under
+        (the same adapter again: its digest, nothing reloaded).
+
+        Raises:
+            ValueError: LoRA is off, the id or name is taken by another adapter, ``max_cpu_loras``
+                adapters are registered, or the adapter is refused (files, rank, shapes).
+        """
+        if not self.config.enable_lora:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
+        if isinstance(lora, dict):  # from a utility call's arguments
+            lora = LoRARequest(**lora)
+        same = self.loras.get(lora.lora_int_id)
+        if same is not None:
+            if (same[0].lora_name, same[0].lora_path) == (lora.lora_name, lora.lora_path):
+                return same[1]
+            raise ValueError(f"LoRA id {lora.lora_int_id} is already used by adapter {same[0].lora_name!r}")
+        if any(r.lora_name == lora.lora_name for r, _ in self.loras.values()):
+            raise ValueError(f"a LoRA adapter named {lora.lora_name!r} is already loaded")
+        if len(self.loras) >= self.config.lora_capacity:
+            raise ValueError(f"{len(self.loras)} LoRA adapters are loaded, the most max_cpu_loras allows; unload one first")
+        key = adapter_digest(lora.lora_path)
+        self.worker.add_lora(lora)
+        self.loras[lora.lora_int_id] = (lora, key)
+        return key
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter. False when it is not loaded.
+
+        Raises:
+            ValueError: live requests use it (it is never taken from under them).
+        """
+        entry = self.loras.get(lora_int_id)
+        if entry is None:
+            return False
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {entry[0].lora_name!r} is in use by {len(users)} request(s); retry when they finish")
+        self.worker.remove_lora(lora_int_id)
+        del self.loras[lora_int_id]
+        return True
+
+    def list_loras(self) -> list[int]:
+        """Ids of the registered adapters."""
+        return sorted(self.loras)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests as aborted and free their blocks now (unknown ids are ignored)."""

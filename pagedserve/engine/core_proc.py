@@ -40,7 +40,7 @@ Message = tuple  # (type, payload): see pagedserve.messages
 logger = logging.getLogger("pagedserve")
 
 IDLE_POLL_S = 1.0
-UTILITIES = ("reset_prefix_cache", "get_stats", "get_step_trace", "get_block_map")
+UTILITIES = ("reset_prefix_cache", "get_stats", "get_step_trace", "get_block_map", "add_lora", "remove_lora", "list_loras")
 
 
 def freeze_gc_heap() -> int:

@@ -184,7 +184,7 @@ class DPClient:
         if kind is Req.ADD:
             children = list(payload.requests)
             first = children[0]
-            hashes = self.router.request_hashes(first.prompt_token_ids, first.cache_salt) if self.router.wants_hashes() else None
+            hashes = self.router.request_hashes(first.prompt_token_ids, first.cache_salt, first.lora_key) if self.router.wants_hashes() else None
             with self._lock:
                 self._route(_Group(children, -1, {c.request_id for c in children}, hashes))
         elif kind is Req.ABORT:

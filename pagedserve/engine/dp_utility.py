@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from pagedserve.messages import EngineCoreEventType, UtilityResult
 
-BROADCAST_UTILITIES = ("reset_prefix_cache",)
+BROADCAST_UTILITIES = ("reset_prefix_cache", "add_lora", "remove_lora")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 from pagedserve.core.outputs import EngineCoreRequest
 from pagedserve.core.structured_output import StructuredOutputManager
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import RequestError, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -237,6 +238,7 @@ class InputProcessor:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         priority: int = 0,
+        lora: Optional[tuple[LoRARequest, str]] = None,
     ) -> ProcessedRequest:
         """Validate an offline prompt (any :data:`PromptType`) and fan it out.
 
@@ -252,7 +254,7 @@ class InputProcessor:
         ids = self.truncate_prompt(ids, params.truncate_prompt_tokens)
         params.max_tokens = self.resolve_max_tokens(params.max_tokens, len(ids), strict=False)
         self.check_params(params)
-        return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt, priority=priority)
+        return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt, priority=priority, lora=lora)
 
     def make_request(
         self,
@@ -265,10 +267,12 @@ class InputProcessor:
         timeout_s: Optional[float] = None,
         kv_transfer_params: Optional[dict] = None,
         priority: int = 0,
+        lora: Optional[tuple[LoRARequest, str]] = None,
     ) -> ProcessedRequest:
         """Fan out checked token ids and params (``check_params`` passed, ``max_tokens`` set,
         ``priority`` checked) into the core's requests (each child carries
-        ``kv_transfer_params``: siblings of one remote prefill share its load)."""
+        ``kv_transfer_params``: siblings of one remote prefill share its load; ``lora``: the
+        registered adapter and its digest, or None for the base model)."""
         if request_id is None:
             request_id = str(self._counter)
             self._counter += 1
@@ -285,6 +289,18 @@ class InputProcessor:
                     child.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(
-                EngineCoreRequest(rid, prompt_token_ids, child, self.eos_token_ids, arrival, cache_salt, deadline, kv_transfer_params, priority)
+                EngineCoreRequest(
+                    rid,
+                    prompt_token_ids,
+                    child,
+                    self.eos_token_ids,
+                    arrival,
+                    cache_salt,
+                    deadline,
+                    kv_transfer_params,
+                    priority,
+                    lora[0] if lora else None,
+                    lora[1] if lora else None,
+                )
             )
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, children)

@@ -18,6 +18,7 @@ from pagedserve.core.outputs import SchedulerStats
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -83,14 +84,22 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> str:
         """Validate and queue a request; returns its id. ``priority``: see ``EngineConfig.scheduling_policy``.
+        ``lora_request``: the LoRA adapter to run with (loaded here the first time; None: the base model).
 
         Raises:
             ValueError: naming the field: empty prompt, prompt too long for max_model_len, token
-                ids outside the vocabulary, duplicate request_id, invalid sampling parameters.
+                ids outside the vocabulary, duplicate request_id, invalid sampling parameters, an
+                adapter that is refused or LoRA off.
         """
-        req = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority)
+        lora = None
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            lora = (lora_request, self.core.add_lora(lora_request))
+        req = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority, lora)
         self.output_processor.add_request(req)
         for child in req.children:
             self.core.add_request(child)

@@ -10,6 +10,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import SchedulerStats
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.pooler_config import PoolingParams, finish_embedding, pooling_sampling_params
 from pagedserve.sampling_params import SamplingParams
@@ -58,10 +59,13 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
         priority: Optional[Sequence[int]] = None,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
         """Generate completions for one prompt or a list of prompts (str, token-id list or
         ``{"prompt_token_ids": [...]}``), in input order. ``priority``: one int per prompt
         (smaller runs first), only with ``scheduling_policy="priority"``, as vLLM's.
+        ``lora_request``: a :class:`LoRARequest` for every prompt or a list of one per prompt
+        (None: the base model), with ``LLM(..., enable_lora=True)``.
 
         Raises:
             ValueError: for invalid prompts, sampling parameters or priorities (nothing is
@@ -85,7 +89,13 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority must hold one value per prompt: {len(priorities)} for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm, priorities)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request must be one LoRARequest or one per prompt: {len(loras)} for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, priorities, loras)
 
     def embed(
         self,
@@ -145,12 +155,14 @@ class LLM:
         text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool, priorities: list[int]) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool, priorities: list[int], loras: Optional[list] = None
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
-            for p, sp, prio in zip(prompts, params_list, priorities):
-                ids.append(engine.add_request(None, p, sp, priority=prio))
+            for p, sp, prio, lora in zip(prompts, params_list, priorities, loras or [None] * len(prompts)):
+                ids.append(engine.add_request(None, p, sp, priority=prio, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -46,11 +46,14 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(
-        self, hidden, positions, state, rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: TorchBackend
+        self, hidden, positions, state, rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: TorchBackend, lora=None
     ) -> torch.Tensor:
-        """``hidden [T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V."""
+        """``hidden [T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V. ``lora``:
+        the step's LoRA rows (``pagedserve.worker.lora_manager.LoRAStep``) or None."""
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.add(qkv, hidden, self.layer_idx, "qkv")
         qk_end = self.q_size + self.kv_size
         qk = qkv[:, :qk_end]
         if self.qk_norm:
@@ -59,37 +62,48 @@ class Attention(nn.Module):
         q, k, v = backend.rope_and_write_kv(
             qk, qkv[:, qk_end:], positions, state, rope, kv_cache, meta, self.num_heads, self.num_kv_heads, self.head_dim
         )
-        o = backend.attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.view(T, self.q_size))
+        o = backend.attention(q, k, v, kv_cache, meta, self.scale).view(T, self.q_size)
+        out = self.o_proj(o)
+        if lora is not None:
+            lora.add(out, o, self.layer_idx, "o")
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, backend: TorchBackend) -> torch.Tensor:
-        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, backend: TorchBackend, lora=None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        lora.add(gate_up, x, self.layer_idx, "gate_up")
+        act = backend.silu_and_mul(gate_up)
+        out = self.down_proj(act)
+        lora.add(out, act, self.layer_idx, "down")
+        return out
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, residual, positions, state, rope, kv_cache, meta, backend: TorchBackend):
+    def forward(self, hidden, residual, positions, state, rope, kv_cache, meta, backend: TorchBackend, lora=None):
         """Returns (mlp output, residual), whose sum is the layer's output as HF computes it;
         ``residual`` is None before the first layer."""
         h, residual = backend.add_rms_norm(hidden, residual, self.input_layernorm)
-        h = self.self_attn(h, positions, state, rope, kv_cache, meta, backend)
+        h = self.self_attn(h, positions, state, rope, kv_cache, meta, backend, lora)
         h, residual = backend.add_rms_norm(h, residual, self.post_attention_layernorm)
-        return self.mlp(h, backend), residual
+        return self.mlp(h, backend, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,17 +144,20 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        lora=None,
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` of the flat batch ``input_ids [num_tokens]``
-        at ``positions [num_tokens]``; writes their K/V into ``kv_caches`` (one per layer)."""
+        at ``positions [num_tokens]``; writes their K/V into ``kv_caches`` (one per layer).
+        ``lora``: the step's LoRA rows (``pagedserve.worker.lora_manager.LoRAStep``), each
+        projection's delta added beside it; None when no row uses an adapter."""
         backend = self.backend
         hidden = self.embed_tokens(input_ids)
-        if backend.decode_step(self, hidden, positions, kv_caches, attn_metadata):
+        if lora is None and backend.decode_step(self, hidden, positions, kv_caches, attn_metadata):
             return hidden
         state = backend.begin_forward(self, positions, attn_metadata, kv_caches, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, state, self.rotary_emb, kv_cache, attn_metadata, backend)
+            hidden, residual = layer(hidden, residual, positions, state, self.rotary_emb, kv_cache, attn_metadata, backend, lora)
         return backend.add_rms_norm(hidden, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:

@@ -57,6 +57,7 @@ class CachedRequestState:
     eos_token_ids: list[int]
     generator: Optional[torch.Generator] = None
     num_prompt_logprobs_done: int = 0  # prompt positions whose logprobs were sent (kept through preemption)
+    lora_int_id: int = 0  # its LoRA adapter's id, 0 for the base model
     pooled: Optional[torch.Tensor] = None  # pooling runner: the running sum (MEAN) or first state (CLS), [hidden] float32
 
     @classmethod

@@ -20,7 +20,7 @@ token ids, and the other ranks append those (their output is empty).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from pagedserve.model.rejection_sampler import rejection_sample
 from pagedserve.model.sampler import Sampler, apply_grammar_bitmask
 from pagedserve.ops import kv_int8
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch
+
+if TYPE_CHECKING:
+    from pagedserve.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class ModelRunner:
             with ``kv_cache_dtype="int8"`` ``num_layers x [2, num_blocks, num_kv_heads,
             cell_bytes]`` int8 (:mod:`pagedserve.ops.kv_int8`).
         max_num_reqs, max_model_len: size of the input batch (rows, tokens per row).
+        lora_manager: with LoRA on, the adapters; each step's rows run with their request's.
         pooling_type: None (generate: sample tokens) or the pooling runner's "LAST", "MEAN" or
             "CLS": a request whose chunk reaches the end of its prompt gets its pooled final-norm
             hidden state (``ModelRunnerOutput.pooled``) instead of a sampled token.
@@ -74,9 +78,11 @@ class ModelRunner:
         max_model_len: int,
         kv_cache_dtype: str = "auto",
         pooling_type: Optional[str] = None,
+        lora_manager: Optional[LoRAManager] = None,
     ) -> None:
         cfg = model.config
         self.pooling_type = pooling_type
+        self.lora_manager = lora_manager
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -111,6 +117,7 @@ class ModelRunner:
             state = self.requests.get(new.req_id)  # a resumed request keeps its generator
             if state is None:
                 state = CachedRequestState.create(new.req_id, new.sampling_params, new.eos_token_ids)
+                state.lora_int_id = new.lora_request.lora_int_id if new.lora_request is not None else 0
                 self.requests[new.req_id] = state
                 if new.sampling_params.prompt_logprobs is not None:
                     self.prompt_logprob_reqs.add(new.req_id)
@@ -167,7 +174,11 @@ class ModelRunner:
 
         dev = self.device
         meta = AttentionMetadata(torch.from_numpy(slots).to(dev), groups, B)
-        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, meta)
+        lora = None
+        if self.lora_manager is not None:
+            req_lora = np.fromiter((self.requests[r].lora_int_id for r in order), dtype=np.int64, count=len(order))
+            lora = self.lora_manager.prepare_step(np.repeat(req_lora, nsched))
+        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, meta, lora)
 
         out = ModelRunnerOutput()
         if self.pooling_type is not None:

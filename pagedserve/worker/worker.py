@@ -22,6 +22,7 @@ from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.distributed.parallel_state import TPGroup
 from pagedserve.distributed.tensor_parallel import shard_checkpoint, shard_shapes
+from pagedserve.lora_request import LoRARequest
 from pagedserve.model import loader
 from pagedserve.model.backends import select_backend
 from pagedserve.model.layers import RotaryEmbedding
@@ -132,6 +133,11 @@ class Worker:
         self.model_runner: Optional[ModelRunner] = None
         self._model_identity: Optional[str] = None
         self.kv_connector = None  # prefill/decode disaggregation (initialize_cache)
+        self.lora_manager = None
+        if config.enable_lora:
+            from pagedserve.worker.lora_manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.hf_config, config.max_loras, config.max_lora_rank, self.device, str(config.model or self.model_dir))
         logger.info(
             "pagedserve worker: %s (%s) on %s, %s backend, %d torch threads, loaded in %.1fs",
             self.hf_config.model_type,
@@ -266,6 +272,7 @@ class Worker:
             config.max_model_len,
             config.kv_cache_dtype,
             pooling_type=config.pooler.pooling_type if config.pooler is not None else None,
+            lora_manager=self.lora_manager,
         )
         if config.kv_transfer_config is not None:
             from pagedserve.core.kv_cache_manager import hash_seed
@@ -295,6 +302,17 @@ class Worker:
         out = self.model_runner.execute_model(scheduler_output)
         out.kv_connector_output = connector.get_finished()
         return out
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load and check a LoRA adapter (see :class:`LoRAManager`). Raises ValueError when
+        LoRA is off or the adapter is refused."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        self.lora_manager.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora_manager is not None:
+            self.lora_manager.remove(lora_int_id)
 
     def shutdown(self) -> None:
         """Stop the KV connector's threads and sockets (bounded time)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class NewRequestData:
         block_ids: the request's whole block table after this step's allocation.
         num_computed_tokens: tokens whose K/V is already in the cache before this step
             (prefix-cache hit).
+        lora_request: the request's LoRA adapter (None: the base model).
     """
 
     req_id: str
@@ -41,6 +43,7 @@ class NewRequestData:
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Optional[LoRARequest] = None
 
 
 @dataclass

@@ -225,7 +225,14 @@ class Scheduler:
             if rid in new_ids:
                 out.scheduled_new_reqs.append(
                     NewRequestData(
-                        rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params, sorted(req.eos_token_ids), block_ids, num_computed
+                        rid,
+                        req.prompt_token_ids,
+                        list(req.output_token_ids),
+                        req.sampling_params,
+                        sorted(req.eos_token_ids),
+                        block_ids,
+                        num_computed,
+                        req.lora_request,
                     )
                 )
                 req.num_tokens_on_worker = req.num_tokens
@@ -262,10 +269,16 @@ class Scheduler:
         queue's order, appending ``(request, num_computed_tokens, num_new_tokens)`` to
         ``scheduled`` and their ids to ``new_ids``: each after its prefix-cache hit (or with the
         blocks its remote KV was loaded into), and only if its blocks can be allocated without
-        preempting anyone (the first one that cannot waits, and everything behind it)."""
+        preempting anyone (the first one that cannot waits, and everything behind it). With
+        LoRA, the running requests use at most ``max_loras`` adapters: a request whose adapter
+        would be one too many waits likewise."""
         kv = self.kv_cache_manager
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         while self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            lora_id = req.lora_request.lora_int_id if req.lora_request is not None else None
+            if lora_id is not None and lora_id not in loras and len(loras) >= self.config.max_loras:
+                break
             if req.request_id in kv.req_to_blocks:  # its remote KV arrived: it holds the loaded blocks
                 hit_blocks, num_hit = [], req.num_computed_tokens
             else:
@@ -304,6 +317,8 @@ class Scheduler:
             scheduled.append((req, num_hit, num_new))
             new_ids.add(req.request_id)
             step.take(num_new, num_hit)
+            if lora_id is not None:
+                loras.add(lora_id)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate ``num_new`` slots for a running request, preempting from the back of the
