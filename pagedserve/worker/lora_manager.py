@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from pagedserve.lora_request import LoRARequest
-from pagedserve.model.lora import LoRAAdapter, LoRAModelSpec, LoRASlots, load_peft_adapter
+from pagedserve.model.lora import LoRAAdapter, LoRAModelSpec, load_peft_adapter
+from pagedserve.model.lora_slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
