@@ -385,7 +385,6 @@ class EngineConfig:
             for bad, why in (
                 (self.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
                 (self.runner == "pooling", "runner='pooling'"),
-                (self.kv_transfer_config is not None, "kv_transfer_config (prefill/decode disaggregation)"),
             ):
                 if bad:
                     raise ValueError(f"enable_lora together with {why} is not supported")
