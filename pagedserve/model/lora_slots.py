@@ -3,12 +3,14 @@
 :class:`LoRASlots` holds ``max_loras`` slots; each resident adapter
 (:class:`~pagedserve.model.lora.LoRAAdapter`) is copied into one. Per layer and fused projection
 (``qkv``, ``o``, ``gate_up``, ``down``; :data:`~pagedserve.model.lora.PROJ_WIDTH` gives its width
-``w``) the slots stack, float32, zero-padded:
+``w``) the slots stack, float32, zero-padded, both factors transposed (the delta is
+``(x @ AT) @ BT``; the C kernel's loops then read contiguous rows, see
+:mod:`pagedserve.ops.cpu.lora_ops`):
 
-- ``A[(layer, proj)]``: ``[max_loras, w * max_rank, in_features]``;
-- ``BT[(layer, proj)]``: ``[max_loras, w * max_rank, out_features]``, B transposed (the expand
-  then reads contiguous output rows: vector loops over the outputs, the rank in order);
+- ``AT[(layer, proj)]``: ``[max_loras, in_features, R]``, A transposed;
+- ``BT[(layer, proj)]``: ``[max_loras, R, out_features]``, B transposed (scaling folded in);
 
+with ``R = w * max_rank`` rounded up to a multiple of 16 (the kernel's chunk of rank columns);
 and each slot's rank in use there (``ranks``; 0 for an empty slot or a projection the adapter does
 not target: its rows get no delta). :meth:`LoRASlots.add_delta` adds, to the rows of a
 projection's output that belong to an adapter, ``B[s] @ (A[s] @ x)``: on the CPU the C kernel
@@ -31,6 +33,8 @@ import torch
 from pagedserve.model.lora import PROJ_WIDTH, LoRAAdapter, LoRAError, LoRAModelSpec
 from pagedserve.ops.cpu.lora_ops import add_lora_delta, lora_kernel_available
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float16 through float32 copies
+
 
 class LoRASlots:
     """Resident adapters' stacked weights, one slot per resident adapter (see the module)."""
@@ -44,17 +48,18 @@ class LoRASlots:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         self.spec, self.max_loras, self.max_rank, self.device = spec, max_loras, max_rank, torch.device(device)
-        self.A: dict[tuple[int, str], torch.Tensor] = {}
+        self.AT: dict[tuple[int, str], torch.Tensor] = {}
         self.BT: dict[tuple[int, str], torch.Tensor] = {}
-        # The rank rows in use per slot: a CPU int32 tensor (the C kernel's) and the same as a list.
+        # The rank columns in use per slot: a CPU int32 tensor (the C kernel's) and the same as a list.
         self.ranks: dict[tuple[int, str], torch.Tensor] = {}
         self._ranks_list: dict[tuple[int, str], list[int]] = {}
         for layer in range(spec.num_layers):
             for proj, w in PROJ_WIDTH.items():
                 out_f, in_f = spec.proj_shape(proj)
                 key = (layer, proj)
-                self.A[key] = torch.zeros(max_loras, w * max_rank, in_f, device=self.device)
-                self.BT[key] = torch.zeros(max_loras, w * max_rank, out_f, device=self.device)
+                width = -(-w * max_rank // 16) * 16
+                self.AT[key] = torch.zeros(max_loras, in_f, width, device=self.device)
+                self.BT[key] = torch.zeros(max_loras, width, out_f, device=self.device)
                 self.ranks[key] = torch.zeros(max_loras, dtype=torch.int32)
                 self._ranks_list[key] = [0] * max_loras
         self.slot_paths: list[Optional[str]] = [None] * max_loras
@@ -62,7 +67,7 @@ class LoRASlots:
 
     def num_bytes(self) -> int:
         """Bytes of the stacked weights (all slots)."""
-        return sum(t.numel() * t.element_size() for d in (self.A, self.BT) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.AT, self.BT) for t in d.values())
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
@@ -98,7 +103,7 @@ class LoRASlots:
         self.clear_slot(slot)
         for (layer, proj), (a, b) in adapter.weights.items():
             key, r = (layer, proj), a.shape[0]
-            self.A[key][slot, :r].copy_(a)
+            self.AT[key][slot, :, :r].copy_(a.T)
             self.BT[key][slot, :r].copy_(b.T)
             self.ranks[key][slot] = r
             self._ranks_list[key][slot] = r
@@ -111,9 +116,9 @@ class LoRASlots:
             ValueError: ``slot`` outside ``[0, max_loras)``.
         """
         self._check_slot(slot)
-        for key in self.A:
+        for key in self.AT:
             if self._ranks_list[key][slot]:
-                self.A[key][slot].zero_()
+                self.AT[key][slot].zero_()
                 self.BT[key][slot].zero_()
                 self.ranks[key][slot] = 0
                 self._ranks_list[key][slot] = 0
@@ -137,9 +142,9 @@ class LoRASlots:
                 a slot outside ``[-1, max_loras)`` (on the CPU kernel; nothing is written).
         """
         key = (layer, proj)
-        if key not in self.A:
+        if key not in self.AT:
             raise ValueError(f"no LoRA projection {proj!r} in layer {layer} (projections {list(PROJ_WIDTH)}, {self.spec.num_layers} layers)")
-        a, bt = self.A[key], self.BT[key]
+        at, bt = self.AT[key], self.BT[key]
         out_f, in_f = self.spec.proj_shape(proj)
         if out.dim() != 2 or x.dim() != 2 or tuple(out.shape) != (x.shape[0], out_f) or x.shape[1] != in_f or out.dtype != x.dtype:
             raise ValueError(
@@ -151,12 +156,12 @@ class LoRASlots:
             raise ValueError(f"out must be floating point, got {out.dtype}")
         if x.shape[0] == 0 or not any(self._ranks_list[key]):
             return
-        if out.device.type == "cpu" and a.device.type == "cpu" and out.dtype != torch.float64 and lora_kernel_available():
-            add_lora_delta(out, x, a, bt, self.ranks[key], row_slots.cpu())
+        if out.device != at.device or x.device != at.device:
+            raise ValueError(f"out and x must be on the slots' device {at.device}, got {out.device} and {x.device}")
+        if at.device.type == "cpu" and out.dtype in _KERNEL_DTYPES and lora_kernel_available():
+            add_lora_delta(out, x, at, bt, self.ranks[key], row_slots.cpu(), checked=True)
             return
-        if out.device != a.device or x.device != a.device:
-            raise ValueError(f"out and x must be on the slots' device {a.device}, got {out.device} and {x.device}")
-        add_delta_torch(out, x, a, bt, self._ranks_list[key], self._groups(row_slots))
+        add_delta_torch(out, x, at, bt, self._ranks_list[key], self._groups(row_slots))
 
     def _groups(self, row_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """``[(slot, row indices)]`` of the rows of each slot; computed once per ``row_slots``
@@ -194,18 +199,18 @@ def group_rows(row_slots: torch.Tensor, num_slots: int) -> list[tuple[int, torch
 
 
 def add_delta_torch(
-    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, ranks: list[int], groups: list[tuple[int, torch.Tensor]]
+    out: torch.Tensor, x: torch.Tensor, at: torch.Tensor, bt: torch.Tensor, ranks: list[int], groups: list[tuple[int, torch.Tensor]]
 ) -> None:
     """The PyTorch delta: for each ``(slot, idx)`` of ``groups`` (:func:`group_rows`) with a
-    nonzero rank r, ``out[idx] = out[idx] + (x[idx] @ a[slot, :r].T) @ bt[slot, :r]`` in float32,
-    rounded once into out's dtype. a ``[S, R, K]``, bt ``[S, R, N]`` float32; out ``[T, N]``, x
+    nonzero rank r, ``out[idx] = out[idx] + (x[idx] @ at[slot, :, :r]) @ bt[slot, :r]`` in float32,
+    rounded once into out's dtype. at ``[S, K, R]``, bt ``[S, R, N]`` float32; out ``[T, N]``, x
     ``[T, K]`` of any float dtype, all on one device."""
     for slot, idx in groups:
         r = ranks[slot]
         if r == 0:
             continue
         xs = x.index_select(0, idx).float()
-        delta = (xs @ a[slot, :r].T) @ bt[slot, :r]
+        delta = (xs @ at[slot, :, :r]) @ bt[slot, :r]
         if out.dtype == torch.float32:
             out.index_add_(0, idx, delta)
         else:

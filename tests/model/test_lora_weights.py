@@ -145,11 +145,11 @@ def test_clear_slot_and_set_slot_refusal(lora_setup):
     slots.clear_slot(1)
     out.zero_()
     slots.add_delta(out, x, 0, "qkv", torch.tensor([1, 1, 0], dtype=torch.int32))
-    assert not out.any() and not slots.A[(0, "qkv")].any() and not slots.BT[(1, "down")].any()
+    assert not out.any() and not slots.AT[(0, "qkv")].any() and not slots.BT[(1, "down")].any()
     small = LoRASlots(spec, max_loras=1, max_rank=4, device=torch.device("cpu"))
     with pytest.raises(LoRAError, match="do not fit"):
         small.set_slot(0, a)
-    assert not any(t.any() for t in small.A.values())
+    assert not any(t.any() for t in small.AT.values())
     with pytest.raises(ValueError, match="slot 2"):
         slots.set_slot(2, a)
     with pytest.raises(ValueError, match="projection"):

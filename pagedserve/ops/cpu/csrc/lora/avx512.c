@@ -4,4 +4,5 @@
 #pragma GCC target("prefer-vector-width=512")
 #endif
 #define PS_LORA_SUFFIX avx512
+#define PS_LORA_GROUP 4 /* 4 rows at a time: 16 of the 32 vector registers hold their sums */
 #include "body.h"

@@ -1,8 +1,8 @@
 /*
  * The shrink and expand loops (lora.h), written once and compiled by each unit with its ISA's
  * flags: lora.c (portable, the scalar suffix), avx2.c, avx512.c define PS_LORA_SUFFIX and include
- * this file. Plain loops the compiler vectorizes (-O3); every unit adds in the same order, so all
- * give the same bits.
+ * this file. Vector-extension loops over 16 columns at a time (registers of any width); every unit
+ * adds in the same order (lora.h).
  */
 #include <stdint.h>
 
@@ -16,74 +16,174 @@
 #define PS_LORA_CAT(a, b) PS_LORA_CAT2(a, b)
 #define PS_LORA_FN(name) PS_LORA_CAT(name, PS_LORA_SUFFIX)
 
-#define PS_LORA_LANES 16
+#ifndef PS_LORA_GROUP
+#define PS_LORA_GROUP 1 /* rows at a time sharing the loads of AT and BT: 1 or 4 (registers permitting) */
+#endif
 
-/* The lanes of one dot product added pairwise: (l, l + 8), then (l, l + 4), ... */
-static inline float ps_lora_reduce(float* acc) {
-    for (int w = PS_LORA_LANES / 2; w >= 1; w /= 2)
-        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
-    return acc[0];
-}
+/* 16 floats as one value (GCC/Clang vector extension): one AVX-512 register, two AVX2 ones, four
+ * SSE ones; the accumulators stay in registers. PS_LORA_LD loads 16 floats from any address. */
+typedef float ps_lora_v16 __attribute__((vector_size(64)));
+typedef float ps_lora_v16u __attribute__((vector_size(64), aligned(4), may_alias));
+#define PS_LORA_LD(p) (*(const ps_lora_v16u*)(p))
+#define PS_LORA_ST(p, v) (*(ps_lora_v16u*)(p) = (v))
 
-/* dot(a, x) over K as lora.h says; four rows at a time share the loads of a (same sums per row). */
-void PS_LORA_FN(ps_lora_shrink)(const float* a, const float* xf, int64_t rows, int64_t K, float* h, int64_t ldh) {
-    const int64_t K16 = K - K % PS_LORA_LANES;
+/* One row's four partial sums of a full chunk over k = k0 .. k0 + 3 (lora.h's arithmetic). */
+#define PS_LORA_SHRINK_STEP(c, x, k0)          \
+    c##0 = c##0 + a0 * (x)[k0];                \
+    c##1 = c##1 + a1 * (x)[(k0) + 1];          \
+    c##2 = c##2 + a2 * (x)[(k0) + 2];          \
+    c##3 = c##3 + a3 * (x)[(k0) + 3];
+/* The tail k = K4 + p (p < 3) into partial sum p. */
+#define PS_LORA_SHRINK_TAIL(c, x, k, p) \
+    if ((p) == 0)                       \
+        c##0 = c##0 + a * (x)[k];       \
+    else if ((p) == 1)                  \
+        c##1 = c##1 + a * (x)[k];       \
+    else                                \
+        c##2 = c##2 + a * (x)[k];
+
+/* h[i * ldh + j] for j in [j0, j0 + jw) (jw <= PS_LORA_JW), i < rows: the dot of x's row i with
+ * column j of at (rows R apart) as lora.h says: partial sum p over k = p, p + 4, ... in order, then
+ * (s0 + s1) + (s2 + s3); the 16 j of a chunk side by side in one vector, no horizontal sums. Every
+ * path (4 rows, 1 row, a narrower chunk) computes each row's values the same way. */
+void PS_LORA_FN(ps_lora_shrink)(const float* at, int64_t R, int64_t j0, int64_t jw, const float* xf, int64_t rows, int64_t K, float* h,
+                                int64_t ldh) {
+    const int64_t K4 = K - K % PS_LORA_KSPLIT;
+    const float* ab = at + j0;
+    const ps_lora_v16 z = {0};
     int64_t i = 0;
-    for (; i + 4 <= rows; i += 4) {
-        const float* x0 = xf + i * K;
-        const float* x1 = x0 + K;
-        const float* x2 = x1 + K;
-        const float* x3 = x2 + K;
-        float c0[PS_LORA_LANES] = {0}, c1[PS_LORA_LANES] = {0}, c2[PS_LORA_LANES] = {0}, c3[PS_LORA_LANES] = {0};
-        for (int64_t k = 0; k < K16; k += PS_LORA_LANES)
-            for (int l = 0; l < PS_LORA_LANES; l++) {
-                const float av = a[k + l];
-                c0[l] = c0[l] + av * x0[k + l];
-                c1[l] = c1[l] + av * x1[k + l];
-                c2[l] = c2[l] + av * x2[k + l];
-                c3[l] = c3[l] + av * x3[k + l];
+    if (jw == PS_LORA_JW) {
+#if PS_LORA_GROUP == 4
+        for (; i + 4 <= rows; i += 4) {
+            const float *x0 = xf + i * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+            ps_lora_v16 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
+            ps_lora_v16 c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
+            for (int64_t k = 0; k < K4; k += 4) {
+                const ps_lora_v16 a0 = PS_LORA_LD(ab + k * R), a1 = PS_LORA_LD(ab + (k + 1) * R);
+                const ps_lora_v16 a2 = PS_LORA_LD(ab + (k + 2) * R), a3 = PS_LORA_LD(ab + (k + 3) * R);
+                PS_LORA_SHRINK_STEP(c0, x0, k)
+                PS_LORA_SHRINK_STEP(c1, x1, k)
+                PS_LORA_SHRINK_STEP(c2, x2, k)
+                PS_LORA_SHRINK_STEP(c3, x3, k)
             }
-        for (int64_t k = K16; k < K; k++) {
-            const int l = (int)(k - K16);
-            c0[l] = c0[l] + a[k] * x0[k];
-            c1[l] = c1[l] + a[k] * x1[k];
-            c2[l] = c2[l] + a[k] * x2[k];
-            c3[l] = c3[l] + a[k] * x3[k];
+            for (int64_t k = K4; k < K; k++) {
+                const ps_lora_v16 a = PS_LORA_LD(ab + k * R);
+                PS_LORA_SHRINK_TAIL(c0, x0, k, k - K4)
+                PS_LORA_SHRINK_TAIL(c1, x1, k, k - K4)
+                PS_LORA_SHRINK_TAIL(c2, x2, k, k - K4)
+                PS_LORA_SHRINK_TAIL(c3, x3, k, k - K4)
+            }
+            PS_LORA_ST(h + i * ldh + j0, (c00 + c01) + (c02 + c03));
+            PS_LORA_ST(h + (i + 1) * ldh + j0, (c10 + c11) + (c12 + c13));
+            PS_LORA_ST(h + (i + 2) * ldh + j0, (c20 + c21) + (c22 + c23));
+            PS_LORA_ST(h + (i + 3) * ldh + j0, (c30 + c31) + (c32 + c33));
         }
-        h[i * ldh] = ps_lora_reduce(c0);
-        h[(i + 1) * ldh] = ps_lora_reduce(c1);
-        h[(i + 2) * ldh] = ps_lora_reduce(c2);
-        h[(i + 3) * ldh] = ps_lora_reduce(c3);
+#endif
+        for (; i < rows; i++) {
+            const float* x0 = xf + i * K;
+            ps_lora_v16 c00 = z, c01 = z, c02 = z, c03 = z;
+            for (int64_t k = 0; k < K4; k += 4) {
+                const ps_lora_v16 a0 = PS_LORA_LD(ab + k * R), a1 = PS_LORA_LD(ab + (k + 1) * R);
+                const ps_lora_v16 a2 = PS_LORA_LD(ab + (k + 2) * R), a3 = PS_LORA_LD(ab + (k + 3) * R);
+                PS_LORA_SHRINK_STEP(c0, x0, k)
+            }
+            for (int64_t k = K4; k < K; k++) {
+                const ps_lora_v16 a = PS_LORA_LD(ab + k * R);
+                PS_LORA_SHRINK_TAIL(c0, x0, k, k - K4)
+            }
+            PS_LORA_ST(h + i * ldh + j0, (c00 + c01) + (c02 + c03));
+        }
+        return;
     }
-    for (; i < rows; i++) {
+    for (; i < rows; i++) { /* a narrower chunk (R not a multiple of PS_LORA_JW): the same sums */
         const float* x0 = xf + i * K;
-        float c0[PS_LORA_LANES] = {0};
-        for (int64_t k = 0; k < K16; k += PS_LORA_LANES)
-            for (int l = 0; l < PS_LORA_LANES; l++) c0[l] = c0[l] + a[k + l] * x0[k + l];
-        for (int64_t k = K16; k < K; k++) c0[k - K16] = c0[k - K16] + a[k] * x0[k];
-        h[i * ldh] = ps_lora_reduce(c0);
+        float c[PS_LORA_KSPLIT][PS_LORA_JW] = {{0}};
+        for (int64_t k = 0; k < K; k++) {
+            const float* a = ab + k * R;
+            float* cp = c[k % PS_LORA_KSPLIT];
+            for (int64_t l = 0; l < jw; l++) cp[l] = cp[l] + a[l] * x0[k];
+        }
+        for (int64_t l = 0; l < jw; l++) h[i * ldh + j0 + l] = (c[0][l] + c[1][l]) + (c[2][l] + c[3][l]);
     }
 }
 
-/* out[out_rows[i], n] += sum_j bt[j, n] h[i, j] for n in [n0, n1), j in order from 0. */
+/* Row i's deltas of outputs [n0, n0 + nb) added to out: out + acc rounded once. */
+static inline void ps_lora_store(const float* acc, int64_t nb, void* out, int64_t row, int64_t ldo, int64_t n0, int bf16) {
+    if (bf16) {
+        uint16_t* o = (uint16_t*)out + row * ldo + n0;
+        for (int64_t n = 0; n < nb; n++) o[n] = f32_to_bf16(bf16_to_f32(o[n]) + acc[n]);
+    } else {
+        float* o = (float*)out + row * ldo + n0;
+        for (int64_t n = 0; n < nb; n++) o[n] = o[n] + acc[n];
+    }
+}
+
+/* One row's 64 sums over rank column j. */
+#define PS_LORA_EXPAND_STEP(c, hj) \
+    c##0 = c##0 + b0 * (hj);       \
+    c##1 = c##1 + b1 * (hj);       \
+    c##2 = c##2 + b2 * (hj);       \
+    c##3 = c##3 + b3 * (hj);
+#define PS_LORA_EXPAND_STORE(c, row)                                                                        \
+    {                                                                                                       \
+        float acc[PS_LORA_NB];                                                                              \
+        PS_LORA_ST(acc, c##0), PS_LORA_ST(acc + 16, c##1), PS_LORA_ST(acc + 32, c##2), PS_LORA_ST(acc + 48, c##3); \
+        ps_lora_store(acc, PS_LORA_NB, out, out_rows[row], ldo, n0, bf16);                                  \
+    }
+
+/* out[out_rows[i], n] += sum_j bt[j, n] h[i, j] for n in [n0, n1), j in order from 0 (the first
+ * product, then each next one added). A whole block of PS_LORA_NB outputs keeps its sums in
+ * registers, PS_LORA_GROUP rows at a time; a narrower block, one row at a time: the same sums. */
 void PS_LORA_FN(ps_lora_expand)(const float* bt, int64_t N, int64_t n0, int64_t n1, int64_t r, const float* h, int64_t ldh, int64_t rows,
                                 const int64_t* out_rows, void* out, int64_t ldo, int bf16) {
     const int64_t nb = n1 - n0;
-    for (int64_t i = 0; i < rows; i++) {
+    const float* bb = bt + n0;
+    int64_t i = 0;
+    if (nb == PS_LORA_NB) {
+#if PS_LORA_GROUP == 4
+        for (; i + 4 <= rows; i += 4) {
+            const float *h0 = h + i * ldh, *h1 = h0 + ldh, *h2 = h1 + ldh, *h3 = h2 + ldh;
+            const ps_lora_v16 b0 = PS_LORA_LD(bb), b1 = PS_LORA_LD(bb + 16), b2 = PS_LORA_LD(bb + 32), b3 = PS_LORA_LD(bb + 48);
+            ps_lora_v16 c00 = b0 * h0[0], c01 = b1 * h0[0], c02 = b2 * h0[0], c03 = b3 * h0[0];
+            ps_lora_v16 c10 = b0 * h1[0], c11 = b1 * h1[0], c12 = b2 * h1[0], c13 = b3 * h1[0];
+            ps_lora_v16 c20 = b0 * h2[0], c21 = b1 * h2[0], c22 = b2 * h2[0], c23 = b3 * h2[0];
+            ps_lora_v16 c30 = b0 * h3[0], c31 = b1 * h3[0], c32 = b2 * h3[0], c33 = b3 * h3[0];
+            for (int64_t j = 1; j < r; j++) {
+                const float* bj = bb + j * N;
+                const ps_lora_v16 b0 = PS_LORA_LD(bj), b1 = PS_LORA_LD(bj + 16), b2 = PS_LORA_LD(bj + 32), b3 = PS_LORA_LD(bj + 48);
+                PS_LORA_EXPAND_STEP(c0, h0[j])
+                PS_LORA_EXPAND_STEP(c1, h1[j])
+                PS_LORA_EXPAND_STEP(c2, h2[j])
+                PS_LORA_EXPAND_STEP(c3, h3[j])
+            }
+            PS_LORA_EXPAND_STORE(c0, i)
+            PS_LORA_EXPAND_STORE(c1, i + 1)
+            PS_LORA_EXPAND_STORE(c2, i + 2)
+            PS_LORA_EXPAND_STORE(c3, i + 3)
+        }
+#endif
+        for (; i < rows; i++) {
+            const float* h0 = h + i * ldh;
+            const ps_lora_v16 b0 = PS_LORA_LD(bb), b1 = PS_LORA_LD(bb + 16), b2 = PS_LORA_LD(bb + 32), b3 = PS_LORA_LD(bb + 48);
+            ps_lora_v16 c00 = b0 * h0[0], c01 = b1 * h0[0], c02 = b2 * h0[0], c03 = b3 * h0[0];
+            for (int64_t j = 1; j < r; j++) {
+                const float* bj = bb + j * N;
+                const ps_lora_v16 b0 = PS_LORA_LD(bj), b1 = PS_LORA_LD(bj + 16), b2 = PS_LORA_LD(bj + 32), b3 = PS_LORA_LD(bj + 48);
+                PS_LORA_EXPAND_STEP(c0, h0[j])
+            }
+            PS_LORA_EXPAND_STORE(c0, i)
+        }
+        return;
+    }
+    for (; i < rows; i++) {
         float acc[PS_LORA_NB];
         const float* hi = h + i * ldh;
-        for (int64_t n = 0; n < nb; n++) acc[n] = bt[n0 + n] * hi[0];
+        for (int64_t n = 0; n < nb; n++) acc[n] = bb[n] * hi[0];
         for (int64_t j = 1; j < r; j++) {
             const float hj = hi[j];
-            const float* b = bt + j * N + n0;
+            const float* b = bb + j * N;
             for (int64_t n = 0; n < nb; n++) acc[n] = acc[n] + b[n] * hj;
         }
-        if (bf16) {
-            uint16_t* o = (uint16_t*)out + out_rows[i] * ldo + n0;
-            for (int64_t n = 0; n < nb; n++) o[n] = f32_to_bf16(bf16_to_f32(o[n]) + acc[n]);
-        } else {
-            float* o = (float*)out + out_rows[i] * ldo + n0;
-            for (int64_t n = 0; n < nb; n++) o[n] = o[n] + acc[n];
-        }
+        ps_lora_store(acc, nb, out, out_rows[i], ldo, n0, bf16);
     }
 }

@@ -13,7 +13,7 @@
 #define PS_LORA_SUFFIX scalar
 #include "body.h"
 
-typedef void (*ps_lora_shrink_fn)(const float*, const float*, int64_t, int64_t, float*, int64_t);
+typedef void (*ps_lora_shrink_fn)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 typedef void (*ps_lora_expand_fn)(const float*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const int64_t*,
                                   void*, int64_t, int);
 
@@ -23,11 +23,11 @@ typedef struct {
 } ps_lora_tile;
 
 PS_EXPORT int lora_add_delta(const void* x, int64_t ldx, void* out, int64_t ldo, int bf16, int64_t T, const int32_t* row_slots,
-                             int64_t num_slots, const int32_t* ranks, const float* A, const float* BT, int64_t R, int64_t K,
+                             int64_t num_slots, const int32_t* ranks, const float* AT, const float* BT, int64_t R, int64_t K,
                              int64_t N) {
     if (T < 0 || num_slots < 0 || R < 1 || K < 1 || N < 1 || (bf16 != 0 && bf16 != 1)) return -1;
     if (T == 0) return 0;
-    if (!x || !out || !row_slots || (num_slots > 0 && (!ranks || !A || !BT))) return -1;
+    if (!x || !out || !row_slots || (num_slots > 0 && (!ranks || !AT || !BT))) return -1;
     if ((T > 1 && (ldx < K || ldo < N)) || ldx < 0 || ldo < 0) return -1;
     for (int64_t s = 0; s < num_slots; s++)
         if (ranks[s] < 0 || ranks[s] > R) return -1;
@@ -79,7 +79,7 @@ PS_EXPORT int lora_add_delta(const void* x, int64_t ldx, void* out, int64_t ldo,
     else if (isa >= PS_ISA_AVX2)
         shrink = ps_lora_shrink_avx2, expand = ps_lora_expand_avx2;
 #endif
-    const int64_t nblocks = (N + PS_LORA_NB - 1) / PS_LORA_NB;
+    const int64_t nblocks = (N + PS_LORA_NB - 1) / PS_LORA_NB, nchunks = (R + PS_LORA_JW - 1) / PS_LORA_JW;
 #pragma omp parallel if (active * R * (K + N) >= PS_LORA_PAR_MIN)
     {
 #pragma omp for schedule(static)
@@ -95,9 +95,12 @@ PS_EXPORT int lora_add_delta(const void* x, int64_t ldx, void* out, int64_t ldo,
         }
 #pragma omp for schedule(static) collapse(2)
         for (int64_t i = 0; i < num_tiles; i++)
-            for (int64_t j = 0; j < R; j++) {
+            for (int64_t c = 0; c < nchunks; c++) {
                 const ps_lora_tile* tl = &tiles[i];
-                if (j < tl->rank) shrink(A + (tl->slot * R + j) * K, xf + tl->p0 * K, tl->rows, K, h + tl->p0 * R + j, R);
+                const int64_t j0 = c * PS_LORA_JW;
+                if (j0 < tl->rank) /* whole chunks up to R: the columns past the rank are zeros, unused */
+                    shrink(AT + tl->slot * K * R, R, j0, R - j0 < PS_LORA_JW ? R - j0 : PS_LORA_JW, xf + tl->p0 * K, tl->rows, K,
+                           h + tl->p0 * R, R);
             }
 #pragma omp for schedule(static) collapse(2)
         for (int64_t i = 0; i < num_tiles; i++)
