@@ -22,6 +22,13 @@ engine): with ``--data-parallel-size N`` the front serves each replica's series 
 (``for_engine(i)`` gives replica i's view, over the same metric families), so a sum over
 ``engine`` is the server's. ``pagedserve:engine_replica_up{engine}`` is 1 while a replica is in
 rotation.
+
+With LoRA (``--enable-lora``), ``pagedserve:lora_requests_info`` is vLLM's ``vllm:lora_requests_info``
+(see :class:`LoRARequestsInfo`): one series whose labels ``running_lora_adapters`` and
+``waiting_lora_adapters`` list the adapters of the live requests (comma-joined, sorted) and
+``max_lora`` is ``--max-loras``; its value is the Unix time of the last change, as vLLM's is the
+time of its update. Like vLLM's it carries only those three labels (no ``model_name``, no
+``engine``): it describes the whole server.
 """
 
 from __future__ import annotations
@@ -156,11 +163,22 @@ class EngineMetrics:
             ["model_name", "engine", "position"],
             registry=r,
         )
+        self.lora_usage: Optional[LoRARequestsInfo] = None  # enable_lora_info
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
         self._generated: dict[str, dict[int, int]] = {}  # request id -> completion index -> tokens
         self._finish_counted: dict[str, set[int]] = {}  # completions whose request_success is counted
+
+    def enable_lora_info(self, max_loras: int) -> "LoRARequestsInfo":
+        """Register ``pagedserve:lora_requests_info`` (a server with ``--enable-lora``); the
+        front reports its LoRA requests to the returned :attr:`lora_usage`."""
+        if self.lora_usage is None:
+            gauge = _shared(prometheus_client.Gauge, self.registry)(
+                PREFIX + "lora_requests_info", "Running stats on lora requests.", list(LoRARequestsInfo.LABELS), registry=self.registry
+            )
+            self.lora_usage = LoRARequestsInfo(gauge, max_loras)
+        return self.lora_usage
 
     # -- fed by the engine thread ----------------------------------------------------------
     def set_weights(self, weights_type: str, nbytes: int) -> None:
@@ -289,3 +307,75 @@ class EngineMetrics:
     # -- exposition --------------------------------------------------------------------------
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoRARequestsInfo:
+    """``pagedserve:lora_requests_info``: which LoRA adapters the live requests use, as the front
+    sees them (vLLM reads its scheduler's queues; the front's view has the same meaning).
+
+    A request is *waiting* from the moment the front hands it to the engine until its first
+    output (queued, in prefill, or waiting for a free adapter slot: what
+    ``AsyncLLM.num_waiting_to_start`` counts), then *running* until it ends (a request preempted
+    after its first output stays running). An adapter is listed in ``running_lora_adapters`` when
+    at least one of its requests runs, and in ``waiting_lora_adapters`` when at least one waits
+    (it may be in both). Base-model requests are not listed.
+
+    One series at a time: when the lists change, the old series is removed and the new one set
+    to the current Unix time (vLLM keeps every past series; a reader that takes the series with
+    the largest value reads both the same way).
+    """
+
+    LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+
+    def __init__(self, gauge: Any, max_loras: int) -> None:
+        self._gauge = gauge
+        self.max_lora = str(max_loras)
+        self._lock = threading.Lock()
+        self._requests: dict[str, list] = {}  # request id -> [adapter name, running]
+        self._labels: Optional[tuple[str, str, str]] = None
+        with self._lock:
+            self._publish()
+
+    def add(self, request_id: str, lora_name: str) -> None:
+        """A request of adapter ``lora_name`` was handed to the engine (waiting)."""
+        with self._lock:
+            self._requests[request_id] = [lora_name, False]
+            self._publish()
+
+    def update(self, request_id: str, finished: bool) -> None:
+        """The request returned an output: it runs (or, ``finished``, it is gone)."""
+        with self._lock:
+            entry = self._requests.get(request_id)
+            if entry is None or (entry[1] and not finished):
+                return
+            if finished:
+                del self._requests[request_id]
+            else:
+                entry[1] = True
+            self._publish()
+
+    def discard(self, request_id: str) -> None:
+        """The request ended (finished, aborted, failed); unknown ids are ignored."""
+        with self._lock:
+            if self._requests.pop(request_id, None) is not None:
+                self._publish()
+
+    def adapters(self) -> tuple[list[str], list[str]]:
+        """(running, waiting) adapter names, sorted."""
+        with self._lock:
+            return self._lists()
+
+    def _lists(self) -> tuple[list[str], list[str]]:
+        running = sorted({name for name, started in self._requests.values() if started})
+        waiting = sorted({name for name, started in self._requests.values() if not started})
+        return running, waiting
+
+    def _publish(self) -> None:  # under the lock
+        running, waiting = self._lists()
+        labels = (self.max_lora, ",".join(waiting), ",".join(running))
+        if labels == self._labels:
+            return
+        if self._labels is not None:
+            self._gauge.remove(*self._labels)
+        self._gauge.labels(*labels).set(time.time())
+        self._labels = labels

@@ -312,7 +312,10 @@ class Worker:
 
     def remove_lora(self, lora_int_id: int) -> None:
         if self.lora_manager is not None:
-            self.lora_manager.remove(lora_int_id)
+            # Zeroing its slot writes the slot tensors, made in a step's inference mode: in-place
+            # updates of inference tensors are refused outside it (and would kill the core).
+            with torch.inference_mode():
+                self.lora_manager.remove(lora_int_id)
 
     def shutdown(self) -> None:
         """Stop the KV connector's threads and sockets (bounded time)."""

@@ -32,6 +32,7 @@ class ValidationOnlyLLM:
         self.max_model_len = MAX_MODEL_LEN
         self.model_name = MODEL
         self.served_model_names = [MODEL, "alias"]
+        self.loras: dict = {}  # LoRA adapters by name (none: --enable-lora is off)
         self.model_dir = model_dir
         from pagedserve.metrics import EngineMetrics
 

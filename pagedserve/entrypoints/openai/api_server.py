@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/embeddings (``--runner pooling``), GET /v1/models, GET /v1/models/{id},
 POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API and error shape: :mod:`.serving_messages`),
-GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version; with
+``--allow-runtime-lora-updating`` POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(:mod:`.lora_routes`: a request's ``model`` may name a LoRA adapter).
 
 ``pagedserve serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY]`` binds its port first,
 answers ``/health`` with 503 while the engine loads, then serves. With an API key (or
@@ -44,6 +46,7 @@ from pagedserve.entrypoints.openai.http_common import (
     request_ids,
     run_until_disconnect,
 )
+from pagedserve.entrypoints.openai.lora_routes import check_lora_flags, lora_cards, register_lora_routes
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -120,10 +123,14 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
     shuts ``llm`` down. ``app.state.admission`` is its :class:`Admission`.
 
     Raises:
-        ValueError: an unreadable ``--chat-template`` or ``--generation-config``.
+        ValueError: an unreadable ``--chat-template`` or ``--generation-config``;
+            ``--allow-runtime-lora-updating`` without ``--enable-lora``.
     """
     server = server or ServerArgs()
+    check_lora_flags(llm, server)
     metrics = llm.metrics
+    if llm.config.enable_lora:
+        metrics.enable_lora_info(llm.config.max_loras)
     served = list(llm.served_model_names)
     kw = dict(
         trust_request_chat_template=server.trust_request_chat_template,
@@ -203,12 +210,15 @@ def build_app(llm: AsyncLLM, server: Optional[ServerArgs] = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[card(name) for name in served])
+        return ModelList(data=[card(name) for name in served] + lora_cards(llm, llm.max_model_len))
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:
         chats.check_model(model_id)
-        return card(model_id)
+        return next((c for c in lora_cards(llm, llm.max_model_len) if c.id == model_id), None) or card(model_id)
+
+    if server.allow_runtime_lora_updating:
+        register_lora_routes(app, llm)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):

@@ -178,10 +178,12 @@ def run_server(args: Any) -> int:
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.core_proc import freeze_gc_heap
     from pagedserve.entrypoints.openai.api_server import build_app
+    from pagedserve.entrypoints.openai.lora_routes import check_runtime_updating
     from pagedserve.model.files import load_tokenizer, resolve_model
 
     config = EngineConfig.from_cli_args(args, model=getattr(args, "model_tag", None))
     server_args = ServerArgs.from_cli_args(args)
+    check_runtime_updating(server_args, config.enable_lora)  # before the engine loads
     server_args.chat_template_text()  # a missing template file fails now, not at the first request
     if server_args.reasoning_parser:  # a tokenizer without think tokens fails now, not after the engine loaded
         from pagedserve.entrypoints.openai.reasoning import ReasoningParser

@@ -47,6 +47,9 @@ class ServerArgs:
             tokenizing, detokenizing) take this nice value (Linux; 0 = leave them), so that on
             saturated cores they yield to the engine's compute threads instead of preempting
             them mid step (see ``run_server.lower_thread_priority``).
+        allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and
+            /v1/unload_lora_adapter (vLLM's routes; vLLM gates them with
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); needs the engine's ``--enable-lora``.
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +75,7 @@ class ServerArgs:
     max_request_body_bytes: int = 32 << 20
     max_header_bytes: int = 64 << 10
     frontend_nice: int = 10
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -151,6 +155,11 @@ class ServerArgs:
             type=int,
             default=10,
             help="nice value of the front's threads once the engine runs, so they yield the cores to its compute threads (0 = unchanged)",
+        )
+        g.add_argument(
+            "--allow-runtime-lora-updating",
+            action="store_true",
+            help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)",
         )
 
     @classmethod

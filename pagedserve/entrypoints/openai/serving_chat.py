@@ -76,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[dict], TokenizedPrompt, SamplingParams, ToolPlan]:
         """Validate and render. Raises RequestError (the input processor's) or APIError (what
         needs the tools or the template), naming the field."""
-        model = self.check_request(req)
+        model, lora = self.check_request(req)
         self.check_num_sequences(1, req.n or 1)
         plan = plan_tools(req.tools, req.tool_choice, self.enable_auto_tool_choice, self.tool_call_parser, req.parallel_tool_calls)
         if plan.constraint is not None and req.constraint_fields():
@@ -108,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
                 if e.param not in (None, "structured_outputs"):  # allowed_token_ids, which a tool call's grammar excludes
                     raise
                 raise APIError(e.message.replace("structured_outputs.json", "a tool's parameters schema"), param="tools") from None
-        return model, conv, TokenizedPrompt(None, ids), params, plan
+        return model, conv, TokenizedPrompt(None, ids, lora), params, plan
 
     def render_chat(
         self,

@@ -31,10 +31,13 @@ from pagedserve.entrypoints.openai.http_common import (
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.entrypoints.openai.reasoning import ReasoningParser
 from pagedserve.entrypoints.openai.token_strings import TokenStrings
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import MAX_N, SamplingParams
 
 logger = logging.getLogger("pagedserve")
+
+LoRAEntry = tuple[LoRARequest, str]  # a registered adapter and the digest of its files
 
 
 def stream_error(e: Exception) -> str:
@@ -108,8 +111,13 @@ def raise_if_failed(o: CompletionOutput) -> None:
 
 @dataclass
 class TokenizedPrompt:
+    """A prompt as the engine runs it: its text (when the client sent text), its token ids, and
+    the LoRA adapter the request named (``(LoRARequest, digest)`` as ``AsyncLLM.loras`` holds
+    it; None: the base model)."""
+
     text: Optional[str]
     token_ids: list[int]
+    lora: Optional[LoRAEntry] = None
 
 
 def sse(obj: Any) -> str:
@@ -199,9 +207,10 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.request_timeout = request_timeout
 
-    def check_request(self, req: Any) -> str:
-        """The model check, the unknown-field check and the deadline of a request; the name to report.
-        A pooling engine (``--runner pooling``) refuses every generating request here."""
+    def check_request(self, req: Any) -> tuple[str, Optional[LoRAEntry]]:
+        """The model check, the unknown-field check and the deadline of a request; the name to
+        report and the LoRA adapter ``model`` names (None: a base model name). A pooling engine
+        (``--runner pooling``) refuses every generating request here."""
         if self.llm.config.runner == "pooling":
             raise APIError("This server runs --runner pooling: it makes embeddings (/v1/embeddings), not text.", param="model")
         check_extra_fields(req)
@@ -210,7 +219,7 @@ class OpenAIServing:
         if req.kv_transfer_params is not None:
             check_kv_transfer_params(self.llm.config, req.kv_transfer_params)
         self.input_processor.check_priority(req.priority)
-        return self.check_model(req.model)
+        return self.resolve_model(req.model)
 
     def timeout_of(self, req: Any) -> Optional[float]:
         """The request's deadline in seconds from arrival: its ``timeout``, else the server's."""
@@ -222,16 +231,20 @@ class OpenAIServing:
         return (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else self.tokens.text
 
     def check_model(self, model: Optional[str]) -> str:
-        """The name to report. Raises APIError 404 (``NotFoundError``, as OpenAI and vLLM
-        answer) for a model this server does not serve."""
+        """The name to report: a served model name or a registered LoRA adapter's (None: the
+        first served name). Raises APIError 404 (``NotFoundError``, as OpenAI and vLLM answer)
+        for a model this server does not serve."""
+        return self.resolve_model(model)[0]
+
+    def resolve_model(self, model: Optional[str]) -> tuple[str, Optional[LoRAEntry]]:
+        """The name to report and, when ``model`` names a registered LoRA adapter (not a served
+        model name), the adapter and its digest. Raises APIError 404 as :meth:`check_model`."""
         if model is None or model in self.served_model_names:
-            return self.served_model_names[0] if model is None else model
-        raise APIError(
-            f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.",
-            param="model",
-            status_code=404,
-            err_type="NotFoundError",
-        )
+            return (self.served_model_names[0] if model is None else model), None
+        lora = self.llm.loras.get(model)
+        if lora is not None:
+            return model, lora
+        raise not_found(model, self.served_model_names)
 
     def log_request(self, request_id: str, req: Any, prompt_lens: list[int], params: list[SamplingParams]) -> None:
         """``--enable-log-requests``: one line per request (never the prompt text)."""
@@ -304,28 +317,70 @@ class OpenAIServing:
         kv_transfer_params: Optional[dict] = None,
         priority: int = 0,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run one engine request per prompt; yield ``(prompt index, delta output)``. However this
-        ends (finished, client gone, cancelled, error), no request is left running."""
+        """Run one engine request per prompt (with its LoRA adapter, if any); yield ``(prompt
+        index, delta output)``. However this ends (finished, client gone, cancelled, error), no
+        request is left running.
+
+        Raises:
+            APIError: 404 when a prompt's adapter was unloaded since the request was checked.
+        """
         rids = prompt_request_ids(request_id, len(prompts))
         make = self.input_processor.make_request
+        loras = [self.current_lora(p.lora) for p in prompts]
         gens = [
             self.llm.generate_processed(
                 make(
-                    rid, p.text, p.token_ids, sp, cache_salt=cache_salt, timeout_s=timeout_s, kv_transfer_params=kv_transfer_params, priority=priority
+                    rid,
+                    p.text,
+                    p.token_ids,
+                    sp,
+                    cache_salt=cache_salt,
+                    timeout_s=timeout_s,
+                    kv_transfer_params=kv_transfer_params,
+                    priority=priority,
+                    lora=lora,
                 )
             )
-            for rid, p, sp in zip(rids, prompts, params)
+            for rid, p, sp, lora in zip(rids, prompts, params, loras)
         ]
         unfinished = set(rids)
+        lora_usage = self.llm.metrics.lora_usage if any(loras) else None  # pagedserve:lora_requests_info
+        if lora_usage is not None:
+            for rid, lora in zip(rids, loras):
+                if lora is not None:
+                    lora_usage.add(rid, lora[0].lora_name)
         try:
             async with aclosing(merge_async_iterators(*gens)) as merged:
                 async for pi, out in merged:
                     if out.finished:
                         unfinished.discard(rids[pi])
+                    if lora_usage is not None:
+                        lora_usage.update(rids[pi], finished=out.finished)
                     yield pi, out
         finally:
             for rid in unfinished:
                 self.llm.abort(rid)
+            if lora_usage is not None:
+                for rid in rids:
+                    lora_usage.discard(rid)
+
+    def current_lora(self, lora: Optional[LoRAEntry]) -> Optional[LoRAEntry]:
+        """The adapter a prepared request names, as registered now (it may have been unloaded, or
+        replaced under its name, since the request was checked). Raises APIError 404 when it is
+        gone: the request is refused before it reaches the engine."""
+        if lora is None:
+            return None
+        name = lora[0].lora_name
+        now = self.llm.loras.get(name)
+        if now is None:
+            raise not_found(name, self.served_model_names)
+        return now
+
+
+def not_found(model: str, served: list[str]) -> APIError:
+    """The 404 of a model (or LoRA adapter) this server does not serve; the message names the
+    served models (the adapters are listed by GET /v1/models)."""
+    return APIError(f"The model `{model}` does not exist. Served: {', '.join(served)}.", param="model", status_code=404, err_type="NotFoundError")
 
 
 # -- prefill/decode disaggregation: a request's kv_transfer_params -----------------------------

@@ -39,7 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[TokenizedPrompt], list[SamplingParams]]:
         """Validate and tokenize. Raises RequestError (the input processor's) or APIError (the
         front's), naming the field."""
-        model = self.check_request(req)
+        model, lora = self.check_request(req)
         if isinstance(req.prompt, list) and req.prompt and not all(isinstance(p, int) for p in req.prompt):
             self.check_num_sequences(len(req.prompt), req.n or 1)
         else:
@@ -48,6 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.truncate_prompt_tokens is not None:  # the last k tokens (the text is then theirs, for echo)
             cut = [self.input_processor.truncate_prompt(p.token_ids, req.truncate_prompt_tokens) for p in prompts]
             prompts = [p if len(c) == len(p.token_ids) else TokenizedPrompt(None, c) for p, c in zip(prompts, cut)]
+        for p in prompts:
+            p.lora = lora  # the adapter ``model`` names, or None
         resolve = self.input_processor.resolve_max_tokens
         requested = 1 if req.echo_only else self.requested_max_tokens(req.max_tokens)  # echo_only drops its one token
         params = [self.sampling_params(req, resolve(requested, len(p.token_ids), "max_tokens")) for p in prompts]
