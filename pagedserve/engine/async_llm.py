@@ -274,6 +274,8 @@ class AsyncLLM:
             raise ValueError("LoRA is not enabled: start the server with --enable-lora")
         try:
             key = await self._call_utility("add_lora", lora)
+        except EngineDeadError:
+            raise
         except RuntimeError as e:  # the core's refusal, "add_lora: <why>"
             raise ValueError(str(e).removeprefix("add_lora: ")) from None
         self.loras[lora.lora_name] = (lora, key)
@@ -289,6 +291,8 @@ class AsyncLLM:
             return False
         try:
             await self._call_utility("remove_lora", entry[0].lora_int_id)
+        except EngineDeadError:
+            raise
         except RuntimeError as e:
             raise ValueError(str(e).removeprefix("remove_lora: ")) from None
         self.loras.pop(name, None)

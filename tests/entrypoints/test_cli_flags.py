@@ -39,7 +39,7 @@ def _shown(parser: argparse.ArgumentParser) -> set[str]:
 
 def test_the_server_only_fields_are_the_ones_the_offline_engine_has_no_use_for():
     assert {"--data-parallel-size", "-dp", "--data-parallel-backend", "--ray-address", "--threads-per-replica",
-            "--pin-replica-cores", "--router", "--kv-transfer-config", "--served-model-name"} == set(SERVE_ONLY)
+            "--pin-replica-cores", "--router", "--kv-transfer-config", "--served-model-name", "--lora-modules"} == set(SERVE_ONLY)
     assert {"--max-num-seqs", "--dtype", "-tp", "--max-step-ms", "--speculative-config", "--trace-file"} <= set(EVERYWHERE)
 
 
