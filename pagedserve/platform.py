@@ -8,7 +8,9 @@ chosen (weights packed, the C step built), so a test can flip one for a new engi
 - ``PAGEDSERVE_PACK_WEIGHTS``: pack projections for the CPU (oneDNN / AMX / AVX2 layouts);
 - ``PAGEDSERVE_AMX``: the AMX bf16 matmul; ``PAGEDSERVE_AVX2_GEMM``: the AVX2 bf16 matmul;
 - ``PAGEDSERVE_SMALL_GEMM``: the small-M matmul on oneDNN's buffers;
-- ``PAGEDSERVE_CPU_KERNELS``: every compiled C kernel (off: PyTorch ops only).
+- ``PAGEDSERVE_CPU_KERNELS``: every compiled C kernel (off: PyTorch ops only);
+- ``PAGEDSERVE_TRITON_ATTENTION``: the Triton paged-attention kernel on CUDA (off: PyTorch's
+  gather + SDPA).
 
 ``PAGEDSERVE_CACHE`` names the cache folder (default ``~/.cache/pagedserve``): converted GGUF
 models under ``gguf/``, compiled kernels under ``kernels/``.
@@ -20,7 +22,14 @@ import functools
 import os
 import sys
 
-KERNEL_SWITCHES = ("PAGEDSERVE_PACK_WEIGHTS", "PAGEDSERVE_AMX", "PAGEDSERVE_AVX2_GEMM", "PAGEDSERVE_SMALL_GEMM", "PAGEDSERVE_CPU_KERNELS")
+KERNEL_SWITCHES = (
+    "PAGEDSERVE_PACK_WEIGHTS",
+    "PAGEDSERVE_AMX",
+    "PAGEDSERVE_AVX2_GEMM",
+    "PAGEDSERVE_SMALL_GEMM",
+    "PAGEDSERVE_CPU_KERNELS",
+    "PAGEDSERVE_TRITON_ATTENTION",
+)
 
 
 def switch_on(name: str) -> bool:
