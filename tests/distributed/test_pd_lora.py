@@ -24,7 +24,7 @@ class LoraCluster(Cluster):
         self.p_port, self.d_port = free_port(), free_port()
         lora = ["--enable-lora", "--lora-modules"]
         self.P = self.start(tmp_path_factory, model, "p", {"kv_role": "kv_producer", "kv_port": self.p_port, "kv_lease_s": 3}, *lora, *p_loras)
-        self.D = self.start(tmp_path_factory, model, "d", {"kv_role": "kv_consumer", "kv_port": self.d_port, "kv_transfer_timeout_s": 5}, *lora, *d_loras)
+        self.D = self.start(tmp_path_factory, model, "d", {"kv_role": "kv_consumer", "kv_port": self.d_port, "kv_transfer_timeout_s": 30}, *lora, *d_loras)
         self.C = self.start(tmp_path_factory, model, "c", None, *lora, *d_loras)
         self.proxy = self.start_proxy(tmp_path_factory)
 
