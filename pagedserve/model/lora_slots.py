@@ -3,9 +3,9 @@
 :class:`LoRASlots` holds ``max_loras`` slots; each resident adapter
 (:class:`~pagedserve.model.lora.LoRAAdapter`) is copied into one. Per layer and fused projection
 (``qkv``, ``o``, ``gate_up``, ``down``; :data:`~pagedserve.model.lora.PROJ_WIDTH` gives its width
-``w``) the slots stack, float32, zero-padded, both factors transposed (the delta is
-``(x @ AT) @ BT``; the C kernel's loops then read contiguous rows, see
-:mod:`pagedserve.ops.cpu.lora_ops`):
+``w``) the slots stack, zero-padded, both factors transposed (the delta is ``(x @ AT) @ BT``; the
+C kernel's loops then read contiguous rows, see :mod:`pagedserve.ops.cpu.lora_ops`), in float32,
+or in bfloat16 for a bfloat16 model (``dtype``; half the bytes a step reads):
 
 - ``AT[(layer, proj)]``: ``[max_loras, in_features, R]``, A transposed;
 - ``BT[(layer, proj)]``: ``[max_loras, R, out_features]``, B transposed (scaling folded in);
@@ -16,6 +16,14 @@ not target: its rows get no delta). :meth:`LoRASlots.add_delta` adds, to the row
 projection's output that belong to an adapter, ``B[s] @ (A[s] @ x)``: on the CPU the C kernel
 (:func:`pagedserve.ops.cpu.lora_ops.add_lora_delta`), elsewhere (or without the kernels)
 PyTorch, rows grouped by slot (``index_select``, two float32 matmuls, ``index_copy_``).
+
+bfloat16 slots: :meth:`LoRASlots.set_slot` rounds each float32 factor (B with the scaling folded
+in) once to bfloat16 (nearest even); the kernel widens them exactly and sums in float32 as for
+float32 slots, so the delta is that of float32 slots holding the rounded factors, bit for bit
+(the PyTorch path computes in float32 copies). The rounding moves each factor by up to 2^-9 of
+itself, so the delta's error is at most about 2^-8 of the sum of its terms' magnitudes (typically
+far less: the roundings do not line up), next to the bf16 roundings of the base output and of the
+result that a bfloat16 model has anyway.
 
 Batch invariance: the C kernel computes each row alone in a fixed order (a row's bits never
 depend on the batch). The PyTorch path's matmuls are torch's (oneDNN / cuBLAS pick their
@@ -39,15 +47,23 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float16 throu
 class LoRASlots:
     """Resident adapters' stacked weights, one slot per resident adapter (see the module)."""
 
-    def __init__(self, spec: LoRAModelSpec, max_loras: int, max_rank: int, device: torch.device) -> None:
+    def __init__(self, spec: LoRAModelSpec, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         """Zeroed slots on ``device`` (all empty).
 
+        Args:
+            dtype: the model's activation dtype: bfloat16 stores the factors in bfloat16, any
+                other float32 (float16's range is too narrow for factors with the scaling folded
+                in); :attr:`dtype` is the one stored.
+
         Raises:
-            ValueError: ``max_loras`` or ``max_rank`` below 1.
+            ValueError: ``max_loras`` or ``max_rank`` below 1, ``dtype`` not a floating point dtype.
         """
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point torch dtype, got {dtype}")
         self.spec, self.max_loras, self.max_rank, self.device = spec, max_loras, max_rank, torch.device(device)
+        self.dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.AT: dict[tuple[int, str], torch.Tensor] = {}
         self.BT: dict[tuple[int, str], torch.Tensor] = {}
         # The rank columns in use per slot: a CPU int32 tensor (the C kernel's) and the same as a list.
@@ -58,8 +74,8 @@ class LoRASlots:
                 out_f, in_f = spec.proj_shape(proj)
                 key = (layer, proj)
                 width = -(-w * max_rank // 16) * 16
-                self.AT[key] = torch.zeros(max_loras, in_f, width, device=self.device)
-                self.BT[key] = torch.zeros(max_loras, width, out_f, device=self.device)
+                self.AT[key] = torch.zeros(max_loras, in_f, width, device=self.device, dtype=self.dtype)
+                self.BT[key] = torch.zeros(max_loras, width, out_f, device=self.device, dtype=self.dtype)
                 self.ranks[key] = torch.zeros(max_loras, dtype=torch.int32)
                 self._ranks_list[key] = [0] * max_loras
         self.slot_paths: list[Optional[str]] = [None] * max_loras
@@ -75,7 +91,8 @@ class LoRASlots:
 
     def set_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy ``adapter`` into ``slot`` (its ranks zero-padded to the slot's width; projections it
-        does not target zeroed), replacing what the slot held. Nothing is changed when it raises.
+        does not target zeroed), replacing what the slot held; bfloat16 slots round each float32
+        factor once (nearest even). Nothing is changed when it raises.
 
         Raises:
             ValueError: ``slot`` outside ``[0, max_loras)``.
@@ -127,7 +144,8 @@ class LoRASlots:
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str, row_slots: torch.Tensor) -> None:
         """``out[t] += B[s] @ (A[s] @ x[t])`` in place for each row ``t`` with ``s = row_slots[t] >= 0``
         (layer ``layer``'s fused projection ``proj``), summed in float32 and rounded once into
-        out's dtype; rows with -1 (or an empty slot) are left as they are, bit for bit.
+        out's dtype (bfloat16 slots: their factors widened exactly); rows with -1 (or an empty
+        slot) are left as they are, bit for bit.
 
         Args:
             out: ``[T, out_features]`` float32, bfloat16 or float16, on the slots' device.
@@ -203,14 +221,15 @@ def add_delta_torch(
 ) -> None:
     """The PyTorch delta: for each ``(slot, idx)`` of ``groups`` (:func:`group_rows`) with a
     nonzero rank r, ``out[idx] = out[idx] + (x[idx] @ at[slot, :, :r]) @ bt[slot, :r]`` in float32,
-    rounded once into out's dtype. at ``[S, K, R]``, bt ``[S, R, N]`` float32; out ``[T, N]``, x
-    ``[T, K]`` of any float dtype, all on one device."""
+    rounded once into out's dtype. at ``[S, K, R]``, bt ``[S, R, N]`` float32 or bfloat16 (widened
+    to float32 copies of the slot's columns in use); out ``[T, N]``, x ``[T, K]`` of any float
+    dtype, all on one device."""
     for slot, idx in groups:
         r = ranks[slot]
         if r == 0:
             continue
         xs = x.index_select(0, idx).float()
-        delta = (xs @ at[slot, :, :r]) @ bt[slot, :r]
+        delta = (xs @ at[slot, :, :r].float()) @ bt[slot, :r].float()
         if out.dtype == torch.float32:
             out.index_add_(0, idx, delta)
         else:

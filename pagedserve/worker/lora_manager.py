@@ -49,13 +49,18 @@ class LoRAManager:
         max_rank: the largest rank accepted (``--max-lora-rank``).
         device: where the slots live.
         model_name: the served model's name or path (an adapter trained on another is logged).
+        dtype: the model's activation dtype (bfloat16: the slots hold bfloat16 factors; see
+            :class:`LoRASlots`).
     """
 
-    def __init__(self, hf_config, max_loras: int, max_rank: int, device: torch.device, model_name: str = "") -> None:
+    def __init__(
+        self, hf_config, max_loras: int, max_rank: int, device: torch.device, model_name: str = "", dtype: torch.dtype = torch.float32
+    ) -> None:
         self.spec = LoRAModelSpec.from_hf_config(hf_config)
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
+        self.dtype = dtype
         self.model_name = model_name
         self.adapters: dict[int, LoRAAdapter] = {}
         self._slots: Optional[LoRASlots] = None  # made at the first adapter's first step
@@ -98,7 +103,7 @@ class LoRAManager:
         if ids.size > self.max_loras:
             raise RuntimeError(f"a step uses {ids.size} LoRA adapters, more than max_loras={self.max_loras}")
         if self._slots is None:
-            self._slots = LoRASlots(self.spec, self.max_loras, self.max_rank, self.device)
+            self._slots = LoRASlots(self.spec, self.max_loras, self.max_rank, self.device, self.dtype)
         needed = set(ids.tolist())
         for lid in needed:
             if lid in self.slot_of:

@@ -137,7 +137,9 @@ class Worker:
         if config.enable_lora:
             from pagedserve.worker.lora_manager import LoRAManager
 
-            self.lora_manager = LoRAManager(self.hf_config, config.max_loras, config.max_lora_rank, self.device, str(config.model or self.model_dir))
+            self.lora_manager = LoRAManager(
+                self.hf_config, config.max_loras, config.max_lora_rank, self.device, str(config.model or self.model_dir), self.dtype
+            )
         logger.info(
             "pagedserve worker: %s (%s) on %s, %s backend, %d torch threads, loaded in %.1fs",
             self.hf_config.model_type,

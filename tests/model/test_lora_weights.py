@@ -6,7 +6,9 @@ the slots (pagedserve.model.lora_slots), against HF PEFT itself.
   rank_pattern / alpha_pattern adapter and one on q_proj and v_proj only. For every layer and fused
   projection, the fused base output plus ``LoRASlots.add_delta`` equals the concatenation of
   PEFT's modules' outputs (q|k|v, gate|up) in float32, with rows of all four adapters, of an empty
-  slot and of the base model (-1) in one batch; base-model rows keep their bits.
+  slot and of the base model (-1) in one batch; base-model rows keep their bits. bf16 activations
+  with float32 slots and with bf16 slots (a bf16 model's: the factors rounded once) within bf16
+  tolerances.
 - Every refusal of ``load_peft_adapter`` is a LoRAError naming the folder and the problem.
 """
 
@@ -100,13 +102,15 @@ def test_adapters_read_for_the_fused_projections(lora_setup):
     assert A.shape == (12, 128) and not B[128:192].any()  # k's rows get nothing
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_slots_delta_equals_peft_modules(lora_setup, dtype):
+@pytest.mark.parametrize("dtype,slot_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_slots_delta_equals_peft_modules(lora_setup, dtype, slot_dtype):
     spec, adapters = lora_setup
     names = list(ADAPTERS)
-    slots = LoRASlots(spec, max_loras=len(names) + 1, max_rank=8, device=torch.device("cpu"))
-    for s, name in enumerate(names):
-        slots.set_slot(s, load_peft_adapter(adapters[name][0], spec, max_rank=8))
+    slots = LoRASlots(spec, max_loras=len(names) + 1, max_rank=8, device=torch.device("cpu"), dtype=slot_dtype)
+    assert all(t.dtype == slot_dtype for d in (slots.AT, slots.BT) for t in d.values())
+    loaded = [load_peft_adapter(adapters[name][0], spec, max_rank=8) for name in names]
+    for s, adapter in enumerate(loaded):
+        slots.set_slot(s, adapter)
     # rows of every adapter, of the empty last slot and of the base model, interleaved
     row_slots = torch.tensor([0, -1, 1, 2, 3, 4, 0, 2, -1, 1, 3, 3, 0], dtype=torch.int32)
     g = torch.Generator().manual_seed(5)
@@ -128,9 +132,20 @@ def test_slots_delta_equals_peft_modules(lora_setup, dtype):
                     want = torch.cat([_module(pm, layer, PARENT[proj], m)(xin[t : t + 1].float())[0] for m in mods])
                 if dtype == torch.float32:
                     torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-4, msg=f"{names[s]} layer {layer} {proj}")
-                else:  # base rounded to bf16, the delta added in float32, rounded once
+                elif slot_dtype == torch.float32:  # base rounded to bf16, the delta added in float32, rounded once
                     ref = base[t].to(dtype).float() + (want - base[t])
                     torch.testing.assert_close(out[t].float(), ref, rtol=2**-7, atol=1e-3, msg=f"{names[s]} layer {layer} {proj}")
+                else:  # and the delta from factors rounded once to bf16 (each by up to 2^-9 of itself)
+                    ref = base[t].double() + (want - base[t]).double()
+                    if (layer, proj) in loaded[s].weights:
+                        a, b = loaded[s].weights[(layer, proj)]
+                        terms = (x[t].double().abs() @ a.double().abs().T) @ b.double().abs().T  # the delta's terms' size
+                    else:
+                        terms = torch.zeros_like(ref)
+                    # base and result rounded to bf16 (2^-9 each), the delta within 2^-8 of its terms
+                    bound = 2**-8 * (ref.abs() + base[t].double().abs()) + 2**-8 * 1.01 * terms + 1e-5
+                    err = (out[t].double() - ref).abs()
+                    assert (err <= bound).all(), (names[s], layer, proj, (err - bound).max().item())
 
 
 def test_clear_slot_and_set_slot_refusal(lora_setup):

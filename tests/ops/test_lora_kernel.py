@@ -5,11 +5,16 @@ slots' PyTorch path (``pagedserve.model.lora_slots``).
   shapes (T = 1 up, K, N and R not multiples of the vectors or the blocks, ranks padded below R,
   rows of -1 and of an empty slot left bit for bit): float32 within ``RTOL_F32`` of the size of
   the terms, bf16 within its unit roundoff of the result plus that;
-- batch invariance: a row alone gives the bits it gives in a batch (also over two threads);
+- bf16 weights (the slots of a bf16 model), with float32 and bf16 x and out: against the float64
+  reference computed from the same bf16 weights (the same tolerances), and bit for bit the result
+  of float32 weights holding those values (the kernel widens them exactly);
+- batch invariance: a row alone gives the bits it gives in a batch (also over two threads), for
+  float32 and bf16 weights;
 - every ISA unit (``PAGEDSERVE_CPU_ISA`` caps scalar / avx2 / avx512, each in a child process)
   passes these checks, and the AVX2 and AVX-512 units give the same bits (both fuse each product
   and sum; the portable unit rounds each product, so its last bits differ);
-- the PyTorch path agrees; bad arguments raise ValueError and write nothing.
+- the PyTorch path agrees (float32 and bf16 slots); bad arguments raise ValueError and write
+  nothing.
 """
 
 from __future__ import annotations
@@ -82,29 +87,52 @@ def check_against_float64() -> None:
             assert torch.equal(y[untouched], out[untouched]), (shape, dtype)
 
 
+def check_bf16_weights() -> None:
+    """bf16 weights against the float64 reference from the same bf16 values, and bit for bit the
+    kernel's result on float32 weights holding them; -1 rows and empty slots untouched."""
+    for i, shape in enumerate(SHAPES):
+        for dtype in (torch.float32, torch.bfloat16):
+            at, bt, ranks, x, out, row_slots = _case(shape, seed=300 + i, dtype=dtype)
+            at16, bt16 = at.bfloat16(), bt.bfloat16()
+            y = out.clone()
+            lora_ops.add_lora_delta(y, x, at16, bt16, ranks, row_slots)
+            ref, size = _reference(at16, bt16, x, out, row_slots)
+            err = (y.double() - ref).abs()
+            bound = RTOL_F32 * size + (BF16_U * ref.abs() if dtype == torch.bfloat16 else 0) + 1e-30
+            assert (err <= bound).all(), (shape, dtype, (err / (size + 1e-30)).max().item())
+            untouched = (row_slots < 0) | (ranks[row_slots.clamp(min=0).long()] == 0)
+            assert torch.equal(y[untouched], out[untouched]), (shape, dtype)
+            y32 = out.clone()
+            lora_ops.add_lora_delta(y32, x, at16.float(), bt16.float(), ranks, row_slots)
+            assert torch.equal(y, y32), (shape, dtype)
+
+
 def check_rows_do_not_depend_on_the_batch() -> None:
     for i, shape in enumerate(SHAPES):
         for dtype in (torch.float32, torch.bfloat16):
-            at, bt, ranks, x, out, row_slots = _case(shape, seed=100 + i, dtype=dtype)
-            full = out.clone()
-            lora_ops.add_lora_delta(full, x, at, bt, ranks, row_slots)
-            T = shape[4]
-            for lo, hi in ((0, 1), (T - 1, T), (0, T // 2), (T // 3, T)):
-                if hi <= lo:
-                    continue
-                part = out[lo:hi].clone()
-                lora_ops.add_lora_delta(part, x[lo:hi], at, bt, ranks, row_slots[lo:hi].clone())
-                assert torch.equal(part, full[lo:hi]), (shape, dtype, lo, hi)
+            for wdtype in (torch.float32, torch.bfloat16):
+                at, bt, ranks, x, out, row_slots = _case(shape, seed=100 + i, dtype=dtype)
+                at, bt = at.to(wdtype), bt.to(wdtype)
+                full = out.clone()
+                lora_ops.add_lora_delta(full, x, at, bt, ranks, row_slots)
+                T = shape[4]
+                for lo, hi in ((0, 1), (T - 1, T), (0, T // 2), (T // 3, T)):
+                    if hi <= lo:
+                        continue
+                    part = out[lo:hi].clone()
+                    lora_ops.add_lora_delta(part, x[lo:hi], at, bt, ranks, row_slots[lo:hi].clone())
+                    assert torch.equal(part, full[lo:hi]), (shape, dtype, wdtype, lo, hi)
 
 
 def results_digest() -> str:
-    """A digest of the kernel's bits on every case."""
+    """A digest of the kernel's bits on every case (float32 and bf16 weights)."""
     h = hashlib.sha256()
     for i, shape in enumerate(SHAPES):
         for dtype in (torch.float32, torch.bfloat16):
-            at, bt, ranks, x, out, row_slots = _case(shape, seed=200 + i, dtype=dtype)
-            lora_ops.add_lora_delta(out, x, at, bt, ranks, row_slots)
-            h.update(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy().tobytes())
+            for wdtype in (torch.float32, torch.bfloat16):
+                at, bt, ranks, x, out, row_slots = _case(shape, seed=200 + i, dtype=dtype)
+                lora_ops.add_lora_delta(out, x, at.to(wdtype), bt.to(wdtype), ranks, row_slots)
+                h.update(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -114,13 +142,20 @@ def test_lora_kernel_against_float64():
 
 
 @needs_lora
+def test_lora_kernel_bf16_weights():
+    check_bf16_weights()
+
+
+@needs_lora
 def test_lora_kernel_rows_do_not_depend_on_the_batch():
     check_rows_do_not_depend_on_the_batch()
 
 
 @needs_lora
-def test_lora_kernel_threads_do_not_change_the_bits():
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_lora_kernel_threads_do_not_change_the_bits(wdtype):
     at, bt, ranks, x, out, row_slots = _case((3, 16, 256, 256, 40), seed=7)
+    at, bt = at.to(wdtype), bt.to(wdtype)
     results = []
     old = torch.get_num_threads()
     try:
@@ -178,19 +213,24 @@ def test_lora_kernel_bad_arguments_write_nothing():
         lora_ops.add_lora_delta(y, x[:, :50], at, bt, ranks, row_slots)
     with pytest.raises(ValueError, match="float32"):
         lora_ops.add_lora_delta(y, x, at.half(), bt, ranks, row_slots)
+    with pytest.raises(ValueError, match="both float32 or both bfloat16"):
+        lora_ops.add_lora_delta(y, x, at.bfloat16(), bt, ranks, row_slots)
     with pytest.raises(ValueError, match="same rows"):
         lora_ops.add_lora_delta(y[:3], x, at, bt, ranks, row_slots)
     lora_ops.add_lora_delta(y[:0], x[:0], at, bt, ranks, row_slots[:0])  # no rows: nothing to do
     assert torch.equal(y, out)
 
 
-def test_torch_path_agrees_with_the_kernel(monkeypatch):
-    """LoRASlots.add_delta through PyTorch (no kernel) against the float64 reference, and against
-    the kernel where it is available; rows of -1 and of an empty slot untouched."""
+@pytest.mark.parametrize("slot_dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_agrees_with_the_kernel(monkeypatch, slot_dtype):
+    """LoRASlots.add_delta through PyTorch (no kernel) against the float64 reference (from the
+    slots' values: bf16 slots hold rounded factors), and against the kernel where it is available;
+    rows of -1 and of an empty slot untouched."""
     from pagedserve.model.lora import LoRAModelSpec
 
     spec = LoRAModelSpec(num_layers=1, hidden_size=64, q_size=64, kv_size=32, intermediate_size=96)
-    slots = lora_slots.LoRASlots(spec, max_loras=3, max_rank=8, device=torch.device("cpu"))
+    slots = lora_slots.LoRASlots(spec, max_loras=3, max_rank=8, device=torch.device("cpu"), dtype=slot_dtype)
+    assert slots.dtype == slot_dtype and slots.AT[(0, "qkv")].dtype == slots.BT[(0, "down")].dtype == slot_dtype
     g = torch.Generator().manual_seed(0)
     for s, r in ((0, 8), (1, 3)):  # slot 2 empty
         slots.AT[(0, "gate_up")][s, :, : 2 * r] = torch.randn(64, 2 * r, generator=g)
@@ -212,7 +252,7 @@ def test_torch_path_agrees_with_the_kernel(monkeypatch):
             slots.add_delta(y, x, 0, "gate_up", row_slots)
             err = (y.double() - ref).abs()
             bound = RTOL_F32 * size + (BF16_U * ref.abs() if dtype == torch.bfloat16 else 0) + 1e-30
-            assert (err <= bound).all(), (dtype, kernel)
+            assert (err <= bound).all(), (dtype, kernel, slot_dtype)
             assert torch.equal(y[[2, 3, 7]], out[[2, 3, 7]])
             results[kernel] = y
         if len(results) == 2 and dtype == torch.float32:
@@ -245,5 +285,6 @@ def test_lora_kernel_under_each_isa_cap():
 if __name__ == "__main__":  # a child of test_lora_kernel_under_each_isa_cap
     assert lora_ops.lora_kernel_available()
     check_against_float64()
+    check_bf16_weights()
     check_rows_do_not_depend_on_the_batch()
     print("ok", sys.argv[1], results_digest())

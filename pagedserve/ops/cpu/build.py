@@ -317,7 +317,7 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
         lib.qdequant.argtypes = [p, i32, i64, p, p, i64, i64, p, i32]
     elif name == "lora":
         lib.lora_add_delta.restype = ctypes.c_int
-        lib.lora_add_delta.argtypes = [p, i64, p, i64, i32, i64, p, i64, p, p, p, i64, i64, i64]
+        lib.lora_add_delta.argtypes = [p, i64, p, i64, i32, i64, p, i64, p, p, p, i32, i64, i64, i64]
     elif name == "decode":
         lib.small_gemm_bf16.restype = ctypes.c_int
         lib.small_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, i64]

@@ -19,6 +19,16 @@ Measured (one thread, best of 300, a shared 2-core Xeon with AVX-512 and AMX, bf
 of rank 16 on SmolLM2-135M's qkv: K 576, N 960, 48 rank columns): 32 rows 44 us, 1 row 6 us
 (``checked=True``; the checks add ~5 us); bf16 ``F.linear`` on the base qkv weight 83 and 66 us.
 
+The weights are float32 or bfloat16 (a bf16 model's slots): bf16 ones are widened exactly as they
+are read (a shift, or for BT a shift and a mask over pairs, even and odd outputs apart and put back
+in place), so the result is that of float32 weights of the same values, bit for bit, from half
+the bytes. While the factors sit in L2 the kernel is bound by its arithmetic (bf16 about even
+with float32); in a decode step they stream from L3 or memory (30 layers' slots in turn), where
+bf16 slots took (same machine, 32 rows, medians of alternating rounds, the ctypes call alone)
+qkv 48 us against 68-74 us for float32 slots, gate_up (K 576, N 3072, 32 rank columns) 83
+against 115-147 us, o 17 against 24, down 30 against 44; with one layer's factors in L2, qkv 40
+against 42 and gate_up 69 against 81.
+
 The tensors are checked here (ValueError); the C code trusts their layout but checks the slots
 and ranks (a slot outside ``[-1, S)`` or a rank outside ``[0, R]`` writes nothing: ValueError).
 :mod:`pagedserve.model.lora_slots` holds the adapters' stacked weights and the PyTorch path used
@@ -50,8 +60,10 @@ def _check(out: torch.Tensor, x: torch.Tensor, at: torch.Tensor, bt: torch.Tenso
         raise ValueError(f"out [T, N] and x [T, K] must be 2-D with the same rows, got {tuple(out.shape)} and {tuple(x.shape)}")
     if x.dtype != out.dtype or x.dtype not in _KERNEL_DTYPES + (torch.float16,):
         raise ValueError(f"x and out must share a float32, bfloat16 or float16 dtype, got {x.dtype} and {out.dtype}")
-    if at.dim() != 3 or bt.dim() != 3 or at.dtype != torch.float32 or bt.dtype != torch.float32:
-        raise ValueError(f"at [S, K, R] and bt [S, R, N] must be 3-D float32, got {tuple(at.shape)} {at.dtype} and {tuple(bt.shape)} {bt.dtype}")
+    if at.dim() != 3 or bt.dim() != 3 or at.dtype not in _KERNEL_DTYPES or bt.dtype != at.dtype:
+        raise ValueError(
+            f"at [S, K, R] and bt [S, R, N] must be 3-D, both float32 or both bfloat16, got {tuple(at.shape)} {at.dtype} and {tuple(bt.shape)} {bt.dtype}"
+        )
     s, k, r = at.shape
     n = out.shape[1]
     if tuple(bt.shape) != (s, r, n) or k != x.shape[1]:
@@ -73,14 +85,16 @@ def add_lora_delta(
     (the first ``ranks[s]`` rank columns of slot ``s``; rows of slot -1 or of a rank-0 slot
     untouched, bit for bit). Each delta is a float32 sum added to ``out`` widened to float32,
     rounded once to its dtype (float16: computed through float32 copies, then rounded back).
+    bfloat16 weights are widened exactly as they are read: the bits of float32 weights holding
+    the same values (``at.float()``, ``bt.float()``), from half the bytes.
 
     Args:
         out: ``[T, N]`` float32, bfloat16 or float16, CPU; rows may be a wider tensor's (stride 1
             within a row), else computed in a copy and copied back.
         x: ``[T, K]``, out's dtype, CPU (copied to row-major when it is not).
-        at: ``[S, K, R]`` float32, contiguous: slot s's A transposed (rank columns from
-            ``ranks[s]`` on unused).
-        bt: ``[S, R, N]`` float32, contiguous: slot s's B transposed (scaling folded in).
+        at: ``[S, K, R]`` float32 or bfloat16, contiguous: slot s's A transposed (rank columns
+            from ``ranks[s]`` on unused).
+        bt: ``[S, R, N]``, at's dtype, contiguous: slot s's B transposed (scaling folded in).
         ranks: ``[S]`` int32, contiguous, each in ``[0, R]``.
         row_slots: ``[T]`` int32, each in ``[-1, S)``.
         checked: the caller has checked the shapes, dtypes and devices above (skips those checks,
@@ -116,9 +130,9 @@ def add_lora_delta(
         row_slots = row_slots.contiguous()
     ldx = x.stride(0) if t > 1 else k
     ldo = out.stride(0) if t > 1 else n
-    bf16 = int(out.dtype == torch.bfloat16)
+    bf16, w_bf16 = int(out.dtype == torch.bfloat16), int(at.dtype == torch.bfloat16)
     rc = lib.lora_add_delta(
-        x.data_ptr(), ldx, out.data_ptr(), ldo, bf16, t, row_slots.data_ptr(), s, ranks.data_ptr(), at.data_ptr(), bt.data_ptr(), r, k, n
+        x.data_ptr(), ldx, out.data_ptr(), ldo, bf16, t, row_slots.data_ptr(), s, ranks.data_ptr(), at.data_ptr(), bt.data_ptr(), w_bf16, r, k, n
     )
     if rc == -1:
         raise ValueError(f"lora_add_delta: a row slot outside [-1, {s}) or a rank outside [0, {r}] (nothing written)")

@@ -1,8 +1,9 @@
 /*
  * The multi-LoRA delta as the Python side calls it (pagedserve/ops/cpu/lora_ops.py): argument
  * checks, the rows grouped by adapter slot, x widened to float32, and the shrink and expand phases
- * over the OpenMP pool with the body of the highest ISA this CPU has (avx512.c, avx2.c; cpu.h),
- * else the portable one built here. Portable: built without ISA flags. The arithmetic: lora.h.
+ * (float32 or bf16 weights) over the OpenMP pool with the body of the highest ISA this CPU has
+ * (avx512.c, avx2.c; cpu.h), else the portable one built here. Portable: built without ISA flags.
+ * The arithmetic: lora.h.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -13,8 +14,8 @@
 #define PS_LORA_SUFFIX scalar
 #include "body.h"
 
-typedef void (*ps_lora_shrink_fn)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-typedef void (*ps_lora_expand_fn)(const float*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const int64_t*,
+typedef void (*ps_lora_shrink_fn)(const void*, int, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+typedef void (*ps_lora_expand_fn)(const void*, int, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const int64_t*,
                                   void*, int64_t, int);
 
 /* A tile: up to PS_LORA_TILE rows of one slot, at positions [p0, p0 + rows) of the grouped order. */
@@ -23,9 +24,9 @@ typedef struct {
 } ps_lora_tile;
 
 PS_EXPORT int lora_add_delta(const void* x, int64_t ldx, void* out, int64_t ldo, int bf16, int64_t T, const int32_t* row_slots,
-                             int64_t num_slots, const int32_t* ranks, const float* AT, const float* BT, int64_t R, int64_t K,
+                             int64_t num_slots, const int32_t* ranks, const void* AT, const void* BT, int w_bf16, int64_t R, int64_t K,
                              int64_t N) {
-    if (T < 0 || num_slots < 0 || R < 1 || K < 1 || N < 1 || (bf16 != 0 && bf16 != 1)) return -1;
+    if (T < 0 || num_slots < 0 || R < 1 || K < 1 || N < 1 || (bf16 != 0 && bf16 != 1) || (w_bf16 != 0 && w_bf16 != 1)) return -1;
     if (T == 0) return 0;
     if (!x || !out || !row_slots || (num_slots > 0 && (!ranks || !AT || !BT))) return -1;
     if ((T > 1 && (ldx < K || ldo < N)) || ldx < 0 || ldo < 0) return -1;
@@ -80,6 +81,7 @@ PS_EXPORT int lora_add_delta(const void* x, int64_t ldx, void* out, int64_t ldo,
         shrink = ps_lora_shrink_avx2, expand = ps_lora_expand_avx2;
 #endif
     const int64_t nblocks = (N + PS_LORA_NB - 1) / PS_LORA_NB, nchunks = (R + PS_LORA_JW - 1) / PS_LORA_JW;
+    const size_t wsz = w_bf16 ? sizeof(uint16_t) : sizeof(float); /* one slot's AT (BT): K * R (R * N) weights */
 #pragma omp parallel if (active * R * (K + N) >= PS_LORA_PAR_MIN)
     {
 #pragma omp for schedule(static)
@@ -99,15 +101,16 @@ PS_EXPORT int lora_add_delta(const void* x, int64_t ldx, void* out, int64_t ldo,
                 const ps_lora_tile* tl = &tiles[i];
                 const int64_t j0 = c * PS_LORA_JW;
                 if (j0 < tl->rank) /* whole chunks up to R: the columns past the rank are zeros, unused */
-                    shrink(AT + tl->slot * K * R, R, j0, R - j0 < PS_LORA_JW ? R - j0 : PS_LORA_JW, xf + tl->p0 * K, tl->rows, K,
-                           h + tl->p0 * R, R);
+                    shrink((const char*)AT + (size_t)(tl->slot * K * R) * wsz, w_bf16, R, j0, R - j0 < PS_LORA_JW ? R - j0 : PS_LORA_JW,
+                           xf + tl->p0 * K, tl->rows, K, h + tl->p0 * R, R);
             }
 #pragma omp for schedule(static) collapse(2)
         for (int64_t i = 0; i < num_tiles; i++)
             for (int64_t b = 0; b < nblocks; b++) {
                 const ps_lora_tile* tl = &tiles[i];
                 const int64_t n0 = b * PS_LORA_NB, n1 = n0 + PS_LORA_NB < N ? n0 + PS_LORA_NB : N;
-                expand(BT + tl->slot * R * N, N, n0, n1, tl->rank, h + tl->p0 * R, R, tl->rows, order + tl->p0, out, ldo, bf16);
+                expand((const char*)BT + (size_t)(tl->slot * R * N) * wsz, w_bf16, N, n0, n1, tl->rank, h + tl->p0 * R, R, tl->rows,
+                       order + tl->p0, out, ldo, bf16);
             }
     }
     free(order), free(tiles), free(xf), free(h);
