@@ -29,8 +29,6 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import msgpack
-
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_connector import HoldSpec, KVConnectorMetadata, LoadSpec, ReleaseSpec
 from pagedserve.core.outputs import (
@@ -240,6 +238,8 @@ for _cls in (
 
 
 def _default(obj: Any) -> Any:
+    import msgpack  # imported on first use: the in-process (offline, TP 1) path never encodes a message
+
     cls = type(obj)
     names = _FIELDS.get(cls)
     if names is not None:
@@ -272,10 +272,14 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def _packb(obj: Any) -> bytes:
+    import msgpack
+
     return msgpack.packb(obj, default=_default, use_bin_type=True)
 
 
 def _unpackb(data: bytes | memoryview) -> Any:
+    import msgpack
+
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 
