@@ -13,8 +13,9 @@ SmolLM2's tokenizer files from ``benchmarks/gpu_check_assets/``. The smoke run h
 fastapi, zmq, msgpack, gguf and llguidance (``sys.modules[name] = None``) to show the offline
 path does without them.
 
-Sections (each in its own try, with its own time budget under an overall deadline; what does
-not fit is marked skipped):
+Sections (each in its own process, so a CUDA fault or a hang costs that section only, with its
+own time budget under an overall deadline; a section process running 30 s past its budget is
+killed; what does not fit is marked skipped):
 
 a. kernel: the Triton paged-attention kernel compiled, bf16 and fp16 (and the int8 cache),
    against a float64 reference gathered from the same paged cache (mixed decode + fresh prompt +
