@@ -56,6 +56,27 @@ class AttentionGroup:
 
 
 @dataclass
+class FlatAttentionInputs:
+    """A step's requests as one flat batch for the Triton paged-attention kernel
+    (``pagedserve.model.backends.triton_attention``).
+
+    Attributes:
+        block_tables: ``[B, max_blocks]`` int32 (narrower group tables padded with block 0).
+        query_start_loc: ``[B + 1]`` int32. seq_lens: ``[B]`` int32.
+        max_query_len, max_seq_len: host ints.
+        num_splits: split-KV shares, fixed (a CUDA graph needs a grid that does not change
+            between replays); None = chosen per launch.
+    """
+
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    num_splits: Optional[int] = None
+
+
+@dataclass
 class AttentionMetadata:
     """What attention needs for one step, shared by all layers.
 
@@ -63,11 +84,15 @@ class AttentionMetadata:
         slot_mapping: ``[num_tokens]`` int64 cache slot of each new token.
         groups: decode group and/or prefill group (order matches the flat batch).
         block_size: tokens per block.
+        flat: the same step as one flat batch, already on the device (the CUDA step loop
+            stages it, ``pagedserve.worker.step_buffers``); None = backends build what they
+            need from ``groups``. With ``flat`` set ``groups`` may be empty (Triton backend only).
     """
 
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
     block_size: int = 16
+    flat: Optional[FlatAttentionInputs] = None
 
     _slot_split: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 

@@ -36,7 +36,6 @@ Untested on a GPU so far: the tests run these kernels under Triton's interpreter
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -44,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.model.attn_metadata import AttentionMetadata
+from pagedserve.model.attn_metadata import AttentionMetadata, FlatAttentionInputs
 from pagedserve.model.backends.torch_backend import TorchBackend
 
 TILE = 32  # key positions per inner-loop step
@@ -361,23 +360,6 @@ def triton_paged_attention(
     return out
 
 
-@dataclass
-class FlatAttentionInputs:
-    """A step's attention groups as one flat batch for :func:`triton_paged_attention`.
-
-    Attributes:
-        block_tables: ``[B, max_blocks]`` int32 (narrower group tables padded with block 0).
-        query_start_loc: ``[B + 1]`` int32. seq_lens: ``[B]`` int32.
-        max_query_len, max_seq_len: host ints.
-    """
-
-    block_tables: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-
-
 def flat_attention_inputs(metadata: AttentionMetadata, num_tokens: int, device: torch.device) -> FlatAttentionInputs:
     """Join ``metadata.groups`` (decodes, then prefill chunks, in the flat batch's order)."""
     width = max(g.block_tables.shape[1] for g in metadata.groups)
@@ -429,11 +411,23 @@ class TritonBackend(TorchBackend):
         """Every query token ``[T, num_heads, head_dim]`` attends to its own request's cached
         K/V up to its position (causal); ``key``/``value`` are unused (already in the cache)."""
         out = torch.empty_like(query)
-        if not metadata.groups:
-            return out
-        if self._flat is None or self._flat[0] is not metadata:  # built once per step, shared by the layers
-            self._flat = (metadata, flat_attention_inputs(metadata, query.shape[0], query.device))
-        f = self._flat[1]
+        f = metadata.flat  # staged by the CUDA step loop
+        if f is None:
+            if not metadata.groups:
+                return out
+            if self._flat is None or self._flat[0] is not metadata:  # built once per step, shared by the layers
+                self._flat = (metadata, flat_attention_inputs(metadata, query.shape[0], query.device))
+            f = self._flat[1]
         return triton_paged_attention(
-            query, kv_cache, f.block_tables, f.query_start_loc, f.seq_lens, scale, out, metadata.block_size, f.max_query_len, f.max_seq_len
+            query,
+            kv_cache,
+            f.block_tables,
+            f.query_start_loc,
+            f.seq_lens,
+            scale,
+            out,
+            metadata.block_size,
+            f.max_query_len,
+            f.max_seq_len,
+            f.num_splits,
         )
