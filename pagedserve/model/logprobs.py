@@ -40,7 +40,9 @@ def top_k_by_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     the smaller index, both in their order and in which tied entries make the cut
     (``torch.topk``'s choice among equal values depends on ``k``). Returns ``([B, k] values,
     [B, k] int64 indices)``. A tie at the cut (rare: equal floats) takes a slower exact pass
-    over its row."""
+    over its row (on CUDA every row takes a branch-free form of it: no device->host sync)."""
+    if x.device.type == "cuda":
+        return top_k_by_id_no_sync(x, k)
     V = x.shape[-1]
     vals, ids = torch.topk(x, min(k + 1, V), dim=-1)
     cut_tie = vals[:, k - 1] == vals[:, k] if k < V else torch.zeros(len(x), dtype=torch.bool, device=x.device)
@@ -54,6 +56,29 @@ def top_k_by_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         take = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
         ids = ids.clone()
         ids[rows] = take.nonzero()[:, 1].view(len(rows), k)
+        vals = x.gather(1, ids)
+    ids, perm = ids.sort(dim=-1)  # by index, then stably by value: ties in index order
+    vals = vals.gather(1, perm)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), ids.gather(1, order)
+
+
+def top_k_by_id_no_sync(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_k_by_id` without a device->host sync (the CUDA step loop's): the exact
+    tie-at-the-cut pass runs for every row, branch-free, and is kept where a row has such a
+    tie. Costs ``[B, V]`` int32 scratch (only when logprobs are asked)."""
+    V = x.shape[-1]
+    vals, ids = torch.topk(x, min(k + 1, V), dim=-1)
+    if k < V:
+        kth = vals[:, k - 1 : k]
+        cut_tie = vals[:, k - 1 : k] == vals[:, k : k + 1]  # [B, 1]
+        above = x > kth
+        tied = x == kth
+        take = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+        # the k taken entries (exactly k per row with a tie at the cut), smaller index first
+        key = torch.where(take, V - torch.arange(V, dtype=torch.int32, device=x.device), 0)
+        exact = torch.topk(key, k, dim=-1).indices
+        ids = torch.where(cut_tie, exact, ids[:, :k])
         vals = x.gather(1, ids)
     ids, perm = ids.sort(dim=-1)  # by index, then stably by value: ties in index order
     vals = vals.gather(1, perm)

@@ -56,7 +56,10 @@ def rejection_sample(
         probs = probs / probs.sum(dim=-1, keepdim=True)
         u = torch.rand(len(probs), device=probs.device)
         for i, g in metadata.generators.items():
-            u[i] = torch.rand(1, generator=g, device=g.device).item()
+            if u.device.type == "cuda":  # no device->host sync
+                u[i : i + 1] = torch.rand(1, generator=g, device=g.device)
+            else:
+                u[i] = torch.rand(1, generator=g, device=g.device).item()
         p_draft = probs.gather(1, drafts.unsqueeze(1)).squeeze(1)
         accept = has_draft & (u < p_draft)
         residual = probs.scatter(1, drafts.unsqueeze(1), torch.where(has_draft, 0.0, p_draft).unsqueeze(1))
@@ -64,8 +67,11 @@ def rejection_sample(
         if greedy is not None:
             accept = torch.where(metadata.greedy_mask, greedy == draft_token_ids, accept)
             after = torch.where(metadata.greedy_mask, greedy, after)
-    accept_l = accept.tolist()
-    after_l = after.tolist()
+    if accept.device.type == "cuda":  # one device->host copy
+        accept_l, after_l = torch.stack([accept.to(torch.int64), after.to(torch.int64)]).tolist()
+    else:
+        accept_l = accept.tolist()
+        after_l = after.tolist()
     kept, tokens, start = [], [], 0
     for k in num_drafts:
         a = 0
