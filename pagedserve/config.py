@@ -23,6 +23,8 @@ from pagedserve.pooler_config import RUNNERS, PoolerConfig, parse_pooler_config,
 from pagedserve.spec_decode_config import SpeculativeConfig
 
 DEFAULT_TOKEN_BUDGET = 2048
+# max_num_seqs when left unset, by the device the model runs on (vLLM's CUDA default is 256).
+DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}
 # Step-time target (ms): see docs/perf-history.md, "Issue 15: bounded step time", for the choice.
 SERVING_MAX_STEP_MS = 200.0  # the server's default; offline engines default to off (as vLLM's usage-context defaults)
 # A prefilling step may also last this many times its decodes alone (docs/perf-history.md,
@@ -106,13 +108,19 @@ class EngineConfig:
         block_size: tokens per KV cache block.
         max_model_len: longest sequence (prompt + output, tokens); None = the model's
             max_position_embeddings, lowered to what the KV cache can hold.
-        max_num_seqs: most requests running at once.
+        max_num_seqs: most requests running at once; None = by device (64 on CPU, 256 on
+            CUDA), resolved at start-up (:meth:`resolved`).
         max_num_batched_tokens: token budget of one step (tokens); None = 2048 (with chunked
             prefill off: at least max_model_len).
         kv_cache_memory_bytes: KV cache budget (bytes); None = a share of free memory
             (CPU: 20 % of available RAM, at most 4 GiB; CUDA: gpu_memory_utilization).
         num_kv_blocks: set the pool size directly (blocks); overrides the memory budget.
-        gpu_memory_utilization: fraction of GPU memory the engine may use (CUDA only).
+        gpu_memory_utilization: fraction of GPU memory the engine may use (CUDA only): it
+            bounds weights + the peak of a profiling forward + the KV cache, as in vLLM.
+        enforce_eager: CUDA only (vLLM's flag): no CUDA graphs, every step eager. Default True
+            until a GPU run has shown graph replay equal to eager; ``--no-enforce-eager``
+            captures decode-only steps as CUDA graphs at padded batch sizes (untested on a GPU,
+            see ``pagedserve.worker.cuda_graphs``). No effect on the CPU.
         enable_prefix_caching: reuse KV blocks across requests by chained block hashes.
         enable_chunked_prefill: split long prompts across steps under the token budget.
         long_prefill_token_threshold: cap on one request's prefill chunk per step (0 = none).
@@ -213,13 +221,17 @@ class EngineConfig:
     )
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
     max_model_len: Optional[int] = field(default=None, metadata=_flag("longest prompt + output (tokens)"))
-    max_num_seqs: int = field(default=64, metadata=_flag("most requests running at once"))
+    max_num_seqs: Optional[int] = field(default=None, metadata=_flag("most requests running at once (default: 64 on CPU, 256 on CUDA)"))
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=_flag("token budget per step"))
     kv_cache_memory_bytes: Optional[int] = field(
         default=None, metadata=_flag("KV cache budget in bytes", "--kv-cache-memory", "--kv-cache-memory-bytes")
     )
     num_kv_blocks: Optional[int] = field(default=None, metadata=_flag("KV cache pool size in blocks (overrides the memory budget)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_flag("fraction of GPU memory the engine may use"))
+    enforce_eager: bool = field(
+        default=True,
+        metadata=_flag("CUDA: no CUDA graphs (the default for now; --no-enforce-eager captures decode steps as graphs, untested on a GPU)"),
+    )
     enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse KV blocks of shared prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_flag("split long prompts under the token budget"))
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one request's prefill chunk per step (0 = none)"))
@@ -311,9 +323,9 @@ class EngineConfig:
             if (v is not None or not allow_none) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be at least 1, got {v}")
 
-        for name in ("max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+        for name in ("max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads", "max_num_seqs"):
             positive(name)
-        for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "data_parallel_size"):
+        for name in ("block_size", "tensor_parallel_size", "data_parallel_size"):
             positive(name, allow_none=False)
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
@@ -405,13 +417,29 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}{hint}")
 
     # -- values resolved at start-up --------------------------------------------------------
-    def resolved(self, max_model_len: int) -> "EngineConfig":
-        """A copy with ``max_model_len`` and ``max_num_batched_tokens`` filled in (the budget
-        defaults to 2048 tokens, and with chunked prefill off to at least max_model_len)."""
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            budget = DEFAULT_TOKEN_BUDGET if self.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
-        return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget)
+    def resolved(self, max_model_len: int, device_type: str = "cpu") -> "EngineConfig":
+        """A copy with ``max_model_len``, ``max_num_batched_tokens`` and ``max_num_seqs`` filled
+        in (the budget defaults to 2048 tokens, and with chunked prefill off to at least
+        max_model_len; max_num_seqs by ``device_type``, see :meth:`max_num_seqs_for`)."""
+        return dataclasses.replace(
+            self,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.token_budget_for(max_model_len),
+            max_num_seqs=self.max_num_seqs_for(device_type),
+        )
+
+    def token_budget_for(self, max_model_len: int) -> int:
+        """``max_num_batched_tokens``, or its default for ``max_model_len``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_TOKEN_BUDGET if self.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
+
+    def max_num_seqs_for(self, device_type: str) -> int:
+        """``max_num_seqs``, or its default on a ``device_type`` ("cpu", "cuda") device:
+        :data:`DEFAULT_MAX_NUM_SEQS` (64 for any device but CUDA)."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return DEFAULT_MAX_NUM_SEQS.get(device_type, DEFAULT_MAX_NUM_SEQS["cpu"])
 
     def verify_token_budget(self) -> None:
         """Raises ValueError when, with chunked prefill off, a prompt of max_model_len tokens

@@ -55,7 +55,7 @@ class EngineCore:
         self.worker = create_executor(config)
         try:
             spec = self.worker.kv_spec
-            self.config = config.resolved(spec.max_model_len)
+            self.config = config.resolved(spec.max_model_len, self.worker.device.type)
             if self.config.runner == "pooling":
                 self.config = _with_pooling(self.config, self.worker.model_dir)
             self.config.verify_token_budget()

@@ -14,7 +14,7 @@ in :class:`CachedRequestState`, kept by the model runner while the request is al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -43,9 +43,10 @@ class CachedRequestState:
     request has no row until it is resumed).
 
     Attributes:
-        generator: the request's own CPU generator when it is seeded and sampled at random; it
-            keeps its position through preemption, so a seeded request draws the same tokens
-            whatever happens to it.
+        generator: the request's own generator when it is seeded and sampled at random (on the
+            CPU; on CUDA a CUDA generator, so its draws stay on the device); it keeps its
+            position through preemption, so a seeded request draws the same tokens whatever
+            happens to it.
         num_prompt_logprobs_done: with ``prompt_logprobs``, the prompt positions already scored
             (position ``i`` scores prompt token ``i + 1``), so a recomputed chunk sends none twice.
         pooled: with the pooling runner, what earlier chunks of the prompt contributed (see
@@ -61,10 +62,11 @@ class CachedRequestState:
     pooled: Optional[torch.Tensor] = None  # pooling runner: the running sum (MEAN) or first state (CLS), [hidden] float32
 
     @classmethod
-    def create(cls, req_id: str, params: SamplingParams, eos_token_ids: list[int]) -> "CachedRequestState":
+    def create(cls, req_id: str, params: SamplingParams, eos_token_ids: list[int], device: Optional[torch.device] = None) -> "CachedRequestState":
+        """``device``: where a seeded request's generator lives (None: the CPU)."""
         gen = None
         if params.seed is not None and params.temperature >= SAMPLING_EPS:
-            gen = torch.Generator()
+            gen = torch.Generator() if device is None else torch.Generator(device=device)
             gen.manual_seed(fold_seed(params.seed))
         return cls(req_id, params, list(eos_token_ids), gen)
 
@@ -207,13 +209,16 @@ class InputBatch:
         self.num_tokens[rows] += 1
 
     # -- sampling -----------------------------------------------------------------------------
-    def sampling_metadata(self, rows: np.ndarray, num_drafts_before: Optional[np.ndarray] = None) -> SamplingMetadata:
+    def sampling_metadata(
+        self, rows: np.ndarray, num_drafts_before: Optional[np.ndarray] = None, to_device: Optional[Callable[[np.ndarray], torch.Tensor]] = None
+    ) -> SamplingMetadata:
         """The sampling state of ``rows`` (one per logits row, in order), on ``device``.
         Tokens generated so far are the rows' tokens after their prompts; with
         ``num_drafts_before`` (``[len(rows)]`` int64, speculative decoding) logits row ``i``
         also counts the first ``num_drafts_before[i]`` draft tokens placed after its row's
         tokens, so penalties, bad words and min_tokens see what decoding one token at a time
-        would have seen there."""
+        would have seen there. ``to_device``: how a per-row array becomes a device tensor
+        (the CUDA step loop's staging arena); default ``torch.from_numpy(a).to(device)``."""
         dev = self.device
         num_tokens = self.num_tokens[rows] if num_drafts_before is None else self.num_tokens[rows] + num_drafts_before
         V = self.vocab_size
@@ -222,8 +227,10 @@ class InputBatch:
         all_greedy = bool(greedy.all())
         all_random = not bool(greedy.any())
 
-        def tensor(values: np.ndarray) -> torch.Tensor:
+        def to_dev(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(dev)
+
+        tensor = to_dev if to_device is None else to_device
 
         top_k = top_p = min_p = None
         generators: dict[int, torch.Generator] = {}

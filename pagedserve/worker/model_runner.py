@@ -36,6 +36,7 @@ from pagedserve.ops import kv_int8
 from pagedserve.worker.input_batch import CachedRequestState, InputBatch
 
 if TYPE_CHECKING:
+    from pagedserve.worker.cuda_step import CudaStepRunner
     from pagedserve.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,12 @@ class ModelRunner:
         pooling_type: None (generate: sample tokens) or the pooling runner's "LAST", "MEAN" or
             "CLS": a request whose chunk reaches the end of its prompt gets its pooled final-norm
             hidden state (``ModelRunnerOutput.pooled``) instead of a sampled token.
+        max_num_tokens, enforce_eager: CUDA only: the step token budget (the step buffers'
+            size) and whether to skip CUDA graphs (with graphs the pool gets one scratch block
+            past ``num_blocks`` for padded rows). On CUDA with the Triton backend and without
+            LoRA, pooling or tensor parallelism, steps without drafts run in
+            :class:`~pagedserve.worker.cuda_step.CudaStepRunner` (no host stalls); everything
+            else, and every CPU step, runs here.
     """
 
     def __init__(
@@ -79,6 +86,8 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         pooling_type: Optional[str] = None,
         lora_manager: Optional[LoRAManager] = None,
+        max_num_tokens: Optional[int] = None,
+        enforce_eager: bool = True,
     ) -> None:
         cfg = model.config
         self.pooling_type = pooling_type
@@ -97,12 +106,25 @@ class ModelRunner:
             kv_dtype = dtype
         # Zero-filled: stale block-table entries read slots that are masked out, and masking
         # needs them finite. (2 MiB pages for the pool: no faster on W1, see docs/perf-history.md, "Issue 15, round three".)
-        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
+        cuda_step = device.type == "cuda" and pooling_type is None and lora_manager is None and model.tp is None and model.backend.name == "triton"
+        graphs = cuda_step and not enforce_eager
+        if graphs:  # one scratch block past the pool, for the padded rows of graph steps
+            full = torch.zeros((*shape[:2], num_blocks + 1, *shape[3:]), dtype=kv_dtype, device=device)
+            self.kv_cache = full[:, :, :num_blocks]
+            self.kv_caches = list(full.unbind(0))
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+            self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(model.backend.argmax)
         self.requests: dict[str, CachedRequestState] = {}
         self.prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt_logprobs
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size), cfg.vocab_size, device)
+        self.generator_device = device if device.type == "cuda" else None  # seeded requests' generators
+        self.cuda_step: Optional[CudaStepRunner] = None
+        if cuda_step:
+            from pagedserve.worker.cuda_step import CudaStepRunner
+
+            self.cuda_step = CudaStepRunner(self, max_num_tokens or max_model_len, num_blocks if graphs else None, max_model_len)
 
     # -- state ----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -116,7 +138,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             state = self.requests.get(new.req_id)  # a resumed request keeps its generator
             if state is None:
-                state = CachedRequestState.create(new.req_id, new.sampling_params, new.eos_token_ids)
+                state = CachedRequestState.create(new.req_id, new.sampling_params, new.eos_token_ids, self.generator_device)
                 state.lora_int_id = new.lora_request.lora_int_id if new.lora_request is not None else 0
                 self.requests[new.req_id] = state
                 if new.sampling_params.prompt_logprobs is not None:
@@ -142,6 +164,8 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput()
+        if self.cuda_step is not None and self.cuda_step.can_run(so):
+            return self.cuda_step.execute(so)
         batch = self.input_batch
         spec = so.scheduled_spec_decode_tokens
         for rid, drafts in spec.items():  # drafts go after the known tokens; kept ones stay there

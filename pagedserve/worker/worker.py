@@ -191,6 +191,8 @@ class Worker:
                 shard_shapes(model)
                 quant_modules.discard("embed_tokens")  # the vocab-parallel embedding stays float
             quantize_modules(model, quant_modules)
+            if self.device.type == "cuda":  # weights made in the target dtype: no float32 copy on the GPU
+                model = model.to(self.dtype)
         model = model.to_empty(device=self.device)
         weights = loader.iterate_weights(self.model_dir, self.hf_config, quantized=bool(quant_modules))
         weights = dequantize_unlisted(weights, quant_modules)
@@ -212,14 +214,27 @@ class Worker:
         if packing_available(self.device, self.dtype):
             model.pack_for_cpu()
         model.backend = select_backend(model, self.device, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what loading freed goes back before the memory is measured
         return model.eval()
 
     def _default_kv_budget(self) -> int:
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return max(0, int(total * self.config.gpu_memory_utilization) - used)
+            return self._profile_kv_budget()
         return min(DEFAULT_CPU_KV_MAX_BYTES, int(available_ram_bytes() * DEFAULT_CPU_KV_FRACTION))
+
+    def _profile_kv_budget(self) -> int:
+        """CUDA: the KV budget left by a profiling run (:mod:`pagedserve.worker.memory_profile`)."""
+        from pagedserve.worker.memory_profile import CudaMemory, profile_kv_budget, profile_run
+
+        cfg = self.config
+        num_tokens = cfg.token_budget_for(cfg.max_model_len or self.max_positions)
+        num_seqs = cfg.max_num_seqs_for(self.device.type)
+
+        def run() -> int:
+            return profile_run(self.model, num_tokens, num_seqs, cfg.block_size, self.dtype, cfg.kv_cache_dtype, self.device)
+
+        return profile_kv_budget(run, CudaMemory(self.device), cfg.gpu_memory_utilization).kv_budget
 
     def _size_kv_cache(self) -> KVCacheSpec:
         cfg = self.config
@@ -235,7 +250,7 @@ class Worker:
             if cfg.kv_cache_memory_bytes is None:
                 # A default budget never needs more than every sequence at full length.
                 max_len = cfg.max_model_len or self.max_positions
-                num_blocks = min(num_blocks, cfg.max_num_seqs * -(-max_len // B))
+                num_blocks = min(num_blocks, cfg.max_num_seqs_for(self.device.type) * -(-max_len // B))
             if num_blocks < 1:
                 raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({block_bytes} bytes)")
         return self.kv_spec_for(num_blocks, block_bytes)
@@ -261,7 +276,9 @@ class Worker:
 
     def initialize_cache(self, config: EngineConfig, num_blocks: Optional[int] = None) -> None:
         """Allocate the KV pool of ``num_blocks`` (default ``kv_spec.num_blocks``) blocks and the
-        input batch for the resolved ``config`` (its max_num_seqs and max_model_len)."""
+        input batch for the resolved ``config`` (its max_num_seqs and max_model_len; on CUDA
+        its token budget sizes the step buffers, and ``enforce_eager=False`` captures the
+        decode graphs here)."""
         if num_blocks is not None:
             self.kv_spec.num_blocks = num_blocks
         self.model_runner = ModelRunner(
@@ -275,6 +292,8 @@ class Worker:
             config.kv_cache_dtype,
             pooling_type=config.pooler.pooling_type if config.pooler is not None else None,
             lora_manager=self.lora_manager,
+            max_num_tokens=config.max_num_batched_tokens,
+            enforce_eager=config.enforce_eager,
         )
         if config.kv_transfer_config is not None:
             from pagedserve.core.kv_cache_manager import hash_seed

@@ -228,7 +228,7 @@ def test_config_flags_are_the_fields():
     args = p.parse_args(["--max-num-seqs", "5", "--no-enable-chunked-prefill", "--kv-cache-memory", "1000", "--dtype", "float32"])
     cfg = EngineConfig.from_cli_args(args)
     assert (cfg.max_num_seqs, cfg.enable_chunked_prefill, cfg.kv_cache_memory_bytes, cfg.dtype) == (5, False, 1000, "float32")
-    assert dataclasses.replace(cfg, max_num_seqs=64) == EngineConfig.from_cli_args(p.parse_args(
+    assert dataclasses.replace(cfg, max_num_seqs=None) == EngineConfig.from_cli_args(p.parse_args(
         ["--no-enable-chunked-prefill", "--kv-cache-memory-bytes", "1000", "--dtype", "float32"]))
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
