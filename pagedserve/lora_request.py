@@ -11,6 +11,7 @@ adapter share KV, two adapters never do. Torch-free: the engine core imports thi
 from __future__ import annotations
 
 import os
+import unicodedata
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,6 +19,7 @@ import xxhash
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MAX_LORA_INT_ID = 2**31 - 1  # ids are small ints (vLLM's); steps carry them as int64
 
 
 @dataclass
@@ -25,8 +27,9 @@ class LoRARequest:
     """One LoRA adapter a request runs with (vLLM's shape).
 
     Attributes:
-        lora_name: the adapter's name (the API's ``model``).
-        lora_int_id: its id in the engine, >= 1 (0 and None mean the base model in vLLM).
+        lora_name: the adapter's name (the API's ``model``): not blank, no whitespace at either
+            end, no control characters, no ``/``.
+        lora_int_id: its id in the engine, 1 to 2**31 - 1 (0 and None mean the base model in vLLM).
         lora_path: the PEFT adapter folder.
         base_model_name: the model the adapter was trained on, if the client says (logged
             when it differs from the served model; shapes decide whether it fits).
@@ -38,10 +41,14 @@ class LoRARequest:
     base_model_name: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_name, str) or not self.lora_name:
+        if not isinstance(self.lora_name, str) or not self.lora_name.strip():
             raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+        if self.lora_name != self.lora_name.strip():
+            raise ValueError(f"lora_name must not begin or end with whitespace, got {self.lora_name!r}")
+        if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in self.lora_name) or "/" in self.lora_name:
+            raise ValueError(f"lora_name must not hold control characters or '/', got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or not 1 <= self.lora_int_id <= MAX_LORA_INT_ID:
+            raise ValueError(f"lora_int_id must be an integer from 1 to {MAX_LORA_INT_ID}, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str):
             raise ValueError(f"lora_path must be a string, got {type(self.lora_path).__name__}")
 

@@ -153,6 +153,8 @@ class EngineCore:
             raise ValueError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
         if isinstance(lora, dict):  # from a utility call's arguments
             lora = LoRARequest(**lora)
+        else:
+            lora.__post_init__()  # its fields again (a dataclass's fields can be reassigned)
         same = self.loras.get(lora.lora_int_id)
         if same is not None:
             if (same[0].lora_name, same[0].lora_path) == (lora.lora_name, lora.lora_path):
@@ -163,8 +165,18 @@ class EngineCore:
         if len(self.loras) >= self.config.lora_capacity:
             raise ValueError(f"{len(self.loras)} LoRA adapters are loaded, the most max_cpu_loras allows; unload one first")
         key = adapter_digest(lora.lora_path)
-        self.worker.add_lora(lora)
-        self.loras[lora.lora_int_id] = (lora, key)
+        try:
+            self.worker.add_lora(lora)
+            self.loras[lora.lora_int_id] = (lora, key)
+        except BaseException:
+            # Never half-registered: whatever fails once the worker may hold the adapter unloads
+            # it there (a no-op when it was refused before holding it); the id was free here.
+            self.loras.pop(lora.lora_int_id, None)
+            try:
+                self.worker.remove_lora(lora.lora_int_id)
+            except Exception:
+                logger.exception("pagedserve: could not unload LoRA adapter %r after a failed add", lora.lora_name)
+            raise
         return key
 
     def remove_lora(self, lora_int_id: int) -> bool:

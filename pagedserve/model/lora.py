@@ -153,24 +153,46 @@ def _number(path: str, cfg: dict, key: str, default: float) -> float:
     return float(v)
 
 
+# rank_pattern / alpha_pattern keys: plain dotted module paths only (PEFT's escaped dot ``\.``
+# allowed). PEFT treats a key as a regex; an adapter's regex is never run here (a catastrophic-
+# backtracking key would hang the engine core, which loads adapters).
+_KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+MAX_PATTERN_KEYS = 4096
+MAX_PATTERN_KEY_LEN = 256
+MAX_SCALING = 1e6  # |lora_alpha / r| (or / sqrt(r)) above this is refused
+
+
 def _pattern(path: str, cfg: dict, key: str) -> dict[str, float]:
+    """The config's ``key`` (rank_pattern / alpha_pattern): module path -> number, keys unescaped.
+
+    Raises:
+        LoRAError: not an object, too many or too long keys, a key that is not a plain dotted
+            module path (regular expressions are refused), a value that is not a positive number.
+    """
     v = cfg.get(key) or {}
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise LoRAError(f"LoRA adapter {path}: {CONFIG_FILE} {key} must be an object of module patterns, got {v!r}")
+    if len(v) > MAX_PATTERN_KEYS:
+        raise LoRAError(f"LoRA adapter {path}: {CONFIG_FILE} {key} has {len(v)} keys, at most {MAX_PATTERN_KEYS} are accepted")
     out = {}
     for k in v:
-        out[k] = _number(path, v, k, 0)
-        try:
-            re.compile(k)
-        except re.error as e:
-            raise LoRAError(f"LoRA adapter {path}: {CONFIG_FILE} {key} has a bad pattern {k!r} ({e})") from e
+        if len(k) > MAX_PATTERN_KEY_LEN:
+            raise LoRAError(f"LoRA adapter {path}: {CONFIG_FILE} {key} has a key of {len(k)} characters, at most {MAX_PATTERN_KEY_LEN} are accepted")
+        plain = k.replace("\\.", ".")
+        if not all(part and set(part) <= _KEY_CHARS for part in plain.split(".")):
+            raise LoRAError(
+                f"LoRA adapter {path}: {CONFIG_FILE} {key} has the key {k!r}: regular expressions in rank_pattern/alpha_pattern "
+                "are not supported; give module names (like 'q_proj' or 'layers.0.self_attn.q_proj')"
+            )
+        out[plain] = _number(path, v, k, 0)
     return out
 
 
 def _match(patterns: dict[str, float], module: str) -> Optional[float]:
-    """PEFT's get_pattern_key: the first pattern matching a suffix of the module's dotted name."""
+    """PEFT's get_pattern_key for plain keys: the first key equal to the module's dotted name or
+    to a suffix of it starting after a dot (no regex is run)."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if module == key or module.endswith("." + key):
             return value
     return None
 
@@ -223,7 +245,10 @@ def load_peft_adapter(path: str, spec: LoRAModelSpec, max_rank: int) -> LoRAAdap
             target module this model does not have (only q/k/v/o_proj and gate/up/down_proj); a
             module rank above ``max_rank`` or different from the config's ``r`` / ``rank_pattern``;
             a tensor of the wrong shape for the model, a layer out of range, a lora_A without its
-            lora_B (or the reverse), NaN or infinite weights, no LoRA weights at all.
+            lora_B (or the reverse), NaN or infinite weights (also after the scaling is folded
+            into B), a scaling above ``MAX_SCALING``, no LoRA weights at all; a
+            ``rank_pattern`` / ``alpha_pattern`` key that is not a plain module path (regular
+            expressions are never run), longer than 256 characters, or more than 4096 keys.
     """
     if not os.path.isdir(path):
         raise LoRAError(f"LoRA adapter {path}: no such folder")
@@ -287,7 +312,15 @@ def load_peft_adapter(path: str, spec: LoRAModelSpec, max_rank: int) -> LoRAAdap
         alpha = _match(alpha_pattern, names[(layer, name)])
         alpha = alpha_default if alpha is None else alpha
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
-        modules[(layer, name)] = (a32.contiguous(), b32 * scaling, r)
+        if not math.isfinite(scaling) or abs(scaling) > MAX_SCALING:
+            raise LoRAError(
+                f"LoRA adapter {path}: {where} has scaling {scaling:g} (lora_alpha / alpha_pattern {alpha:g} over "
+                f"{'sqrt(r)' if rslora else 'r'}), above the accepted {MAX_SCALING:g}"
+            )
+        b_scaled = b32 * scaling
+        if not torch.isfinite(b_scaled).all():
+            raise LoRAError(f"LoRA adapter {path}: {where}: lora_B times the scaling {scaling:g} overflows float32 (NaN or infinite weights)")
+        modules[(layer, name)] = (a32.contiguous(), b_scaled, r)
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in range(spec.num_layers):

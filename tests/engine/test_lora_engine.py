@@ -136,3 +136,46 @@ def test_lora_config_refusals():
         parse_lora_modules(["a=/x", "a=/y"])
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
+
+
+@pytest.mark.parametrize("name", ["", "   ", " a", "a ", "a\n", "a\x00b", "a\x7fb", "a/b", "\u2028a"])
+def test_bad_adapter_names_are_refused(name):
+    with pytest.raises(ValueError, match="lora_name"):
+        LoRARequest(name, 1, "/x")
+
+
+def test_adapter_ids_are_small_ints():
+    from pagedserve.lora_request import MAX_LORA_INT_ID
+
+    assert MAX_LORA_INT_ID == 2**31 - 1 and LoRARequest("a", MAX_LORA_INT_ID, "/x").lora_int_id == MAX_LORA_INT_ID
+    for bad in (2**31, 2**63, -1, True, 1.0):
+        with pytest.raises(ValueError, match="lora_int_id"):
+            LoRARequest("a", bad, "/x")
+
+
+def test_add_lora_is_transactional(setup, monkeypatch):
+    """A failure after the worker loaded the adapter unloads it again; a request whose id was
+    changed after construction is checked again; the engine keeps serving."""
+    d, adapters, ids, refs = setup
+    llm = make_llm(d)
+    core = llm.llm_engine.core
+    manager = core.worker.lora_manager
+    real_add = manager.add
+
+    def add_then_fail(lora):
+        real_add(lora)
+        raise RuntimeError("boom after the load")
+
+    monkeypatch.setattr(manager, "add", add_then_fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        core.add_lora(LoRARequest("all", 5, adapters["all"]))
+    assert core.loras == {} and manager.adapters == {} and core.list_loras() == []
+    monkeypatch.undo()
+    lora = LoRARequest("all", 5, adapters["all"])
+    lora.lora_int_id = 2**63
+    with pytest.raises(ValueError, match="lora_int_id"):
+        core.add_lora(lora)
+    assert core.loras == {} and manager.adapters == {}
+    out = llm.generate({"prompt_token_ids": ids[0]}, GREEDY, use_tqdm=False, lora_request=LoRARequest("all", 5, adapters["all"]))
+    assert out[0].outputs[0].token_ids == refs["all"][0]
+    assert_engine_idle(llm)

@@ -210,6 +210,10 @@ def test_every_refusal_is_a_4xx_and_the_server_keeps_serving(server, setup, tmp_
         ({"lora_name": "a", "lora_path": paths["b"]}, "already been loaded"),
         ({"lora_name": "tiny", "lora_path": paths["b"]}, "served model"),
         ({"lora_name": "", "lora_path": paths["b"]}, "lora_name"),
+        ({"lora_name": " x", "lora_path": paths["b"]}, "whitespace"),
+        ({"lora_name": "x/y", "lora_path": paths["b"]}, "control characters or '/'"),
+        ({"lora_name": "x\u0000y", "lora_path": paths["b"]}, "control characters"),
+        ({"lora_name": "   ", "lora_path": paths["b"]}, "lora_name"),
         ({"lora_name": "x"}, "lora_path"),
     ]
     for body, words in cases:

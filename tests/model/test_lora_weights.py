@@ -236,7 +236,18 @@ REFUSALS = {
     "no lora weights": (dict(tensors=lambda t: {}), 8, "no LoRA weights"),
     "integer weights": (dict(tensors=_edit(Q_A, lambda v: v.to(torch.int32))), 8, "expected floating point"),
     "bad r": (dict(config={"r": "eight"}), 8, "r must be a positive number"),
-    "bad pattern": (dict(config={"rank_pattern": {"q_proj(": 8}}), 8, "bad pattern"),
+    "bad pattern": (dict(config={"rank_pattern": {"q_proj(": 8}}), 8, r"'q_proj\(': regular expressions in rank_pattern/alpha_pattern are not supported"),
+    "regex pattern": (dict(config={"alpha_pattern": {"layers.0.*": 8}}), 8, "regular expressions.*give module names"),
+    "empty pattern key": (dict(config={"rank_pattern": {"": 8}}), 8, "regular expressions"),
+    "long pattern key": (dict(config={"rank_pattern": {"a" * 257: 8}}), 8, "257 characters, at most 256"),
+    "many pattern keys": (dict(config={"alpha_pattern": {f"m{i}": 8 for i in range(4097)}}), 8, "4097 keys, at most 4096"),
+    "absurd alpha": (dict(config={"lora_alpha": 1e300}), 8, r"scaling 1.25e\+299 .*above the accepted 1e\+06"),
+    "absurd alpha_pattern": (dict(config={"alpha_pattern": {"q_proj": 1e7}}), 8, "layer 0 q_proj has scaling"),
+    "scaled B overflows": (
+        dict(config={"lora_alpha": 1e5}, tensors=_edit("layers.1.mlp.down_proj.lora_B", lambda v: v * 1e36)),
+        8,
+        "layer 1 down_proj: lora_B times the scaling 12500 overflows float32",
+    ),
 }
 
 
@@ -283,3 +294,43 @@ def test_an_adapter_for_another_model_is_refused_by_shapes(lora_setup):
     other = LoRAModelSpec(num_layers=2, hidden_size=128, q_size=128, kv_size=128, intermediate_size=256)
     with pytest.raises(LoRAError, match="k_proj.*do not fit the model"):
         load_peft_adapter(adapters["all"][0], other, max_rank=8)
+
+
+def test_a_redos_pattern_is_refused_at_once(lora_setup, tmp_path):
+    """rank_pattern keys are never run as regexes: PEFT's ``(.*\\.)?(key)$`` with this key
+    backtracks for ages; here it is refused by its characters, in no time."""
+    import time
+
+    spec, adapters = lora_setup
+    key = "(.*.*.*.*.*.*.*.*.*.*.*.*)*Z"
+    path = _variant(adapters["all"][0], str(tmp_path / "redos"), config={"rank_pattern": {key: 8}})
+    t0 = time.perf_counter()
+    with pytest.raises(LoRAError, match="regular expressions in rank_pattern/alpha_pattern are not supported") as e:
+        load_peft_adapter(path, spec, max_rank=8)
+    assert time.perf_counter() - t0 < 0.5
+    assert key in str(e.value)
+
+
+def test_plain_pattern_keys_match_like_peft(lora_setup, tmp_path):
+    """Plain keys (PEFT's escaped dots unescaped) match the module name or a suffix after a dot;
+    the escaped spelling of the "pattern" adapter reads the same weights; a key that is only the
+    end of a name part ("proj") matches nothing, as in PEFT."""
+    spec, adapters = lora_setup
+    src = adapters["pattern"][0]
+    want = load_peft_adapter(src, spec, max_rank=8)
+    escaped = {
+        "rank_pattern": {"q_proj": 4, "layers\\.1\\.mlp\\.down_proj": 2},
+        "alpha_pattern": {"v_proj": 32, "model\\.layers\\.0\\.mlp\\.gate_proj": 4},
+    }
+    got = load_peft_adapter(_variant(src, str(tmp_path / "escaped"), config=escaped), spec, max_rank=8)
+    assert sorted(got.weights) == sorted(want.weights)
+    for k, (a, b) in want.weights.items():
+        assert torch.equal(got.weights[k][0], a) and torch.equal(got.weights[k][1], b), k
+    full = {"rank_pattern": {}, "alpha_pattern": {"model.layers.0.self_attn.q_proj": 160}}  # PEFT's full module name
+    a0 = load_peft_adapter(adapters["all"][0], spec, max_rank=8)
+    a1 = load_peft_adapter(_variant(adapters["all"][0], str(tmp_path / "full"), config=full), spec, max_rank=8)
+    torch.testing.assert_close(a1.weights[(0, "qkv")][1][:128, :8], a0.weights[(0, "qkv")][1][:128, :8] * 10)  # alpha 160 vs 16
+    assert torch.equal(a1.weights[(0, "qkv")][1][128:], a0.weights[(0, "qkv")][1][128:])  # k, v of layer 0
+    assert torch.equal(a1.weights[(1, "qkv")][1], a0.weights[(1, "qkv")][1])
+    suffix = _variant(adapters["all"][0], str(tmp_path / "suffix"), config={"rank_pattern": {"proj": 4}})
+    assert load_peft_adapter(suffix, spec, max_rank=8).rank == 8

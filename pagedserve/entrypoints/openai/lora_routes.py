@@ -100,7 +100,10 @@ def register_lora_routes(app: FastAPI, llm: Any) -> None:
                 raise APIError(f"The name '{name}' is a served model's; choose another lora_name.", param="lora_name")
             if name in llm.loras:
                 raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-            lora = LoRARequest(name, llm.next_lora_id(), path)
+            try:
+                lora = LoRARequest(name, llm.next_lora_id(), path)
+            except ValueError as e:  # a name with control characters, '/', blank ends, ...
+                raise APIError(f"Invalid lora_name: {e}", param="lora_name") from None
             try:
                 await llm.add_lora(lora)
             except ValueError as e:  # the engine's reason (files, rank, shapes, capacity) or LoRA off
