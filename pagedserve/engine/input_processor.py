@@ -58,10 +58,15 @@ class InputProcessor:
         eos_token_ids: the model's EOS ids (generation config).
         scheduling_policy: the engine's (``EngineConfig.scheduling_policy``); under "fcfs" a
             request's priority must be 0.
+        pooling: the engine makes embeddings (``runner="pooling"``): a prompt is an input to
+            embed, at most max_model_len - 1 tokens, and is refused in those words.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: set[int], scheduling_policy: str = "fcfs") -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: set[int], scheduling_policy: str = "fcfs", pooling: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
+        self.pooling = pooling
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -151,6 +156,18 @@ class InputProcessor:
                 param=field_name,
             )
         return requested
+
+    def check_embedding_input(self, input_len: int, field: str = "prompt") -> None:
+        """Raises RequestError when an input to embed is over max_model_len - 1 tokens (nothing
+        is generated: the limit is the pooling runner's, not room to generate)."""
+        if input_len >= self.max_model_len:
+            limit = self.max_model_len - 1
+            raise RequestError(
+                f"{field} is {input_len} tokens, longer than the {limit} tokens (max_model_len - 1, max_model_len={self.max_model_len}) "
+                f"an input to embed can have. Please shorten it, or truncate it to its last tokens with "
+                f"truncate_prompt_tokens (at most {limit}).",
+                param=field,
+            )
 
     def check_params(self, params: SamplingParams) -> None:
         """Raises RequestError for ids outside the vocabulary, an unsupported field, or a
@@ -252,6 +269,8 @@ class InputProcessor:
         self.check_token_ids(ids, "prompt" if as_text else "prompt_token_ids")
         params = (params or SamplingParams()).clone()
         ids = self.truncate_prompt(ids, params.truncate_prompt_tokens)
+        if self.pooling:
+            self.check_embedding_input(len(ids), "prompt" if as_text else "prompt_token_ids")
         params.max_tokens = self.resolve_max_tokens(params.max_tokens, len(ids), strict=False)
         self.check_params(params)
         return self.make_request(request_id, text, ids, params, arrival_time, salt if salt is not None else cache_salt, priority=priority, lora=lora)

@@ -45,7 +45,9 @@ def make_processors(info, model_dir: str) -> tuple[InputProcessor, OutputProcess
     tokenizer = loader.load_tokenizer(info.config.tokenizer or model_dir)
     hf_config = loader.load_config(model_dir)
     eos = loader.load_eos_token_ids(model_dir, hf_config, tokenizer)
-    inputs = InputProcessor(tokenizer, hf_config.vocab_size, info.config.max_model_len, eos, info.config.scheduling_policy)
+    inputs = InputProcessor(
+        tokenizer, hf_config.vocab_size, info.config.max_model_len, eos, info.config.scheduling_policy, pooling=info.config.runner == "pooling"
+    )
     return inputs, OutputProcessor(tokenizer), tokenizer
 
 

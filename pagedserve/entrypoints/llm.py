@@ -31,6 +31,24 @@ def _is_token_ids(x: Any) -> bool:
         return False
 
 
+def _prompt_list(prompts: Any) -> list:
+    """One prompt or a list of them, as a list. Raises ValueError for what is neither (None,
+    bytes, a number, ...); each prompt is checked when it is queued."""
+    if prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, dict)) and not _is_iterable(prompts):
+        raise ValueError(f"prompts must be a string, a token-id list, a dict or a list of these, got {type(prompts).__name__}")
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [prompts]
+    return list(prompts)
+
+
+def _is_iterable(x: Any) -> bool:
+    try:
+        iter(x)
+    except TypeError:
+        return False
+    return True
+
+
 class LLM:
     """An engine for offline batched generation.
 
@@ -71,11 +89,7 @@ class LLM:
             ValueError: for invalid prompts, sampling parameters or priorities (nothing is
                 queued then).
         """
-        if prompts is None or isinstance(prompts, bytes):
-            raise ValueError(f"prompts must be a string, a token-id list, a dict or a list of these, got {type(prompts).__name__}")
-        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -114,11 +128,7 @@ class LLM:
         cfg = self.llm_engine.config.pooler
         if cfg is None:
             raise ValueError('embed() needs an engine started with runner="pooling" (LLM(model, runner="pooling")); this one generates text')
-        if prompts is None or isinstance(prompts, bytes):
-            raise ValueError(f"prompts must be a string, a token-id list, a dict or a list of these, got {type(prompts).__name__}")
-        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pp_list = [pooling_params or PoolingParams()] * len(prompts)
         else:

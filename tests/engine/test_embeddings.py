@@ -123,6 +123,28 @@ def test_embed_and_generate_refuse_the_other_runner(hf_model, tiny_model_factory
         gen.embed("hello")
 
 
+def test_embed_refuses_in_embedding_words(hf_model):
+    """An input over max_model_len - 1 tokens is refused as an input to embed (not "no room to
+    generate"), naming truncate_prompt_tokens, which makes it fit; prompts that are not prompts
+    are ValueErrors, as generate's; nothing is left queued."""
+    d, _, _ = hf_model
+    llm = make_llm(d, "LAST", max_model_len=64)
+    for prompt, field in (([5] * 64, "prompt_token_ids"), ("word " * 200, "prompt")):
+        with pytest.raises(ValueError) as e:
+            llm.embed(prompt, use_tqdm=False)
+        msg = str(e.value)
+        assert msg.startswith(f"{field} is ") and "63 tokens (max_model_len - 1" in msg and "truncate_prompt_tokens" in msg, msg
+        assert "generate" not in msg
+    [ok] = llm.embed([5] * 64, use_tqdm=False, truncate_prompt_tokens=63)
+    assert len(ok.prompt_token_ids) == 63 and len(ok.outputs.embedding) > 0
+    for bad in (5, 2.5, None, b"hi", object()):
+        with pytest.raises(ValueError, match="prompts must be"):
+            llm.embed(bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.embed([5, "x"], use_tqdm=False)
+    assert_engine_idle(llm)
+
+
 def with_config(src: str, dst: str, **extra) -> str:
     """A copy of the model folder ``src`` whose config.json also holds ``extra``."""
     shutil.copytree(src, dst)

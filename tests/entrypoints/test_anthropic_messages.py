@@ -255,3 +255,37 @@ def test_a_failure_mid_stream_is_an_error_event():
     assert kinds == ["event: message_start", "event: ping", "event: content_block_start", "event: content_block_delta", "event: error"]
     assert json.loads(out[-1].split("\n")[1][len("data: "):]) == {"type": "error", "error": {"type": "invalid_request_error",
                                                                                           "message": "the grammar could not be followed."}}
+
+
+NOT_OBJECT_SCHEMAS = [{"type": "string"}, {"anyOf": [{"type": "object"}, {"type": "string"}]}, {"type": "integer"}, {"type": "array"}, {}]
+
+
+def test_a_tool_whose_input_is_not_an_object_is_refused_up_front(server):
+    """Anthropic requires ``input_schema`` of ``"type": "object"``: anything else is a 400
+    naming the tool, before anything is generated (streamed or not, and for count_tokens)."""
+    for schema in NOT_OBJECT_SCHEMAS:
+        with pytest.raises(APIError, match="'echo'.*\"type\": \"object\"") as e:
+            to_chat_request(AnthropicMessagesRequest(model="m", max_tokens=1, messages=ASK, tools=[{"name": "echo", "input_schema": schema}],
+                                                     tool_choice={"type": "tool", "name": "echo"}))
+        assert e.value.param == "tools" and "tools[0].input_schema.type" in e.value.message
+    tools = [TOOL, {"name": "echo", "input_schema": {"type": "string"}}]
+    for path, extra in (("/v1/messages", {"max_tokens": 8}), ("/v1/messages", {"max_tokens": 8, "stream": True}), ("/v1/messages/count_tokens", {})):
+        r = httpx.post(server + path, headers=HEADERS, json={"model": MODEL, "messages": ASK, "tools": tools,
+                                                             "tool_choice": {"type": "tool", "name": "echo"}, **extra}, timeout=30)
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert "tools[1].input_schema.type" in body["error"]["message"] and "'echo'" in body["error"]["message"]
+
+
+def test_cut_tool_arguments_never_fail_the_message():
+    """A tool call's arguments cut anywhere (max_tokens) that are not the start of a JSON object
+    (a cut string, a number, garbage) close as ``input: {}``; an object's prefix keeps its finished members."""
+    from pagedserve.entrypoints.openai.serving_messages import ContentBlocks
+
+    for args, want in (('"EOF while parsing a str', {}), ("[1, 2", {}), ("12", {}), ("nonsense", {}), ("1" * 5000, {}),
+                       ('{"city": "Paris", "da', {"city": "Paris"}), ('{"a": 1, "b', {"a": 1}), ("", {})):
+        blocks = ContentBlocks()
+        blocks.cur, blocks.parts = {"type": "tool_use", "id": "toolu_1", "name": "echo", "input": {}}, [args[:3], args[3:]]
+        assert blocks.finish() == [{"type": "content_block_stop", "index": 0}]
+        assert blocks.done == [{"type": "tool_use", "id": "toolu_1", "name": "echo", "input": want}], args

@@ -69,6 +69,9 @@ CASES = [
     # A second function that goes wrong: the first stands, the rest is content.
     ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\n<function=get_weather\n</tool_call>",
      "\n<function=get_weather\n</tool_call>", [("get_time", {})]),
+    # Found by fuzzing: spaces around a name are dropped, whole or fed in pieces (a newline alone
+    # must not fail the name before its ">" comes); the cut last parameter is content.
+    ("qwen3_coder", "<function=\nl><parameter=s><parameter=", "<parameter=", [("l", {"s": ""})]),
     # Mistral 7B v0.3: [TOOL_CALLS] and a JSON list (key order free, extra keys ignored, string arguments).
     ("mistral", 'Let me look.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris, France", "unit": "c", '
      '"days": 2}}, {"arguments": {"path": "a.txt", "options": {"mode": [1, 2.5, null]}}, "name": "write_file", "id": "aB3dE6gH9"}, '
@@ -169,6 +172,42 @@ def test_streamed_pieces_concatenate_to_the_whole_parse(parser, text, content, c
         assert len({i for *_, i in got}) == len(got)
         id_form = r"[A-Za-z0-9]{9}" if parser == "mistral" else r"chatcmpl-tool-[0-9a-f]{32}"
         assert all(re.fullmatch(id_form, i) for *_, i in got)
+
+
+BIG = "1" * 4301  # past Python's 4,300-digit limit of int(str)
+BIG_INT_TEXTS = [
+    ("hermes", f'Sure. <tool_call>{{"name": "get_weather", "arguments": {{"days": {BIG}}}}}</tool_call>'),
+    ("hermes", f'<tool_call>{{"name": "get_weather", "arguments": "{{\\"days\\": {BIG}}}"}}</tool_call>'),  # arguments as a string
+    ("json", f'{{"name": "get_weather", "arguments": {{"days": {BIG}}}}}'),
+    ("json", f'[{{"name": "get_time", "arguments": {{}}}}, {{"name": "get_weather", "parameters": {{"days": {BIG}}}}}]'),
+    ("llama3_json", f'<|python_tag|>{{"name": "get_time", "parameters": {{}}}}; {{"name": "get_weather", "parameters": {{"days": {BIG}}}}}'),
+    ("llama3_json", f'[{{"name": "get_weather", "parameters": {{"days": {BIG}}}}}]'),
+]
+
+
+@pytest.mark.parametrize("parser,text", BIG_INT_TEXTS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BIG_INT_TEXTS)])
+def test_an_integer_past_pythons_digit_limit_is_not_a_json_call(parser, text):
+    """JSON holding an integer of 4,301 digits (json.loads raises a plain ValueError) is text the
+    model wrote, not a call: content, whole and streamed, never an exception."""
+    assert TOOL_PARSERS[parser].extract(text, TOOLS) == (text, [])
+    plan = ToolPlan("auto", TOOLS, parser=parser)
+    for pieces in ([text], list(text), [text[:4000], text[4000:]]):
+        assert _stream(plan, pieces)[:2] == (text, []), parser
+
+
+def test_qwen3_coder_an_integer_past_pythons_digit_limit_stays_text():
+    """A value that does not fit its declared type stays text: 4,301 digits as an integer, a
+    number, inside an object; whole and streamed alike."""
+    text = (f"<tool_call>\n<function=get_weather>\n<parameter=days>\n{BIG}\n</parameter>\n<parameter=ratio>\n-{BIG}\n</parameter>\n"
+            f"</function>\n</tool_call><tool_call>\n<function=write_file>\n<parameter=options>\n{{\"n\": {BIG}}}\n</parameter>\n"
+            f"<parameter=size>\n{BIG}\n</parameter>\n</function>\n</tool_call>")
+    want = [("get_weather", {"days": BIG, "ratio": "-" + BIG}), ("write_file", {"options": f'{{"n": {BIG}}}', "size": BIG})]
+    content, calls = TOOL_PARSERS["qwen3_coder"].extract(text, TOOLS)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == want
+    plan = ToolPlan("auto", TOOLS, parser="qwen3_coder")
+    for pieces in ([text], list(text), [text[:100], text[100:5000], text[5000:]]):
+        got_content, got, _ = _stream(plan, pieces)
+        assert got_content == "" and [(n, a) for n, a, _ in got] == [(c.name, c.arguments) for c in calls]
 
 
 def test_arguments_stream_as_they_parse():

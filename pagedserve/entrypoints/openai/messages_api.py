@@ -10,7 +10,8 @@ tools rendering, tool-call parser and constraints as ``/v1/chat/completions``).
   each answering a ``tool_use`` made before it; ``is_error`` results read ``Error: <content>``.
 * ``thinking`` / ``redacted_thinking`` blocks of assistant turns are dropped (as Anthropic
   drops earlier turns' thinking); a final assistant turn is continued (prefill).
-* ``tools`` (custom tools: ``name``, ``description``, ``input_schema``) are chat's functions;
+* ``tools`` (custom tools: ``name``, ``description``, ``input_schema``, which must be an object
+  schema, ``"type": "object"``, as Anthropic requires) are chat's functions;
   ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` is chat's ``auto`` / ``required`` /
   named function / ``none``, and ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``
   (at most one call).
@@ -203,6 +204,11 @@ def chat_tools(tools: Optional[list[dict[str, Any]]], strict_ok: bool) -> Option
             raise _refuse(f"tools[{i}].name", "must be a non-empty string.")
         if not isinstance(t.get("input_schema"), dict):
             raise _refuse(f"tools[{i}].input_schema", "is required: a JSON schema object.")
+        if t["input_schema"].get("type") != "object":  # Anthropic's rule: a tool's input is an object
+            raise _refuse(
+                f"tools[{i}].input_schema.type",
+                f'tool {t["name"]!r}: input_schema must be a JSON schema of an object ("type": "object"), got {t["input_schema"].get("type", "no type")!r}.',
+            )
         if t.get("description") is not None and not isinstance(t["description"], str):
             raise _refuse(f"tools[{i}].description", "must be a string.")
         if t.get("strict") and not strict_ok:

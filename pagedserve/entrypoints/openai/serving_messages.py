@@ -87,6 +87,18 @@ def stop_reason_of(finish_reason: Optional[str], stop_reason: Any, called: bool)
     return "end_turn", None
 
 
+def _partial_input(text: str) -> dict:
+    """A tool call's ``input`` from its (maybe cut) JSON arguments: the object read so far, or
+    ``{}`` when they are not (the start of) a JSON object; never raises."""
+    if not text:
+        return {}
+    try:
+        value = from_json(text, allow_partial=True)
+    except ValueError:  # not JSON even when cut (a cut string at the top level, a bad token)
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 class ContentBlocks:
     """Chat stream chunks in, Anthropic content-block events out (:meth:`feed`,
     :meth:`finish`); ``done`` holds the finished blocks. A new block starts whenever the kind of
@@ -111,9 +123,7 @@ class ContentBlocks:
         if block["type"] == "text":
             block = {"type": "text", "text": text}
         else:  # arguments cut by max_tokens: what they hold so far, as the SDK reads a partial stream
-            block = {**block, "input": from_json(text, allow_partial=True) if text else {}}
-            if not isinstance(block["input"], dict):
-                block["input"] = {}
+            block = {**block, "input": _partial_input(text)}
         events = [{"type": "content_block_stop", "index": len(self.done)}]
         self.done.append(block)
         self.cur, self.parts = None, []

@@ -14,7 +14,9 @@ a model's text into ``(content, tool calls)``, at the end of a request or as it 
 
 A streaming parser emits content as soon as it cannot be the start of a tool call, and each
 tool call whole once it is complete (the three above) or piece by piece, so the concatenated
-stream equals the end-of-request parse. ``TOOL_PARSERS`` holds them all, by name.
+stream equals the end-of-request parse. JSON that Python cannot read (an integer over its
+4,300-digit limit, nesting too deep) is not a call: that text is content. ``TOOL_PARSERS`` holds
+them all, by name.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ _partial_suffix = partial_suffix  # its old name here (the reasoning parser's st
 __all__ = ["TOOL_PARSERS", "ParsedToolCall", "ToolParser", "HermesToolParser", "JsonToolParser", "Llama3JsonToolParser"]
 
 
+# What json.loads raises for text that is not JSON it can read: JSONDecodeError (a ValueError),
+# the ValueError of an integer over Python's 4,300-digit limit, RecursionError for deep nesting.
+_NOT_JSON = (ValueError, RecursionError)
+
+
 def _call_from(obj) -> Optional[ParsedToolCall]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -40,7 +47,7 @@ def _call_from(obj) -> Optional[ParsedToolCall]:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except _NOT_JSON:
             return None
     if not isinstance(args, dict):
         return None
@@ -117,7 +124,7 @@ class _HermesStream:
 def _parse_json_call(body: str) -> Optional[ParsedToolCall]:
     try:
         return _call_from(json.loads(body))
-    except json.JSONDecodeError:
+    except _NOT_JSON:
         return None
 
 
@@ -136,7 +143,7 @@ class JsonToolParser:
         if stripped[:1] in ("{", "["):
             try:
                 obj = json.loads(stripped)
-            except json.JSONDecodeError:
+            except _NOT_JSON:
                 return text, []
             items = obj if isinstance(obj, list) else [obj]
             calls = [_call_from(o) for o in items]
@@ -197,7 +204,7 @@ class Llama3JsonToolParser(JsonToolParser):
         while i < len(body):
             try:
                 obj, i = decoder.raw_decode(body, i)
-            except json.JSONDecodeError:
+            except _NOT_JSON:
                 return text, []
             call = _call_from(obj)
             if call is None:

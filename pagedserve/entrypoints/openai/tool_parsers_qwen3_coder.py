@@ -45,7 +45,10 @@ _FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 def _number(text: str, integer: bool) -> Any:
     if _INT.fullmatch(text):
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:  # over Python's 4,300-digit limit: does not fit, stays text
+            return None
     if not integer and _FLOAT.fullmatch(text):
         x = float(text)
         if math.isfinite(x):
@@ -148,8 +151,8 @@ class _Qwen3CoderStream(CallTextStream):
             return True
         if st in ("function_name", "param_name"):
             j = self.buf.find(">")
-            if j < 0:
-                return self._bad() if re.search(r"[<\n]", self.buf) else self.more(final)
+            if j < 0:  # fail now only if no ">" to come can make a name (as the whole text would)
+                return self._bad() if "<" in self.buf or "\n" in self.buf.strip() else self.more(final)
             name = self.buf[:j].strip()
             if not _NAME.fullmatch(name):
                 return self._bad()
