@@ -36,6 +36,7 @@ from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.model.attn_metadata import AttentionMetadata
 from pagedserve.model.sampler import SamplerOutput, apply_grammar_bitmask
 from pagedserve.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pagedserve.worker.input_batch import flat_batch
 from pagedserve.worker.step_buffers import HostSync, StagingArena, StepBuffers
 
 if TYPE_CHECKING:
@@ -102,23 +103,12 @@ class CudaStepRunner:
         batch = r.input_batch
         self.sync.wait()  # the last step's copies out of the pinned buffers have run
         self.arena.reset()
-        decode_ids: list[str] = []
-        prefill_ids: list[str] = []
-        for rid, n in so.num_scheduled_tokens.items():
-            (decode_ids if n == 1 else prefill_ids).append(rid)
-        order = decode_ids + prefill_ids
-        rows = np.fromiter((batch.row_of[x] for x in order), dtype=np.int64, count=len(order))
-        nsched = np.fromiter((so.num_scheduled_tokens[x] for x in order), dtype=np.int64, count=len(order))
-        context = batch.num_computed_tokens[rows]
-        ends = np.cumsum(nsched)
-        total = int(ends[-1])
         B = r.block_size
-        row_rep = np.repeat(rows, nsched)
-        positions = np.repeat(context - (ends - nsched), nsched) + np.arange(total, dtype=np.int64)
-        input_ids = batch.token_ids[row_rep, positions]
-        slots = batch.block_table[row_rep, positions // B] * B + positions % B
+        fb = flat_batch(batch, so.num_scheduled_tokens, B)
+        order, rows, nsched, context, ends = fb.order, fb.rows, fb.nsched, fb.context, fb.ends
+        positions, input_ids, slots = fb.positions, fb.input_ids, fb.slots
         seq_lens = context + nsched
-        decode_only = not prefill_ids
+        decode_only = fb.num_decodes == len(order)
         pad = self.graphs.padded_size(len(order)) if self.graphs is not None and decode_only else None
         staged = self.buffers.stage(input_ids, positions, slots, nsched, seq_lens, batch.block_table, rows, B, pad, self.scratch_block or 0)
         if pad is not None:

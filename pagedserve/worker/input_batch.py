@@ -71,6 +71,53 @@ class CachedRequestState:
         return cls(req_id, params, list(eos_token_ids), gen)
 
 
+@dataclass
+class FlatBatch:
+    """One step's tokens as a flat batch (no padding between requests): request ``i`` of
+    ``order`` (decodes first, then prefill chunks) runs ``nsched[i]`` tokens from position
+    ``context[i]``, rows ``ends[i] - nsched[i] .. ends[i]`` of the flat batch.
+
+    Attributes:
+        order: request ids; ``num_decodes`` of them first run one token.
+        rows, nsched, context, ends: int64 ``[num_reqs]``: batch rows, scheduled tokens, tokens
+            already computed, cumulative ends.
+        row_rep, positions, input_ids, slots: int64 ``[num_tokens]``: each token's batch row,
+            position, token id and KV slot (``block_table[row, pos // B] * B + pos % B``).
+    """
+
+    order: list[str]
+    num_decodes: int
+    rows: np.ndarray
+    nsched: np.ndarray
+    context: np.ndarray
+    ends: np.ndarray
+    row_rep: np.ndarray
+    positions: np.ndarray
+    input_ids: np.ndarray
+    slots: np.ndarray
+
+
+def flat_batch(batch: "InputBatch", num_scheduled_tokens: dict[str, int], block_size: int) -> FlatBatch:
+    """The :class:`FlatBatch` of one step's ``num_scheduled_tokens`` (request id -> tokens)."""
+    decode_ids: list[str] = []
+    prefill_ids: list[str] = []
+    for rid, n in num_scheduled_tokens.items():
+        (decode_ids if n == 1 else prefill_ids).append(rid)
+    order = decode_ids + prefill_ids
+    rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
+    nsched = np.fromiter((num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
+    context = batch.num_computed_tokens[rows]
+    ends = np.cumsum(nsched)
+    total = int(ends[-1])
+    B = block_size
+    # Token t of request i is at position context[i] + (t - start of i).
+    row_rep = np.repeat(rows, nsched)
+    positions = np.repeat(context - (ends - nsched), nsched) + np.arange(total, dtype=np.int64)
+    input_ids = batch.token_ids[row_rep, positions]
+    slots = batch.block_table[row_rep, positions // B] * B + positions % B
+    return FlatBatch(order, len(decode_ids), rows, nsched, context, ends, row_rep, positions, input_ids, slots)
+
+
 class InputBatch:
     """Rows of up to ``max_num_reqs`` requests.
 

@@ -33,7 +33,7 @@ from pagedserve.model.logprobs import gather_logprobs
 from pagedserve.model.rejection_sampler import rejection_sample
 from pagedserve.model.sampler import Sampler, apply_grammar_bitmask
 from pagedserve.ops import kv_int8
-from pagedserve.worker.input_batch import CachedRequestState, InputBatch
+from pagedserve.worker.input_batch import CachedRequestState, InputBatch, flat_batch
 
 if TYPE_CHECKING:
     from pagedserve.worker.cuda_step import CudaStepRunner
@@ -172,25 +172,13 @@ class ModelRunner:
             row = batch.row_of[rid]
             n = int(batch.num_tokens[row])
             batch.token_ids[row, n : n + len(drafts)] = drafts
-        decode_ids: list[str] = []
-        prefill_ids: list[str] = []
-        for rid, n in so.num_scheduled_tokens.items():
-            (decode_ids if n == 1 else prefill_ids).append(rid)
-        order = decode_ids + prefill_ids
-        rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
-        nsched = np.fromiter((so.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
-        context = batch.num_computed_tokens[rows]
-        ends = np.cumsum(nsched)
-        total = int(ends[-1])
         B = self.block_size
-        # Flat batch: token t of request i is at position context[i] + (t - start of i).
-        row_rep = np.repeat(rows, nsched)
-        positions = np.repeat(context - (ends - nsched), nsched) + np.arange(total, dtype=np.int64)
-        input_ids = batch.token_ids[row_rep, positions]
-        slots = batch.block_table[row_rep, positions // B] * B + positions % B
+        fb = flat_batch(batch, so.num_scheduled_tokens, B)
+        order, rows, nsched, context, ends = fb.order, fb.rows, fb.nsched, fb.context, fb.ends
+        positions, input_ids, slots = fb.positions, fb.input_ids, fb.slots
 
         groups = []
-        nd = len(decode_ids)
+        nd = fb.num_decodes
         for lo, hi in ((0, nd), (nd, len(order))):
             if hi > lo:
                 start = int(ends[lo - 1]) if lo else 0
