@@ -12,6 +12,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run under Triton's interpreter in tests (no GPU in CI). It must be set before
+# anything imports triton (peft does, at import): `triton.jit` picks the mode at decoration.
+os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from server_utils import client, server  # noqa: E402,F401  (the session's real server, as fixtures)
