@@ -40,6 +40,24 @@ def test_front_hashes_equal_the_replicas():
         assert prompt_block_hashes(kv.seed_hash, tokens + [9], 4, salt) == req.block_hashes[:5]
 
 
+
+def test_front_hashes_carry_the_lora_adapter():
+    """A LoRA adapter's digest is in the first block's hash on both sides: equal for the same
+    adapter, different from the base model's and another adapter's (so KV never mixes)."""
+    kv = make_kv_manager()
+    tokens = list(range(3, 3 + 4 * 5))
+    seen = set()
+    for salt in (None, "tenant-a"):
+        for key in (None, "digest-a", "digest-b"):
+            req = make_request("r", tokens, salt=salt)
+            req.lora_key = key
+            kv.update_block_hashes(req)
+            front = prompt_block_hashes(kv.seed_hash, tokens, 4, salt, key)
+            assert front == req.block_hashes[:4]
+            seen.add(front[0])
+    assert len(seen) == 6  # every (salt, adapter) pair names its own blocks
+
+
 def test_kv_aware_follows_the_prefix_then_spills_under_load():
     r = _router("kv-aware")
     hot = r.request_hashes(list(range(4 * B + 1)))
