@@ -27,6 +27,11 @@ def check_response(case, resp, seen: collections.Counter) -> None:
     where = f"{case.method} {case.formatted_path} {str(case.body)[:300]!r}"
     seen[resp.status_code] += 1
     assert resp.status_code < 500, f"{where} -> {resp.status_code} {resp.text[:500]}"
+    if resp.status_code >= 400 and case.formatted_path.startswith("/v1/messages"):
+        body = resp.json()  # Anthropic's shape on its routes
+        assert body.get("type") == "error" and set(body) == {"type", "error"}, (where, body)
+        assert isinstance(body["error"].get("type"), str) and isinstance(body["error"].get("message"), str) and body["error"]["message"], (where, body)
+        return
     if resp.status_code >= 400:
         body = resp.json()
         assert set(body) == {"error"}, (where, body)
