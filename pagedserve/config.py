@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
+from pagedserve.config_cli import _flag, add_dataclass_flags
 from pagedserve.kv_transfer_config import KVTransferConfig
 from pagedserve.lora_request import parse_lora_modules
 from pagedserve.pooler_config import RUNNERS, PoolerConfig, parse_pooler_config, pooler_config_dict
@@ -57,19 +58,6 @@ def dataclass_from_value(cls: type[T], value: Any, name: str) -> T:
     if unknown:
         raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     return cls(**value)
-
-
-# Which commands a field's flag applies to (``_flag(..., only=...)``): every engine command, or
-# only ``serve`` (the server's front: data parallelism, disaggregation, the API's model names),
-# which the offline engine (generate, chat, bench throughput|latency|memory) has no use for.
-CLI_USAGES = ("offline", "serve")
-
-
-def _flag(help: str, *names: str, only: Optional[str] = None, **argparse_kwargs: Any) -> Any:
-    """Field metadata: the CLI flag names (default ``--field-name``), help, argparse extras, and
-    ``only``: the one usage of :data:`CLI_USAGES` the flag belongs to (None = all)."""
-    assert only is None or only in CLI_USAGES, only
-    return {"help": help, "names": names, "argparse": argparse_kwargs, "only": only}
 
 
 @dataclass
@@ -485,39 +473,10 @@ class EngineConfig:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_flag: bool = True, usage: Optional[str] = "offline") -> None:
         """Add the fields of ``usage`` as flags (``--max-num-seqs``, ``--[no-]enable-prefix-caching``,
-        ...) in an "engine" group. ``usage``: "offline" (the default: an engine in this process,
-        as generate, chat and bench run), "serve" (every field, the server's own included) or
-        None (every field, no check). A flag of another usage is left out of ``--help`` and, given
-        anyway, is a one-line argparse error naming the command it belongs to.
+        ...) in an "engine" group; see :func:`pagedserve.config_cli.add_dataclass_flags`.
         ``model_flag=False`` leaves ``--model`` out (``serve`` takes the model as a positional
         argument and also accepts ``--model``, added by the caller)."""
-        assert usage is None or usage in CLI_USAGES, usage
-        group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(EngineConfig):
-            if f.name == "model" and not model_flag:
-                continue
-            meta = f.metadata
-            names = list(meta["names"]) or ["--" + f.name.replace("_", "-")]
-            is_bool = f.type in ("bool", bool)
-            if usage is not None and meta["only"] not in (None, usage):
-                if is_bool:
-                    names += ["--no-" + n[2:] for n in names if n.startswith("--")]
-                parser.add_argument(
-                    *names,
-                    dest=argparse.SUPPRESS,
-                    default=argparse.SUPPRESS,
-                    help=argparse.SUPPRESS,
-                    nargs=0 if is_bool else "?",
-                    action=_OtherUsageFlag,
-                    usage=meta["only"],
-                )
-                continue
-            kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=meta["help"], **meta["argparse"])
-            if is_bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif "choices" not in kwargs:
-                kwargs["type"] = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(str(f.type), str)
-            group.add_argument(*names, **kwargs)
+        add_dataclass_flags(EngineConfig, parser, usage, skip=() if model_flag else ("model",))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":
@@ -525,16 +484,3 @@ class EngineConfig:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-
-class _OtherUsageFlag(argparse.Action):
-    """A flag of another command (``EngineConfig.add_cli_args``): hidden from ``--help``; given,
-    a one-line argparse error (exit status 2) that names the command it belongs to."""
-
-    def __init__(self, option_strings: list[str], dest: str, usage: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, **kwargs)
-        self.usage = usage
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Optional[str] = None) -> None:
-        why = {"serve": "this command runs one engine in this process"}[self.usage]
-        parser.error(f"{option_string} is a flag of `pagedserve {self.usage}` only: {why}")

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ops",),  # CPU kernels (C) and their wrappers
     ("messages",),  # typed messages between processes and their codec
     ("core",),  # torch-free: requests, block pool, KV cache manager, scheduler
-    ("platform", "config", "kv_transfer_config", "spec_decode_config", "pooler_config", "lora_request", "sampling_params", "outputs"),
+    ("platform", "config", "config_cli", "kv_transfer_config", "spec_decode_config", "pooler_config", "lora_request", "sampling_params", "outputs"),
 ]
 
 
