@@ -73,7 +73,7 @@ def shape_check():
     converting a GGUF file), else None: a front leaves it to the core."""
     if not torch_available():
         return None
-    from pagedserve.model.llama import check_checkpoint
+    from pagedserve.model.registry import check_checkpoint
 
     return check_checkpoint
 

@@ -12,7 +12,7 @@ carried between layers beside the hidden states (vLLM's layout: each layer start
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,8 @@ from pagedserve.model.backends import TorchBackend
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding
 from pagedserve.model.packed_linear import PackedLinear, attach_small_gemm, pack_linears
 from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
-from pagedserve.model.validation import SUPPORTED_MODEL_TYPES, ModelFileError, TensorSpec, describe
+from pagedserve.model.registry import layer_windows
+from pagedserve.model.validation import SUPPORTED_MODEL_TYPES
 from pagedserve.ops.quantized import QuantizedWeight, cat_rows
 
 
@@ -44,6 +45,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.layer_idx = layer_idx
+        self.sliding_window = layer_windows(config)[layer_idx]  # tokens, None: full attention
 
     def forward(
         self, hidden, positions, state, rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: TorchBackend, lora=None
@@ -62,7 +64,7 @@ class Attention(nn.Module):
         q, k, v = backend.rope_and_write_kv(
             qk, qkv[:, qk_end:], positions, state, rope, kv_cache, meta, self.num_heads, self.num_kv_heads, self.head_dim
         )
-        o = backend.attention(q, k, v, kv_cache, meta, self.scale).view(T, self.q_size)
+        o = backend.attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window).view(T, self.q_size)
         out = self.o_proj(o)
         if lora is not None:
             lora.add(out, o, self.layer_idx, "o")
@@ -295,32 +297,3 @@ class LlamaForCausalLM(nn.Module):
             self._logits_linear = head
         elif isinstance(getattr(self, "lm_head", None), QuantLinear):
             self._logits_linear = self.lm_head
-
-
-def check_checkpoint(config_path: str, hf_config, tensors: Mapping[str, TensorSpec]) -> None:
-    """Names and shapes of a checkpoint's tensors against ``hf_config``: the model is built on
-    the meta device (nothing allocated) and its own ``load_weights`` runs over meta tensors of
-    the checkpoint's shapes (``pagedserve.model.validation.check_weights`` calls this).
-
-    Raises:
-        ModelFileError: naming the weight file (an unexpected name, a shape that differs from the
-            config's) or the config (one the model cannot be built from, missing weights).
-    """
-    try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, 1)
-    except Exception as e:  # the config's values (already range-checked) that the model cannot take
-        raise ModelFileError(config_path, f"the model cannot be built from this config ({describe(e)})") from None
-    current: list[TensorSpec] = []
-
-    def meta_weights() -> Iterable[tuple[str, torch.Tensor]]:
-        for spec in tensors.values():
-            current[:] = [spec]
-            yield spec.name, torch.empty(spec.shape, dtype=torch.float32, device="meta")
-        current.clear()
-
-    try:
-        model.load_weights(meta_weights())
-    except ValueError as e:
-        where = current[0].path if current else config_path
-        raise ModelFileError(where, f"{e} (config: {config_path})" if where != config_path else str(e)) from None

@@ -106,7 +106,14 @@ class ModelRunner:
             kv_dtype = dtype
         # Zero-filled: stale block-table entries read slots that are masked out, and masking
         # needs them finite. (2 MiB pages for the pool: no faster on W1, see docs/perf-history.md, "Issue 15, round three".)
-        cuda_step = device.type == "cuda" and pooling_type is None and lora_manager is None and model.tp is None and model.backend.name == "triton"
+        cuda_step = (
+            device.type == "cuda"
+            and pooling_type is None
+            and lora_manager is None
+            and model.tp is None
+            and model.backend.name == "triton"
+            and not any(layer.self_attn.sliding_window for layer in model.layers)
+        )
         graphs = cuda_step and not enforce_eager
         if graphs:  # one scratch block past the pool, for the padded rows of graph steps
             full = torch.zeros((*shape[:2], num_blocks + 1, *shape[3:]), dtype=kv_dtype, device=device)

@@ -5,26 +5,27 @@ the prefix-cache key use."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant_linear import QuantLinear, quantized_weight_bytes
 from pagedserve.ops.quantized import QuantizedWeight, quantize_int8_per_channel
 
 
-def dequantize_unlisted(weights: Iterable[tuple[str, object]], quant_modules: set[str]) -> Iterator[tuple[str, object]]:
+def dequantize_unlisted(
+    weights: Iterable[tuple[str, object]], quant_modules: set[str], module_of: Callable[[str], str]
+) -> Iterator[tuple[str, object]]:
     """The checkpoint's tensors, a quantized one dequantized to float32 unless its module is in
-    ``quant_modules`` (module paths, see ``LlamaForCausalLM.module_of``)."""
+    ``quant_modules`` (module paths: ``module_of(name)``, the model class's ``module_of``)."""
     for name, w in weights:
-        if isinstance(w, QuantizedWeight) and LlamaForCausalLM.module_of(name) not in quant_modules:
+        if isinstance(w, QuantizedWeight) and module_of(name) not in quant_modules:
             w = w.dequantize(torch.float32)
         yield name, w
 
 
-def quantize_int8(model: LlamaForCausalLM) -> int:
+def quantize_int8(model: Any) -> int:
     """``--quantization int8``: every float projection of the decoder layers becomes symmetric
     int8 per output channel (:func:`~pagedserve.ops.quantized.quantize_int8_per_channel`),
     bias kept; the embedding and the LM head stay float. Returns how many were quantized.

@@ -26,9 +26,9 @@ from pagedserve.lora_request import LoRARequest
 from pagedserve.model import loader
 from pagedserve.model.backends import select_backend
 from pagedserve.model.layers import RotaryEmbedding
-from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.packed_linear import packing_available
 from pagedserve.model.quant_linear import QuantEmbedding, quantize_modules
+from pagedserve.model.registry import model_class
 from pagedserve.ops.cpu import quant_matmul
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 from pagedserve.worker.weights import WeightsInfo, dequantize_unlisted, describe_weights, quantize_int8
@@ -42,20 +42,6 @@ DEFAULT_CPU_KV_MAX_BYTES = 4 << 30
 def available_ram_bytes() -> int:
     """Available memory (bytes), 8 GiB when unknown."""
     return platform.available_memory_bytes() or 8 << 30
-
-
-def sliding_window(hf_config) -> Optional[int]:
-    """The checkpoint's attention window (tokens) when any layer uses one, else None
-    (Mistral v0.1's ``sliding_window``; Qwen2/3 only with ``use_sliding_window``)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    if hf_config.model_type in ("qwen2", "qwen3"):
-        return int(window) if getattr(hf_config, "use_sliding_window", False) else None
-    return int(window)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -161,32 +147,22 @@ class Worker:
     def _max_positions(self) -> int:
         cfg = self.config
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
-        window = sliding_window(self.hf_config)
-        if window is not None and window < max_pos:
-            # Attention here is always full; it equals the checkpoint's sliding-window
-            # attention only while sequences fit in the window.
-            if cfg.max_model_len is not None and cfg.max_model_len > window:
-                raise ValueError(
-                    f"max_model_len={cfg.max_model_len} is larger than the model's sliding_window "
-                    f"({window} tokens), which pagedserve does not implement"
-                )
-            logger.warning("Model uses sliding-window attention (%d tokens): max_model_len capped at %d", window, window)
-            max_pos = window
         if cfg.max_model_len is not None and cfg.max_model_len > max_pos:
             raise ValueError(f"max_model_len={cfg.max_model_len} is larger than the model's context ({max_pos} tokens)")
         return max_pos
 
-    def _load_model(self, max_positions: int) -> LlamaForCausalLM:
+    def _load_model(self, max_positions: int) -> torch.nn.Module:
         cfg = self.config
+        cls = model_class(self.hf_config.model_type)
         gguf = loader.gguf_source(self.model_dir)
         quant_modules: set[str] = set()
         if gguf is not None and cfg.quantization != "none":
-            quant_modules = loader.gguf_quantized_modules(self.model_dir, LlamaForCausalLM.module_of)
+            quant_modules = loader.gguf_quantized_modules(self.model_dir, cls.module_of)
             if quant_modules and self.device.type != "cpu":
                 logger.info("%s: quantized weights are dequantized to %s in memory on %s", gguf, self.dtype, self.device)
                 quant_modules = set()
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, max_positions, tp=self.tp)
+            model = cls(self.hf_config, max_positions, tp=self.tp)
             if self.tp is not None:  # this rank's shapes: it never holds the whole model
                 shard_shapes(model)
                 quant_modules.discard("embed_tokens")  # the vocab-parallel embedding stays float
@@ -195,7 +171,7 @@ class Worker:
                 model = model.to(self.dtype)
         model = model.to_empty(device=self.device)
         weights = loader.iterate_weights(self.model_dir, self.hf_config, quantized=bool(quant_modules))
-        weights = dequantize_unlisted(weights, quant_modules)
+        weights = dequantize_unlisted(weights, quant_modules, cls.module_of)
         if self.tp is not None:
             weights = shard_checkpoint(weights, self.hf_config, self.tp)
         model.load_weights(weights)

@@ -16,6 +16,7 @@ initialises them to 0 / 1, which would hide a bias or a norm loaded into the wro
 real SmolLM2 is loaded on the HF side from the GGUF file by transformers' own converter, which
 checks our GGUF conversion (dequantisation, Q/K un-permutation) independently.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -111,9 +112,7 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def compare_with_hf(
-    llm: LLM, hf, prompts: list[str], max_new_tokens: int, num_hf_generate: int = 1, logit_tol: float = LOGIT_TOL
-) -> list[dict]:
+def compare_with_hf(llm: LLM, hf, prompts: list[str], max_new_tokens: int, num_hf_generate: int = 1, logit_tol: float = LOGIT_TOL) -> list[dict]:
     """Run all checks; returns one report dict per prompt (also asserted).
 
     HF's greedy tokens are read off one HF forward over our sequence (teacher forcing): HF's
@@ -242,20 +241,36 @@ def test_rope_scaling_changes_the_model(tiny_case_dir):
     assert (our_prefill_logits(plain, ids) - our_prefill_logits(scaled, ids)).abs().max() > 1e-2
 
 
-def test_sliding_window_caps_max_model_len(tiny_model_factory, tmp_path):
-    """We attend in full, which equals Mistral's sliding-window attention only within the
-    window: the engine caps max_model_len there (and refuses a longer explicit one)."""
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_sliding_window_beyond_the_window(tiny_model_factory, tmp_path, chunk):
+    """Mistral's sliding window (16 tokens) on a 40-token prompt and 24 decode steps: the
+    prefill logits, every decode row and the greedy tokens equal HF's windowed attention
+    (chunks of 8 put chunk edges inside and across the window's edge)."""
     path = _perturbed_copy(tiny_model_factory("mistral", sliding_window=16), str(tmp_path / "model"))
-    with pytest.raises(ValueError, match="sliding_window"):
-        LLM(path, dtype="float32", num_kv_blocks=16, max_model_len=64)
-    llm = LLM(path, dtype="float32", num_kv_blocks=16)
-    assert llm.llm_engine.max_model_len == 16
-    ids = list(range(100, 116))
-    diff = (hf_logits(_hf_model(path), ids) - our_prefill_logits(llm, ids)).abs().max().item()
+    kw = {} if chunk is None else {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True}
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, max_model_len=128, **kw)
+    hf = _hf_model(path)
+    ids = [(i * 37) % 900 + 50 for i in range(40)]
+    diff = (hf_logits(hf, ids) - our_prefill_logits(llm, ids)).abs().max().item()
     assert diff < LOGIT_TOL
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate({"prompt_token_ids": list(range(100, 120))}, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, ids, 24)
     assert_engine_idle(llm)
+
+
+def test_sliding_window_changes_the_model(tiny_model_factory, tmp_path):
+    """Guard against the window tests passing vacuously: past the window, the logits differ
+    from full attention's."""
+    path = _perturbed_copy(tiny_model_factory("mistral", sliding_window=16), str(tmp_path / "model"))
+    ids = [(i * 37) % 900 + 50 for i in range(40)]
+    windowed = our_prefill_logits(LLM(path, dtype="float32", num_kv_blocks=32, max_model_len=128), ids)
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["sliding_window"] = None
+    json.dump(cfg, open(cfg_path, "w"))
+    full = our_prefill_logits(LLM(path, dtype="float32", num_kv_blocks=32, max_model_len=128), ids)
+    assert (windowed[:16] - full[:16]).abs().max() < 1e-5
+    assert (windowed[20:] - full[20:]).abs().max() > 1e-2
 
 
 # -- the real SmolLM2 (GGUF) -------------------------------------------------------------------

@@ -98,11 +98,11 @@ class CpuBackend(TorchBackend):
         q = kernels.rope_write_kv(qk, v, positions, metadata.slot_mapping, rope.cos_cache, rope.sin_cache, kv_cache, num_heads, metadata.block_size)
         return q, None, None
 
-    def attention(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, window=None, softcap=None) -> torch.Tensor:
         out = torch.empty_like(query)
         for g in metadata.groups:
-            if not (g.is_decode or self.fused_rope):
-                sdpa_attention(query, key, value, kv_cache, metadata, g, scale, out)
+            if not (g.is_decode or self.fused_rope) or window is not None or softcap is not None:
+                sdpa_attention(query, key, value, kv_cache, metadata, g, scale, out, window, softcap)
                 continue
             s, e = g.token_start, g.token_end
             lens = g.seq_lens if g.is_decode else g.token_lens
@@ -181,6 +181,7 @@ class CpuBackend(TorchBackend):
             and model.tp is None  # the C step has no all-reduce between layers
             and model._logits_linear is not None
             and not attn.qk_norm
+            and all(layer.self_attn.sliding_window is None for layer in model.layers)
             and platform.switch_on("PAGEDSERVE_CPU_KERNELS")
             and get_decode_lib() is not None
             and all(kv.is_contiguous() and kv.dtype == kv_caches[0].dtype for kv in kv_caches)

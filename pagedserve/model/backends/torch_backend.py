@@ -78,6 +78,33 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, gqa: bool, softcap: Optional[float]) -> torch.Tensor:
+    """``q [n, H, L, hd]`` against ``k, v [n, KVH, S, hd]`` under the boolean ``mask``
+    (broadcast to ``[n, H, L, S]``, True = attend). With ``softcap`` the scores are capped as
+    Gemma 2 does (``softcap * tanh(scores / softcap)``, HF's eager order, softmax in float32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def window_mask(q_pos: torch.Tensor, num_keys: int, window: Optional[int]) -> torch.Tensor:
+    """``[len(q_pos), num_keys]`` bool: key k is read by the query at position p when
+    ``k <= p`` and, with a window, ``k > p - window`` (HF's ``sliding_window_overlay``)."""
+    k = torch.arange(num_keys, device=q_pos.device)[None, :]
+    p = q_pos[:, None]
+    mask = k <= p
+    if window is not None:
+        mask &= k > p - window
+    return mask
+
+
 def sdpa_attention(
     query: torch.Tensor,
     key: Optional[torch.Tensor],
@@ -87,41 +114,54 @@ def sdpa_attention(
     g: AttentionGroup,
     scale: float,
     out: torch.Tensor,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> None:
     """One group's attention with ``scaled_dot_product_attention``, into ``out`` (the flat
     ``[num_tokens, num_heads, head_dim]`` output). ``key``/``value``: this step's K/V, used
-    directly by chunks with no cached context; None reads them from the cache too."""
+    directly by chunks with no cached context; None reads them from the cache too.
+    ``window``: keys older than the window (tokens) are not read; ``softcap``: Gemma 2's
+    attention-logit cap (see :func:`_attend`)."""
     s, e = g.token_start, g.token_end
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     gqa = k_cache.shape[1] != query.shape[1]
     bs, hd = metadata.block_size, query.shape[-1]
+    plain = window is None and softcap is None
     if g.is_decode:
         q = query[s:e].unsqueeze(2)  # [n, H, 1, hd]
-        o = F.scaled_dot_product_attention(
+        mask = g.decode_mask(metadata.block_size)
+        if window is not None:
+            key_pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (key_pos[None, :] >= g.seq_lens[:, None] - window)[:, None, None, :]
+        o = _attend(
             q,
             _gather(k_cache, g.block_tables, bs, hd, query.dtype),
             _gather(v_cache, g.block_tables, bs, hd, query.dtype),
-            attn_mask=g.decode_mask(metadata.block_size),
-            scale=scale,
-            enable_gqa=gqa,
+            mask,
+            scale,
+            gqa,
+            softcap,
         )
         out[s:e] = o.squeeze(2)
         return
     t = s
     for i, (qlen, ctx) in enumerate(zip(g.query_lens, g.context_lens)):
         q = query[t : t + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
-        if ctx == 0 and key is not None:
+        if ctx == 0 and key is not None and plain:
             k = key[t : t + qlen].transpose(0, 1).unsqueeze(0)
             v = value[t : t + qlen].transpose(0, 1).unsqueeze(0)
             o = causal_attention(q, k, v, scale, gqa)
         else:
             total = ctx + qlen
-            table = g.block_tables[i : i + 1, : -(-total // metadata.block_size)]
-            k = _gather(k_cache, table, bs, hd, query.dtype)[:, :, :total]
-            v = _gather(v_cache, table, bs, hd, query.dtype)[:, :, :total]
+            first = 0 if window is None else max(0, ctx - window + 1)  # the oldest key any query reads
+            first_block = first // bs
+            table = g.block_tables[i : i + 1, first_block : -(-total // bs)]
+            off = first_block * bs
+            k = _gather(k_cache, table, bs, hd, query.dtype)[:, :, : total - off]
+            v = _gather(v_cache, table, bs, hd, query.dtype)[:, :, : total - off]
             q_pos = torch.arange(ctx, total, device=query.device)
-            mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            mask = window_mask(q_pos - off, total - off, window)
+            o = _attend(q, k, v, mask, scale, gqa, softcap)
         out[t : t + qlen] = o[0].transpose(0, 1)
         t += qlen
 
@@ -187,10 +227,14 @@ class TorchBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """Every query token ``[T, num_heads, head_dim]`` attends to its own request's cached
-        K/V up to its position (causal). Returns ``[T, num_heads, head_dim]``."""
+        K/V up to its position (causal), only the last ``window`` tokens with a window (None:
+        all), scores capped at ``softcap`` (Gemma 2; None: uncapped). Returns
+        ``[T, num_heads, head_dim]``."""
         out = torch.empty_like(query)
         for g in metadata.groups:
-            sdpa_attention(query, key, value, kv_cache, metadata, g, scale, out)
+            sdpa_attention(query, key, value, kv_cache, metadata, g, scale, out, window, softcap)
         return out

@@ -407,9 +407,14 @@ class TritonBackend(TorchBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """Every query token ``[T, num_heads, head_dim]`` attends to its own request's cached
-        K/V up to its position (causal); ``key``/``value`` are unused (already in the cache)."""
+        K/V up to its position (causal); ``key``/``value`` are unused (already in the cache).
+        ``window``/``softcap``: as :meth:`TorchBackend.attention`."""
+        if (window is not None or softcap is not None) and metadata.groups:
+            return super().attention(query, key, value, kv_cache, metadata, scale, window, softcap)
         out = torch.empty_like(query)
         f = metadata.flat  # staged by the CUDA step loop
         if f is None:
