@@ -52,13 +52,13 @@ import tempfile
 import time
 from typing import Any, Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # this checkout's pagedserve, as its subprocesses run
 from bench_procs import llama_server  # noqa: E402
 from build_1b_model import _converter_unpacked, build, convert_gguf  # noqa: E402
 from gguf_vs_llamacpp import OthersCpu, bench_latency, llama_bench, wait_quiet  # noqa: E402
 from vs_llama_server import measure_http, pagedserve_server  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve-bench")
 LLAMACPP_CACHE = os.environ.get("LLAMACPP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve-llamacpp"))
 ROPE_THETA = 1e6  # Qwen3-30B-A3B's
@@ -209,10 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     ggf = gguf or ""  # "": llama.cpp skipped (its runners are then never called)
     ps_model = ggf if args.pagedserve_gguf else model_dir
-    print(
-        f"pagedserve serves {ps_model} ({'GGUF' if args.pagedserve_gguf else 'safetensors'}, --dtype {args.dtype}); "
-        f"llama.cpp serves {gguf or '(skipped)'} (bf16)"
-    )
+    kind = "GGUF" if args.pagedserve_gguf else "safetensors"
+    ps_what = "(skipped)" if args.skip_pagedserve else f"{ps_model} ({kind}, --dtype {args.dtype})"
+    print(f"pagedserve serves {ps_what}; llama.cpp serves {gguf or '(skipped)'} (bf16)")
     tok = loader.load_tokenizer(model_dir)
     reqs = sample_random(tok, args.clients, (args.prompt_len, args.prompt_len), (args.output_len, args.output_len), args.seed)
     prompts = [r.prompt_token_ids for r in reqs]
