@@ -11,6 +11,7 @@ import random
 import pytest
 
 from core_utils import B, EOS, assert_scheduler_idle, check_invariants, make_kv_manager, make_request, make_scheduler, step
+from pagedserve.bench.window_memory import measure_window_blocks, window_report
 from pagedserve.core.kv_cache_manager import UNHELD, blocks_held_alone, num_skipped_blocks
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.request import RequestStatus
@@ -196,3 +197,25 @@ def test_random_interleavings_with_a_window_keep_the_invariants(seed):
             break
         h.step()
     assert_scheduler_idle(s)
+
+
+def test_window_memory_report_pure_and_hybrid():
+    """The bench's figures: the allocator's blocks for one request (10 prefill chunks of 100,
+    then decodes to 1,100 tokens, window 64, blocks of 16), and the bytes they make for a pure
+    and for a 2 local : 1 global model (100 bytes per token per layer)."""
+    m = measure_window_blocks(1100, 16, 64, chunk=100, num_decode=100)
+    assert m["full_blocks"] == 69
+    # e.g. the chunk at 900 computed: blocks (900 - 63) // 16 = 52 to ceil(1000 / 16) - 1 = 62
+    assert m["peak_blocks"] == 11 <= blocks_held_alone(10**6, 16, 64, 100)
+    decodes = [-(-(c + 1) // 16) - num_skipped_blocks(c, 64, 16) for c in range(1000, 1100)]
+    assert m["decode_blocks"] == max(decodes) == 5
+    assert measure_window_blocks(1100, 16, None, chunk=100, num_decode=100)["peak_blocks"] == 69
+    per_block = 16 * 100
+    pure = window_report([64] * 3, 100, 1100, 16, 100, 100)
+    assert pure["kind"] == "pure" and pure["bytes_no_freeing"] == 69 * per_block * 3
+    assert pure["bytes_freeing_peak"] == 11 * per_block * 3 and pure["bytes_freeing_decode"] == 5 * per_block * 3
+    hybrid = window_report([64, 64, None], 100, 1100, 16, 100, 100)
+    assert hybrid["kind"] == "hybrid" and hybrid["bytes_one_table"] == hybrid["bytes_no_freeing"] == 69 * per_block * 3
+    assert hybrid["bytes_per_group_decode"] == (69 + 5 * 2) * per_block
+    assert hybrid["bytes_per_group_peak"] == (69 + 11 * 2) * per_block
+    assert window_report([None] * 3, 100, 1100, 16, 100)["kind"] == "none"
