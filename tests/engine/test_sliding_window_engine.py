@@ -109,3 +109,16 @@ def test_prefix_hit_after_the_first_blocks_were_evicted(mistral, expected):
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 96
     assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids) == expected
 
+
+
+def test_kv_transfer_is_refused_for_a_sliding_window_model(mistral):
+    """Prefill/decode disaggregation sends every prompt block, which the window frees."""
+    with pytest.raises(ValueError, match="not supported for sliding-window models"):
+        LLM(mistral[0], dtype="float32", num_kv_blocks=10, max_model_len=512, max_num_batched_tokens=64, kv_transfer_config={"kv_role": "kv_producer", "kv_port": 1})
+
+
+def test_a_pool_smaller_than_the_window_and_one_chunk_is_refused(mistral):
+    """A lone request holds up to ceil((16 + 64 + 14) / 16) = 6 blocks with chunks of 64."""
+    with pytest.raises(ValueError, match="one request holds up to 6 blocks"):
+        LLM(mistral[0], dtype="float32", num_kv_blocks=5, max_model_len=512, max_num_batched_tokens=64)
+    assert LLM(mistral[0], dtype="float32", num_kv_blocks=6, max_model_len=512, max_num_batched_tokens=64).llm_engine.config.max_model_len == 512
