@@ -71,7 +71,9 @@ def head_dims(config) -> tuple[int, int]:
     factor = float(rope_parameters(config)["partial_rotary_factor"])
     rotary_dim = int(head_dim * factor)
     if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0 and (head_dim - rotary_dim) % 2 == 0):
-        raise ValueError(f"partial_rotary_factor={factor} gives rotary_dim={rotary_dim} of head_dim={head_dim}: need an even rotary_dim and an even rest")
+        raise ValueError(
+            f"partial_rotary_factor={factor} gives rotary_dim={rotary_dim} of head_dim={head_dim}: need an even rotary_dim and an even rest"
+        )
     return head_dim, rotary_dim
 
 
@@ -151,6 +153,8 @@ def split_fused(weights: Iterable[tuple[str, Any]], config) -> Iterator[tuple[st
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     q, kv, inter = config.num_attention_heads * head_dim, kv_heads * head_dim, config.intermediate_size
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
     for name, t in weights:
         prefix, _, leaf = name.rpartition(".")
         module = prefix.rpartition(".")
@@ -188,9 +192,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         head_dim, rotary_dim = head_dims(config)
         self._perm: Optional[torch.Tensor] = None if rotary_dim == head_dim else rotary_permutation(head_dim, rotary_dim)
         for layer in self.layers:  # a window no sequence can exceed is no window (C kernels stay usable)
-            window = layer.self_attn.sliding_window
-            if window is not None and window >= max_positions:
-                layer.self_attn.sliding_window = None
+            attn: Any = layer.self_attn
+            if attn.sliding_window is not None and attn.sliding_window >= max_positions:
+                attn.sliding_window = None
 
     def _permute_heads(self, t: Any) -> Any:
         """q or k rows ``[heads * head_dim, ...]`` with each head's rows in our slot order."""
