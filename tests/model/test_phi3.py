@@ -260,3 +260,17 @@ def test_bf16_tokens_in_hf_top5(phi3_model):
 def test_lora_is_refused(phi3_model):
     with pytest.raises(ValueError, match="LoRA adapters are not supported for model_type 'phi3'"):
         _llm(phi3_model("phi4"), enable_lora=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["phi3-mini-4k", "phi4-mini"])
+def test_tp2_equals_hf(phi3_model, case):
+    """TP 2: the fused qkv / gate_up tensors split before sharding, q/k permuted per head."""
+    path = phi3_model(case)
+    prompts = _prompts((23, 64, 97), seed=7)
+    tp = _llm(path, num_threads=2, tensor_parallel_size=2, num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=24)
+    try:
+        outs = _greedy(tp, prompts, 10)
+    finally:
+        tp.llm_engine.core.shutdown()
+    _assert_hf_greedy(_hf(path), prompts, outs, check_generate=0)
