@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from pagedserve.model.file_headers import GGUFHeader, ModelFileError, _is_int, short
 from pagedserve.model.layers import RotaryEmbedding
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.ops.quantized import QuantizedWeight
@@ -100,6 +101,10 @@ def rope_inv_freq(config, max_positions: int) -> tuple[torch.Tensor, float]:
     if len(ext) != rotary_dim // 2:
         raise ValueError(f"phi3 rope factors have {len(ext)} entries, rotary_dim {rotary_dim} needs {rotary_dim // 2}")
     return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**exponents), float(attention_factor)
+
+
+# llama.cpp's LongRoPE factor tensors (long, short): config, not weights (files.GGUF_CONFIG_TENSORS)
+GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 class Phi3RotaryEmbedding(RotaryEmbedding):
@@ -217,3 +222,44 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, t
 
         super().load_weights(stream())
+
+
+def gguf_config(config, header: GGUFHeader, path: str) -> None:
+    """What transformers' GGUF reader leaves out of a phi3 config, as llama.cpp's converter
+    (``Phi3MiniModel``) writes it: partial rotary (``phi3.rope.dimension_count`` of the head),
+    LongRoPE (the ``rope_factors_long``/``rope_factors_short`` tensors,
+    ``phi3.rope.scaling.original_context_length``, ``phi3.rope.scaling.attn_factor`` where it
+    is not HF's default), the sliding window (``phi3.attention.sliding_window``, 0: none).
+
+    Raises:
+        ModelFileError: a dimension count or factor list that does not fit the heads.
+    """
+    import gguf
+    import numpy as np
+
+    md = header.metadata
+    head_dim = config.hidden_size // config.num_attention_heads
+    rope_dims: Any = md.get("phi3.rope.dimension_count", head_dim)
+    if not (_is_int(rope_dims) and 0 < rope_dims <= head_dim and rope_dims % 2 == 0):
+        raise ModelFileError(path, f"GGUF metadata phi3.rope.dimension_count={short(rope_dims)} is not an even number in [2, {head_dim}]")
+    old = dict(getattr(config, "rope_parameters", None) or {})
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(old.get("rope_theta", getattr(config, "rope_theta", 10000.0)))}
+    params["partial_rotary_factor"] = rope_dims / head_dim
+    names = GGUF_ROPE_FACTORS
+    factors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist() for t in gguf.GGUFReader(path).tensors if t.name in names}
+    if factors:
+        original: Any = md.get("phi3.rope.scaling.original_context_length")
+        if not (_is_int(original) and original >= 1) or set(factors) != set(names) or any(len(f) != rope_dims // 2 for f in factors.values()):
+            raise ModelFileError(
+                path, f"phi3 LongRoPE needs both {' and '.join(names)} of {rope_dims // 2} values and rope.scaling.original_context_length"
+            )
+        params.update(rope_type="longrope", long_factor=factors[names[0]], short_factor=factors[names[1]], original_max_position_embeddings=original)
+        config.original_max_position_embeddings = original = int(original)
+        scale = config.max_position_embeddings / original
+        default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        attn = md.get("phi3.rope.scaling.attn_factor")
+        if isinstance(attn, (int, float)) and abs(attn - default) > 1e-6 * default:  # not just the default rounded to float32
+            params["attention_factor"] = float(attn)
+    config.rope_parameters = params
+    window = md.get("phi3.attention.sliding_window")
+    config.sliding_window = window if isinstance(window, int) and window > 0 else None

@@ -274,3 +274,108 @@ def test_tp2_equals_hf(phi3_model, case):
     finally:
         tp.llm_engine.core.shutdown()
     _assert_hf_greedy(_hf(path), prompts, outs, check_generate=0)
+
+
+# -- GGUF (llama.cpp's phi3 layout: attn_qkv, ffn_up = gate+up, rope factor tensors) -------------
+def _write_phi3_gguf(hf_dir: str, path: str, qtype: str) -> str:
+    """The HF checkpoint's tensors as llama.cpp's converter (``Phi3MiniModel``) writes them:
+    2-D weights in ``qtype``, the metadata it sets, the LongRoPE factors as tensors; the tiny
+    byte-level tokenizer of tests/gguf_utils.py (the model's vocab is its 264 tokens)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from gguf_utils import _byte_chars
+    from safetensors.torch import load_file
+
+    with open(f"{hf_dir}/config.json") as fh:
+        cfg = json.load(fh)
+    rope = cfg["rope_parameters"]
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    rope_dims = int(rope.get("partial_rotary_factor", 1.0) * (cfg.get("head_dim") or hidden // heads))
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "e r"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_chars() + [m.replace(" ", "") for m in merges]
+    assert len(tokens) == cfg["vocab_size"]
+    w = gguf.GGUFWriter(path, "phi3")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(rope_dims)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    w.add_vocab_size(len(tokens))
+    if rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    qt = gguf.GGMLQuantizationType[qtype]
+    for name, t in load_file(f"{hf_dir}/model.safetensors").items():
+        stem = name.removeprefix("model.").removesuffix(".weight")
+        if stem.startswith("layers."):
+            _, i, part = stem.split(".", 2)
+            gname = f"blk.{i}.{names[part]}.weight"
+        else:
+            gname = f"{names[stem]}.weight"
+        arr = t.float().numpy()
+        if arr.ndim == 2 and qtype != "F32":
+            w.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _prompt_logprobs(llm: LLM, prompts) -> list[torch.Tensor]:
+    """Each prompt token's logprob (teacher forcing over the prompt), per prompt."""
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [torch.tensor([e[t].logprob for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]) for o in outs]
+
+
+@pytest.mark.parametrize("case", ["phi3-mini-4k", "phi4-mini"])
+def test_gguf_equals_safetensors(tmp_path, monkeypatch, case):
+    import os
+
+    from pagedserve.platform import cache_dir
+
+    # The converted GGUF folder goes to a temporary cache; the compiled kernels are shared.
+    os.makedirs(tmp_path / "cache")
+    os.symlink(os.path.join(cache_dir(), "kernels"), tmp_path / "cache" / "kernels")
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    hf_dir = _make_phi3(str(tmp_path / "hf"), {**CASES[case], "vocab_size": 264})
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 264, (n,), generator=g).tolist() for n in (23, 64, 97)]
+    want = _prompt_logprobs(_llm(hf_dir), prompts)
+    f32 = _llm(_write_phi3_gguf(hf_dir, str(tmp_path / "f32.gguf"), "F32"))
+    config = f32.llm_engine.core.worker.hf_config
+    assert (config.sliding_window, config.rope_parameters["rope_type"]) == (
+        CASES[case].get("sliding_window"),
+        CASES[case].get("rope_parameters", {}).get("rope_type", "default"),
+    )
+    for a, b in zip(_prompt_logprobs(f32, prompts), want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    del f32
+    q8 = _llm(_write_phi3_gguf(hf_dir, str(tmp_path / "q8.gguf"), "Q8_0"))
+    assert q8.llm_engine.core.worker.weights.kinds  # served quantized
+    for a, b in zip(_prompt_logprobs(q8, prompts), want):
+        assert (a - b).abs().mean() < 0.05, (a - b).abs().mean()
