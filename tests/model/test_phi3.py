@@ -257,6 +257,19 @@ def test_bf16_tokens_in_hf_top5(phi3_model):
     _assert_in_hf_top5(_hf(path), prompts, _greedy(_llm(path, dtype="bfloat16"), prompts, 8))
 
 
+def test_pooling_runner_gives_hf_last_hidden_state(phi3_model):
+    """``runner="pooling"`` just works: the permuted q/k layout never shows in hidden states."""
+    from transformers import AutoModel
+
+    path = phi3_model("phi4-mini")
+    ids = _prompts((35,), seed=9)[0]
+    llm = _llm(path, runner="pooling", pooler_config={"pooling_type": "LAST", "normalize": False})
+    ours = torch.tensor(llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)[0].outputs.embedding)
+    with torch.no_grad():
+        want = AutoModel.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).last_hidden_state[0, -1]
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+
+
 def test_lora_is_refused(phi3_model):
     with pytest.raises(ValueError, match="LoRA adapters are not supported for model_type 'phi3'"):
         _llm(phi3_model("phi4"), enable_lora=True)
@@ -352,7 +365,7 @@ def _prompt_logprobs(llm: LLM, prompts) -> list[torch.Tensor]:
     return [torch.tensor([e[t].logprob for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]) for o in outs]
 
 
-@pytest.mark.parametrize("case", ["phi3-mini-4k", "phi4-mini"])
+@pytest.mark.parametrize("case", [pytest.param("phi3-mini-4k", marks=pytest.mark.slow), "phi4-mini"])
 def test_gguf_equals_safetensors(tmp_path, monkeypatch, case):
     import os
 
