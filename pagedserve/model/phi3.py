@@ -189,11 +189,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """
 
     supports_lora = False  # the worker refuses enable_lora for this class
-    rotary_embedding = Phi3RotaryEmbedding  # the worker rebuilds rotary_emb with this class
+    rotary_embedding = Phi3RotaryEmbedding  # built in __init__ and by the worker after loading
 
     def __init__(self, config, max_positions: int, tp=None) -> None:
         super().__init__(config, max_positions, tp)
-        self.rotary_emb = Phi3RotaryEmbedding(config, max_positions)
         head_dim, rotary_dim = head_dims(config)
         self._perm: Optional[torch.Tensor] = None if rotary_dim == head_dim else rotary_permutation(head_dim, rotary_dim)
         for layer in self.layers:  # a window no sequence can exceed is no window (C kernels stay usable)

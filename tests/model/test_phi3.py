@@ -181,6 +181,30 @@ def test_partial_rotary_permutation_is_hf_rotary():
     assert not torch.equal(long.cos_cache[: 4 * T], ours.cos_cache[: 4 * T])
 
 
+@pytest.mark.parametrize("rope_type", ["longrope", "su"])  # "su": the name in early Phi-3 hub configs
+def test_longrope_tables_equal_hf_for_hub_spelled_configs(rope_type):
+    """A config spelled as the hub's Phi-3-mini-128k (``rope_scaling`` with ``type``,
+    top-level ``original_max_position_embeddings``): built for at most the original length our
+    table is HF's short-factor RoPE, built for more it is HF's after its switch to long factors."""
+    import transformers
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding as HFRope
+
+    from pagedserve.model.phi3 import Phi3RotaryEmbedding
+
+    scaling = {"type": rope_type, "short_factor": _factors(16, 1), "long_factor": _factors(16, 2)}
+    cfg = transformers.Phi3Config(
+        hidden_size=128, num_attention_heads=4, num_hidden_layers=1, vocab_size=64, max_position_embeddings=4096,
+        original_max_position_embeddings=256, rope_scaling=scaling, rope_theta=10000.0, sliding_window=262144,
+    )  # fmt: skip
+    x = torch.zeros(1)
+    short_pos, long_pos = torch.arange(0, 256), torch.arange(0, 300)
+    hf = HFRope(cfg)
+    for built, pos in ((256, short_pos), (4096, long_pos)):  # HF picks long factors once a sequence passes 256
+        cos, sin = hf(x, pos[None])
+        ours = Phi3RotaryEmbedding(cfg, built)
+        assert torch.equal(ours.cos_cache[pos], cos[0]) and torch.equal(ours.sin_cache[pos], sin[0])
+
+
 # -- greedy equal to HF --------------------------------------------------------------------------
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equals_hf(phi3_model, case):
