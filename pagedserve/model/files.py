@@ -134,17 +134,25 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_hf_name(name: str) -> str:
-    """The HF name of a llama.cpp tensor name. Raises KeyError for a name with no HF twin."""
+# Where an architecture's names differ from llama's (phi3: fused Q/K/V, and gate+up in ffn_up).
+_GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Tensors that are config, not weights: phi3's LongRoPE factors (read into config.json at conversion).
+GGUF_CONFIG_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
+
+
+def _gguf_hf_name(name: str, arch: str = "llama") -> str:
+    """The HF name of a llama.cpp tensor name of architecture ``arch``. Raises KeyError for a
+    name with no HF twin."""
     stem, _, suffix = name.rpartition(".")  # suffix: weight / bias
     if suffix not in ("weight", "bias"):
         raise KeyError(name)
+    names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES[arch]} if arch in _GGUF_ARCH_NAMES else _GGUF_NAMES
     if stem.startswith("blk."):
         _, idx, part = (stem.split(".", 2) + ["", ""])[:3]
         if not idx.isdigit() or not idx.isascii():
             raise KeyError(name)
-        return f"model.layers.{int(idx)}.{_GGUF_NAMES[part]}.{suffix}"
-    return f"{_GGUF_NAMES[stem]}.{suffix}"
+        return f"model.layers.{int(idx)}.{names[part]}.{suffix}"
+    return f"{names[stem]}.{suffix}"
 
 
 def _gguf_weight_names(header: GGUFHeader) -> dict[str, str]:
@@ -156,9 +164,12 @@ def _gguf_weight_names(header: GGUFHeader) -> dict[str, str]:
     from pagedserve.model.file_headers import SUPPORTED_GGUF_TYPES
 
     names: dict[str, str] = {}
+    arch = str(header.metadata.get("general.architecture"))
     for name, spec in header.tensors.items():
+        if name in GGUF_CONFIG_TENSORS.get(arch, ()):
+            continue
         try:
-            names[name] = _gguf_hf_name(name)
+            names[name] = _gguf_hf_name(name, arch)
         except KeyError:
             raise ModelFileError(header.path, f"tensor {short(name)} is not a llama-family weight pagedserve knows") from None
         if spec.dtype not in SUPPORTED_GGUF_TYPES:
@@ -183,9 +194,11 @@ def iterate_gguf_arrays(path: str, num_heads: int, num_kv_heads: int, arch: str)
 
     reader = gguf.GGUFReader(path)
     for t in reader.tensors:
+        if t.name in GGUF_CONFIG_TENSORS.get(arch, ()):
+            continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        name = _gguf_hf_name(t.name)
+        name = _gguf_hf_name(t.name, arch)
         if arch == "llama":
             if name.endswith("q_proj.weight"):
                 arr = _unpermute_rope(arr, num_heads)
@@ -344,6 +357,10 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
         raise ModelFileError(path, f"transformers cannot read its metadata ({describe(e)})") from None
     if "lm_head.weight" not in names.values():
         config.tie_word_embeddings = True
+    if header.metadata.get("general.architecture") == "phi3":
+        from pagedserve.model.phi3 import gguf_config
+
+        gguf_config(config, header, path)
     check_config(path, config.to_dict())
     # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.
     check_weights(path, config, {hf: TensorSpec(hf, "F32", tuple(reversed(header.tensors[g].shape)), path) for g, hf in names.items()}, shape_check())

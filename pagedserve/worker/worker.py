@@ -125,6 +125,8 @@ class Worker:
         self.kv_connector = None  # prefill/decode disaggregation (initialize_cache)
         self.lora_manager = None
         if config.enable_lora:
+            if not getattr(self.model, "supports_lora", True):
+                raise ValueError(f"enable_lora: LoRA adapters are not supported for model_type {self.hf_config.model_type!r}")
             from pagedserve.worker.lora_manager import LoRAManager
 
             self.lora_manager = LoRAManager(
@@ -186,7 +188,7 @@ class Worker:
             if isinstance(module, QuantEmbedding):
                 module.dtype = self.dtype
         # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
-        model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
+        model.rotary_emb = getattr(cls, "rotary_embedding", RotaryEmbedding)(self.hf_config, max_positions).to(self.device)
         self.weights: WeightsInfo = describe_weights(model)
         if self.weights.kinds:
             quant_matmul.check_settings()
