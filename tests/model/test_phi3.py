@@ -397,6 +397,7 @@ def test_gguf_equals_safetensors(tmp_path, monkeypatch, case):
 
     # The converted GGUF folder goes to a temporary cache; the compiled kernels are shared.
     os.makedirs(tmp_path / "cache")
+    os.makedirs(os.path.join(cache_dir(), "kernels"), exist_ok=True)  # a fresh machine may have none yet
     os.symlink(os.path.join(cache_dir(), "kernels"), tmp_path / "cache" / "kernels")
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     hf_dir = _make_phi3(str(tmp_path / "hf"), {**CASES[case], "vocab_size": 264})
