@@ -195,3 +195,46 @@ def test_window_under_each_isa_cap(cap):
     r = subprocess.run([sys.executable, "-c", _CHILD, cap], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"ok {cap}" in r.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [5, 17])
+def test_cpu_backend_runs_windowed_layers_in_the_kernel(dtype, window, monkeypatch):
+    """``CpuBackend.attention`` with a window: the kernel (not PyTorch's path) for decode rows,
+    and for prefill chunks where the kernel takes them (bf16 fast path), equal to the PyTorch
+    backend's windowed attention on one mixed step (decodes, then chunks with and without
+    context), the cache filled by the real write path."""
+    from pagedserve.model.attn_metadata import AttentionMetadata, build_attention_group
+    from pagedserve.model.backends import CpuBackend, TorchBackend, cpu_backend
+    from pagedserve.model.backends.torch_backend import write_kv_cache
+
+    H, KVH, D, B = 6, 2, 64, 16
+    g = torch.Generator().manual_seed(window)
+    ctx_all = [5, 31, 80, 0, 48]
+    new_all = [1, 1, 1, 37, 20]
+    lens = [c + m for c, m in zip(ctx_all, new_all)]
+    ids = torch.randperm(sum(-(-n // B) for n in lens) + 1, generator=g).tolist()
+    block_ids = []
+    for n in lens:
+        block_ids.append(ids[: -(-n // B)])
+        ids = ids[-(-n // B) :]
+    cache = torch.randn(2, len(ids) + sum(len(b) for b in block_ids), KVH, B, D, generator=g).to(dtype)
+    groups, slots, start = [], [], 0
+    for sl in (slice(0, 3), slice(3, None)):
+        ql, cl, bl = new_all[sl], ctx_all[sl], block_ids[sl]
+        groups.append(build_attention_group(start, ql, cl, bl, B, torch.device("cpu")))
+        for q_, c_, b_ in zip(ql, cl, bl):
+            slots.extend(b_[p // B] * B + p % B for p in range(c_, c_ + q_))
+        start += sum(ql)
+    meta = AttentionMetadata(torch.tensor(slots), groups, B)
+    q, k, v = (torch.randn(start, h, D, generator=g).to(dtype) for h in (H, KVH, KVH))
+    write_kv_cache(cache, k, v, meta)
+    cpu = CpuBackend(dtype, H, KVH, D)
+    seen = []
+    real_sdpa = cpu_backend.sdpa_attention
+    monkeypatch.setattr(cpu_backend, "sdpa_attention", lambda *a: (seen.append(a[5].is_decode), real_sdpa(*a)))
+    a = cpu.attention(q, None if cpu.fused_rope else k, None if cpu.fused_rope else v, cache, meta, D**-0.5, window)
+    assert seen == ([] if cpu.fused_rope else [False])  # decodes always in the kernel
+    b = TorchBackend().attention(q, k, v, cache, meta, D**-0.5, window)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
