@@ -45,7 +45,7 @@ PREFILL_PARTS = [(0, 40), (23, 18), (0, 1), (64, 33)]  # (cached context, chunk)
 
 
 def _first_key(n: int, window: int) -> int:
-    return max(0, n - window)
+    return max(0, n - window) if window > 0 else 0
 
 
 def _case(seq_lens, reads, num_kv_heads, head_dim, block_size, dtype, int8, seed):
@@ -89,12 +89,15 @@ def _case(seq_lens, reads, num_kv_heads, head_dim, block_size, dtype, int8, seed
     return cache, bt, dense
 
 
-def _reference(q, kv, n, window, scale):
-    """``q [H, hd]`` over keys ``[max(0, n - window), n)`` of ``kv [2, nkv, >=n, hd]``; float64."""
+def _reference(q, kv, n, window, scale, softcap=0.0):
+    """``q [H, hd]`` over keys ``[max(0, n - window), n)`` of ``kv [2, nkv, >=n, hd]`` (scaled
+    scores capped to ``softcap * tanh(s / softcap)`` with a softcap); float64."""
     lo = _first_key(n, window)
     k, v = kv[0, :, lo:n], kv[1, :, lo:n]
     rep = q.shape[0] // k.shape[0]
     s = torch.einsum("hd,hnd->hn", q.double(), k.repeat_interleave(rep, 0)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     return torch.einsum("hn,hnd->hd", s.softmax(-1), v.repeat_interleave(rep, 0))
 
 
@@ -102,64 +105,66 @@ def _tolerance(dtype):
     return 3e-2 if dtype == torch.bfloat16 else 1e-5
 
 
-def _check_rows_alone(q, cache, bt, token_seq, lens, scale, out, block_size, window, rows):
+def _check_rows_alone(q, cache, bt, token_seq, lens, scale, out, block_size, window, rows, softcap=0.0):
     """Rows of a batched call equal each row in a call of its own (one task per KV head)."""
     for t in rows:
         one = torch.empty_like(q[t : t + 1])
         table = bt[t : t + 1] if token_seq is None else bt[token_seq[t : t + 1]]
         ok = cpu_kernels.paged_attention_cpu(
-            q[t : t + 1].contiguous(), cache, table.contiguous(), None, lens[t : t + 1].contiguous(), scale, one, block_size, window
+            q[t : t + 1].contiguous(), cache, table.contiguous(), None, lens[t : t + 1].contiguous(), scale, one, block_size, window, softcap
         )
         assert ok
         assert torch.equal(one[0], out[t]), (t, window)
 
 
-def check_decode(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window):
+def check_decode(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window, softcap=0.0):
     reads = [(_first_key(n, window), n) for n in DECODE_LENS]
     cache, bt, dense = _case(DECODE_LENS, reads, num_kv_heads, head_dim, block_size, dtype, int8, seed=window)
     g = torch.Generator().manual_seed(100 + window)
-    q = torch.randn(len(DECODE_LENS), num_heads, head_dim, generator=g).to(dtype)
+    q = (torch.randn(len(DECODE_LENS), num_heads, head_dim, generator=g) * (4 if softcap else 1)).to(dtype)
     lens = torch.tensor(DECODE_LENS)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
-    assert cpu_kernels.paged_attention_cpu(q, cache, bt, None, lens, scale, out, block_size, window)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt, None, lens, scale, out, block_size, window, softcap)
     assert torch.isfinite(out.float()).all(), window
     for i, n in enumerate(DECODE_LENS):
-        want = _reference(q[i], dense[i], n, window, scale)
+        want = _reference(q[i], dense[i], n, window, scale, softcap)
         torch.testing.assert_close(out[i].double(), want, atol=_tolerance(dtype), rtol=_tolerance(dtype))
-    _check_rows_alone(q, cache, bt, None, lens, scale, out, block_size, window, (0, 4, 7))
+    _check_rows_alone(q, cache, bt, None, lens, scale, out, block_size, window, (0, 4, 7), softcap)
 
 
-def check_prefill(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window):
+def check_prefill(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window, softcap=0.0):
     seq_lens = [c + m for c, m in PREFILL_PARTS]
     reads = [(_first_key(c + 1, window), c + m) for c, m in PREFILL_PARTS]
     cache, bt, dense = _case(seq_lens, reads, num_kv_heads, head_dim, block_size, dtype, int8, seed=50 + window)
     T = sum(m for _, m in PREFILL_PARTS)
     g = torch.Generator().manual_seed(200 + window)
-    q = torch.randn(T, num_heads, head_dim, generator=g).to(dtype)
+    q = (torch.randn(T, num_heads, head_dim, generator=g) * (4 if softcap else 1)).to(dtype)
     token_seq = torch.tensor([i for i, (_, m) in enumerate(PREFILL_PARTS) for _ in range(m)])
     lens = torch.tensor([p + 1 for c, m in PREFILL_PARTS for p in range(c, c + m)])
     out = torch.empty_like(q)
     scale = head_dim**-0.5
-    assert cpu_kernels.paged_attention_cpu(q, cache, bt, token_seq, lens, scale, out, block_size, window)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt, token_seq, lens, scale, out, block_size, window, softcap)
     assert torch.isfinite(out.float()).all(), window
     for t in range(T):
-        want = _reference(q[t], dense[int(token_seq[t])], int(lens[t]), window, scale)
+        want = _reference(q[t], dense[int(token_seq[t])], int(lens[t]), window, scale, softcap)
         torch.testing.assert_close(out[t].double(), want, atol=_tolerance(dtype), rtol=_tolerance(dtype))
     # the chunk's rows as decodes of the same positions: the same bits
     alone = torch.empty_like(q)
-    assert cpu_kernels.paged_attention_cpu(q, cache, bt[token_seq].contiguous(), None, lens, scale, alone, block_size, window)
+    assert cpu_kernels.paged_attention_cpu(q, cache, bt[token_seq].contiguous(), None, lens, scale, alone, block_size, window, softcap)
     assert torch.equal(alone, out), window
-    _check_rows_alone(q, cache, bt, token_seq, lens, scale, out, block_size, window, (0, 39, 41, 58, 59, T - 1))
+    _check_rows_alone(q, cache, bt, token_seq, lens, scale, out, block_size, window, (0, 39, 41, 58, 59, T - 1), softcap)
 
 
 def run_all() -> None:
-    """Every shape with windows 1, 17 and 40 (one key; a block and one; several blocks): what a
-    child process under an ISA cap runs."""
+    """Every shape with windows 1 and 40 (one key; several blocks), a softcap with window 17 (a
+    block and one) and alone: what a child process under an ISA cap runs."""
     for shape in SHAPES:
-        for window in (1, 17, 40):
+        for window in (1, 40):
             check_decode(*shape, window)
             check_prefill(*shape, window)
+        check_decode(*shape, 17, 5.0)
+        check_prefill(*shape, 0, 5.0)
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -167,6 +172,22 @@ def run_all() -> None:
 def test_window_matches_masked_reference(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window):
     check_decode(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window)
     check_prefill(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window)
+
+
+@pytest.mark.parametrize("window", [0, 17])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype,int8", SHAPES)
+def test_softcap_matches_capped_reference(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window):
+    """Gemma 2's attention-logit softcap (``cap * tanh(s / cap)`` of the scaled scores, cap 5 on
+    scores of several units, so that it bites) in every unit, alone and with a window."""
+    check_decode(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window, 5.0)
+    check_prefill(num_heads, num_kv_heads, head_dim, block_size, dtype, int8, window, 5.0)
+
+
+def test_softcap_changes_the_result():
+    """Guard against the softcap tests passing vacuously: the capped reference differs."""
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(4, 64, generator=g) * 4, torch.randn(2, 2, 30, 64, generator=g).double()
+    assert (_reference(q, kv, 30, 0, 0.125, 5.0) - _reference(q, kv, 30, 0, 0.125)).abs().max() > 0.1
 
 
 def test_window_zero_is_full_attention_and_negative_is_refused():
@@ -198,9 +219,9 @@ def test_window_under_each_isa_cap(cap):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [5, 17])
-def test_cpu_backend_runs_windowed_layers_in_the_kernel(dtype, window, monkeypatch):
-    """``CpuBackend.attention`` with a window: the kernel (not PyTorch's path) for decode rows,
+@pytest.mark.parametrize("window,softcap", [(5, None), (17, None), (None, 3.0), (9, 3.0)])
+def test_cpu_backend_runs_windowed_layers_in_the_kernel(dtype, window, softcap, monkeypatch):
+    """``CpuBackend.attention`` with a window and/or Gemma 2's softcap: the kernel (not PyTorch's path) for decode rows,
     and for prefill chunks where the kernel takes them (bf16 fast path), equal to the PyTorch
     backend's windowed attention on one mixed step (decodes, then chunks with and without
     context), the cache filled by the real write path."""
@@ -209,7 +230,7 @@ def test_cpu_backend_runs_windowed_layers_in_the_kernel(dtype, window, monkeypat
     from pagedserve.model.backends.torch_backend import write_kv_cache
 
     H, KVH, D, B = 6, 2, 64, 16
-    g = torch.Generator().manual_seed(window)
+    g = torch.Generator().manual_seed(window or 0)
     ctx_all = [5, 31, 80, 0, 48]
     new_all = [1, 1, 1, 37, 20]
     lens = [c + m for c, m in zip(ctx_all, new_all)]
@@ -233,8 +254,8 @@ def test_cpu_backend_runs_windowed_layers_in_the_kernel(dtype, window, monkeypat
     seen = []
     real_sdpa = cpu_backend.sdpa_attention
     monkeypatch.setattr(cpu_backend, "sdpa_attention", lambda *a: (seen.append(a[5].is_decode), real_sdpa(*a)))
-    a = cpu.attention(q, None if cpu.fused_rope else k, None if cpu.fused_rope else v, cache, meta, D**-0.5, window)
+    a = cpu.attention(q, None if cpu.fused_rope else k, None if cpu.fused_rope else v, cache, meta, D**-0.5, window, softcap)
     assert seen == ([] if cpu.fused_rope else [False])  # decodes always in the kernel
-    b = TorchBackend().attention(q, k, v, cache, meta, D**-0.5, window)
+    b = TorchBackend().attention(q, k, v, cache, meta, D**-0.5, window, softcap)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)

@@ -86,10 +86,10 @@ static inline void pa_widen_q8(const int8_t* src, __m512i dst[2]) {
  * sliding window (window > 0). Buffers are indexed by key; a window's task starts at the 16 keys
  * (scores) or 32 keys (P.V) holding its first key: keys before the window in the scores' first
  * 16 (its own block) are loaded but their scores never used, values before it never read (zero
- * rows), their probabilities zero. */
+ * rows), their probabilities zero. softcap: Gemma 2's logit cap on the scaled scores (0: none). */
 static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* lens, int nt, int G, int64_t num_heads,
-                        int64_t kh, const pa_cache* c, const int64_t* table, float scale, int64_t window, uint16_t* out,
-                        pa_bufs* b) {
+                        int64_t kh, const pa_cache* c, const int64_t* table, float scale, int64_t window, float softcap,
+                        uint16_t* out, pa_bufs* b) {
     const int64_t D = 64;
     const int q8 = c->scale_off >= 0;
     const int pf_lines = (int)(16 * c->row_bytes / 64);
@@ -153,6 +153,7 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
         for (; k + 16 <= n; k += 16)  /* column r of 16 key rows of S^T */
             _mm512_storeu_ps(b->row + k, _mm512_mul_ps(_mm512_i32gather_ps(col, b->st + k * 16, 4), q8 ? _mm512_loadu_ps(b->ks + k) : sv));
         for (; k < n; k++) b->row[k] = b->st[k * 16 + r] * (q8 ? b->ks[k] : scale);
+        softcap_rows(b->row + lo, 1, n - lo, 0, softcap);
         softmax_rows(b->row + lo, 1, n - lo);
         uint16_t* pr = b->p + r * n_pad;
         k = lo;
@@ -233,7 +234,7 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
 static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc, const int64_t* block_tables,
                                int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, uint16_t* out,
                                int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                               float scale, int kv_int8, int64_t window) {
+                               float scale, int kv_int8, int64_t window, float softcap) {
     const int G = (int)(num_heads / num_kv_heads);
     const int T = token_seq ? 16 / G : 1;
     const int64_t cell = kv_int8 ? Q8_BYTES(block_size, 64) : block_size * 64 * 2;  /* one (block, KV head) */
@@ -287,7 +288,7 @@ static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc
                 const int64_t* table = block_tables + (token_seq ? token_seq[tile_start[i]] : tile_start[i]) * max_blocks;
                 pa_cache c = cache0;
                 c.head_bytes = kh * cell;
-                pa_task_amx(q, idx, token_lens + tile_start[i], nt, G, num_heads, kh, &c, table, scale, window, out, b);
+                pa_task_amx(q, idx, token_lens + tile_start[i], nt, G, num_heads, kh, &c, table, scale, window, softcap, out, b);
             }
         if (b && fl) {
             amx_restore(&saved);
@@ -302,5 +303,5 @@ static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc
 int pa_amx(const pa_call* c) {
     return paged_attention_amx((const uint16_t*)c->q, c->k_cache, c->v_cache, c->block_tables, c->max_blocks, c->token_seq,
                                c->token_lens, (uint16_t*)c->out, c->num_tokens, c->num_heads, c->num_kv_heads, c->block_size,
-                               c->scale, c->kv_int8, c->window);
+                               c->scale, c->kv_int8, c->window, c->softcap);
 }

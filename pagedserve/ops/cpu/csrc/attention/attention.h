@@ -35,6 +35,7 @@ typedef struct {
     int64_t group; /* num_heads / num_kv_heads */
     int64_t max_n; /* the most keys a token reads (token_lens capped by window), at least 1 */
     int64_t window; /* sliding window in tokens (pa_first_key); 0: full attention */
+    float softcap;  /* Gemma 2's attention-logit cap (rows.h, softcap_rows); 0: none */
 } pa_call;
 
 /* The first key a query token with n keys (position n - 1) reads under a sliding window: HF's

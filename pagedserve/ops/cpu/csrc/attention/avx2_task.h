@@ -214,10 +214,12 @@ static inline void store_row(const float* acc, void* out, int64_t head_dim, int 
  * (bf = 1). Scores of R keys per pass (R x G running FMA sums, reduced together); softmax in
  * fp32; P.V accumulated in fp32, rounded once into out. A row's steps do not depend on nkv, so
  * its result is bit-identical either way. qf, acc: nkv * G rows (32-byte aligned); scores:
- * nkv * G * (n - lo). Keys [lo, n) (lo: pa_first_key under a sliding window, else 0). */
+ * nkv * G * (n - lo). Keys [lo, n) (lo: pa_first_key under a sliding window, else 0); softcap:
+ * Gemma 2's logit cap (0: none). */
 static inline __attribute__((always_inline)) void task_avx2(const void* q, const void* kc, const void* vc, const int64_t* table,
                                                              int64_t n, int64_t lo, int64_t block_size, int64_t block_stride,
-                                                             int64_t head_off, int64_t nkv, int64_t head_dim, float scale, void* out, float* scores,
+                                                             int64_t head_off, int64_t nkv, int64_t head_dim, float scale, float softcap,
+                                                             void* out, float* scores,
                                                              float (*qf)[MAX_HEAD_DIM], float (*acc)[MAX_HEAD_DIM],
                                                              const int G, const int bf) {
     const int R = AVX2_KEYS_PER_PASS(G), CH = AVX2_CHAINS(G);
@@ -237,6 +239,7 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
         }
         k0 += len;
     }
+    softcap_rows(scores, rows, m, m, softcap);
     softmax_rows(scores, rows, m);
     for (int64_t r = 0; r < rows; r++) memset(acc[r], 0, sizeof(float) * head_dim);
     for (int64_t k0 = lo; k0 < n;) {
@@ -254,9 +257,9 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
 static inline __attribute__((always_inline)) void task_avx2_any(const void* q, const void* kc, const void* vc, const int64_t* table,
                                                                  int64_t n, int64_t lo, int64_t block_size, int64_t block_stride,
                                                                  int64_t head_off, int64_t nkv, int64_t group, int64_t head_dim,
-                                                                 float scale, void* out, float* scores, float (*qf)[MAX_HEAD_DIM],
+                                                                 float scale, float softcap, void* out, float* scores, float (*qf)[MAX_HEAD_DIM],
                                                                  float (*acc)[MAX_HEAD_DIM], const int bf) {
-#define TASK_G(G_) case G_: task_avx2(q, kc, vc, table, n, lo, block_size, block_stride, head_off, nkv, head_dim, scale, out, scores, qf, acc, G_, bf); break;
+#define TASK_G(G_) case G_: task_avx2(q, kc, vc, table, n, lo, block_size, block_stride, head_off, nkv, head_dim, scale, softcap, out, scores, qf, acc, G_, bf); break;
     switch (group) {
         TASK_G(1) TASK_G(2) TASK_G(3) TASK_G(4) TASK_G(5) TASK_G(6)
         TASK_G(7) TASK_G(8) TASK_G(9) TASK_G(10) TASK_G(11) TASK_G(12)

@@ -71,7 +71,8 @@ static inline __attribute__((always_inline)) void q8_store_rows(__m512 (*acc)[8]
 /* One (query token, KV head) over the int8 cache, keys [lo, n); scores: G * (n - lo). */
 static inline __attribute__((always_inline)) void decode_task_q8(
     const uint16_t* q, const char* kc, const char* vc, const int64_t* table, int64_t n, int64_t lo, int64_t block_size,
-    int64_t block_stride, int64_t head_off, const int G, float scale, uint16_t* out, float* scores, const int NV) {
+    int64_t block_stride, int64_t head_off, const int G, float scale, float softcap, uint16_t* out, float* scores,
+    const int NV) {
     const int64_t cell_bytes = Q8_BYTES(block_size, NV * 16);
     __m512 qf[4][8];
     q8_load_query(q, qf, G, NV);
@@ -83,6 +84,7 @@ static inline __attribute__((always_inline)) void decode_task_q8(
         q8_scores_block(qf, kc + table[b] * block_stride + head_off, block_size, k0 % block_size, len, m, k0 - lo, G, scale, scores, kbuf, NV);
         k0 += len;
     }
+    softcap_rows(scores, G, m, m, softcap);
     softmax_rows(scores, G, m);
     __m512 acc[4][8];
     zero_rows(acc, G, NV);
@@ -100,7 +102,7 @@ static inline __attribute__((always_inline)) void decode_task_q8(
  * arithmetic as decode_task_q8. */
 static inline __attribute__((always_inline)) void decode_token_q8(
     const uint16_t* q, const char* kc, const char* vc, const int64_t* table, int64_t n, int64_t lo, int64_t block_size,
-    int64_t block_stride, int64_t nkv, const int G, float scale, uint16_t* out, float* scores, __m512 (*acc)[4][8],
+    int64_t block_stride, int64_t nkv, const int G, float scale, float softcap, uint16_t* out, float* scores, __m512 (*acc)[4][8],
     const int NV) {
     const int64_t cell_bytes = Q8_BYTES(block_size, NV * 16);
     float kbuf[16 * 128];
@@ -116,7 +118,10 @@ static inline __attribute__((always_inline)) void decode_token_q8(
         }
         k0 += len;
     }
-    for (int64_t h = 0; h < nkv; h++) softmax_rows(scores + h * G * m, G, m);
+    for (int64_t h = 0; h < nkv; h++) {
+        softcap_rows(scores + h * G * m, G, m, m, softcap);
+        softmax_rows(scores + h * G * m, G, m);
+    }
     for (int64_t h = 0; h < nkv; h++) zero_rows(acc[h], G, NV);
     for (int64_t k0 = lo; k0 < n;) {
         const int64_t len = pa_run(k0, n, block_size), b = k0 / block_size;

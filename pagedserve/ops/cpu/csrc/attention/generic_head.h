@@ -44,6 +44,7 @@ static inline void pa_generic_head(const pa_call* c, int64_t t, int64_t kh, cons
         }
         k0 += len;
     }
+    softcap_rows(scores, group, m, m, c->softcap);
     softmax_rows(scores, group, m);
     for (int64_t k0 = lo; k0 < n;) {
         const int64_t blk = table[k0 / block_size], off = k0 % block_size, len = pa_run(k0, n, block_size);
