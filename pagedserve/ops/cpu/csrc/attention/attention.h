@@ -9,7 +9,9 @@
  *   generic       every other call: generic_head.h on rows.h's helpers, built per ISA
  *                 (avx512.c: 16 lanes, avx2.c: 8 lanes, scalar.c)
  * One OpenMP task per (query token, KV head) (heads.c), or per query token or tile of a prefill
- * chunk's tokens (token_tasks.c decides).
+ * chunk's tokens (token_tasks.c decides). A sliding window (pa_first_key: each path walks only the
+ * window's keys, pa_run) and Gemma 2's logit softcap (rows.h, softcap_rows) hold on every path;
+ * with either, prefill chunks run one task per token instead of tiles (AMX keeps its tiles).
  */
 #ifndef PAGEDSERVE_ATTENTION_H
 #define PAGEDSERVE_ATTENTION_H
