@@ -111,8 +111,7 @@ class ModelRunner:
             and pooling_type is None
             and lora_manager is None
             and model.tp is None
-            and model.backend.name == "triton"
-            and not any(layer.self_attn.sliding_window for layer in model.layers)
+            and model.backend.name == "triton"  # (sliding windows and softcaps in the Triton kernel)
         )
         graphs = cuda_step and not enforce_eager
         if graphs:  # one scratch block past the pool, for the padded rows of graph steps

@@ -64,10 +64,11 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3,
 MIXED = ([1, 1, 1, 21, 9], [5, 17, 40, 0, 23])
 
 
-def make_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16, int8=False, seed=0, device="cpu"):
+def make_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16, int8=False, seed=0, device="cpu", window=None):
     """A flat batch and its paged cache: ``(query [T, Hq, D], kv_cache, block_tables int32,
     query_start_loc int32, seq_lens int32)``. Sequence i's blocks are drawn from a shuffled pool
-    (with spare blocks); slots no sequence owns hold NaN (NaN scales in the int8 cache)."""
+    (with spare blocks); slots no sequence owns hold NaN (NaN scales in the int8 cache), and with
+    a ``window`` so do the slots before the first key any of the sequence's new tokens reads."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, ctx_lens)]
     nblk = [-(-n // block_size) for n in seq_lens]
@@ -78,7 +79,8 @@ def make_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, bl
     for i, (n, L) in enumerate(zip(nblk, seq_lens)):
         ids, perm = perm[:n], perm[n:]
         table[i, :n] = torch.tensor(ids, dtype=torch.int32)
-        for p in range(L):
+        first = 0 if window is None else max(0, ctx_lens[i] - window + 1)
+        for p in range(first, L):
             owned[ids[p // block_size], p % block_size] = True
     kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, generator=g)
     if int8:
@@ -96,8 +98,10 @@ def make_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, bl
     return query.to(dev), cache.to(dev), table.to(dev), starts.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev)
 
 
-def reference(query, kv_cache, block_tables, query_lens, ctx_lens, block_size, scale):
-    """float64 attention of each sequence's new tokens to its gathered K/V (causal)."""
+def reference(query, kv_cache, block_tables, query_lens, ctx_lens, block_size, scale, window=None, softcap=None):
+    """float64 attention of each sequence's new tokens to its gathered K/V (causal; with a
+    ``window`` the query at ``p`` reads keys ``(p - window, p]``; ``softcap``: Gemma 2's
+    ``cap * tanh(s / cap)`` of the scaled scores)."""
     head_dim, num_heads = query.shape[2], query.shape[1]
     if kv_cache.dtype == torch.int8:
         parts = [kv_int8.split(kv_cache[i].cpu(), block_size, head_dim) for i in range(2)]
@@ -114,28 +118,47 @@ def reference(query, kv_cache, block_tables, query_lens, ctx_lens, block_size, s
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         q = query[t : t + ql].cpu().double()
         s = torch.einsum("qhd,khd->hqk", q, k) * scale
-        allowed = torch.arange(L)[None, :] <= (cl + torch.arange(ql))[:, None]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        q_pos = (cl + torch.arange(ql))[:, None]
+        allowed = torch.arange(L)[None, :] <= q_pos
+        if window is not None:
+            allowed &= torch.arange(L)[None, :] > q_pos - window
+        # keys outside every window are NaN in the cache: zero them so 0 * NaN stays out
+        v = torch.where(allowed.any(0)[:, None, None], v, 0.0)
         p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
         out[t : t + ql] = torch.einsum("hqk,khd->qhd", p, v)
         t += ql
     return out
 
 
-def run_kernel(case, query_lens, block_size=16, num_splits=None):
+def run_kernel(case, query_lens, block_size=16, num_splits=None, window=None, softcap=None):
     query, cache, table, starts, seq_lens = case
     out = torch.full_like(query, float("nan"))
     max_seq = int(seq_lens.max())
     ta.triton_paged_attention(
-        query, cache, table, starts, seq_lens, query.shape[2] ** -0.5, out, block_size, max(query_lens), max_seq, num_splits=num_splits
+        query,
+        cache,
+        table,
+        starts,
+        seq_lens,
+        query.shape[2] ** -0.5,
+        out,
+        block_size,
+        max(query_lens),
+        max_seq,
+        num_splits=num_splits,
+        window=window,
+        softcap=softcap,
     )
     assert not out.isnan().any(), f"{int(out.isnan().any(-1).any(-1).sum())} rows unwritten or read NaN"
     return out
 
 
-def check(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, int8=False, block_size=16, num_splits=None):
-    case = make_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, block_size, int8)
-    out = run_kernel(case, query_lens, block_size, num_splits)
-    ref = reference(case[0], case[1], case[2], query_lens, ctx_lens, block_size, head_dim**-0.5)
+def check(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, int8=False, block_size=16, num_splits=None, window=None, softcap=None):
+    case = make_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, block_size, int8, window=window)
+    out = run_kernel(case, query_lens, block_size, num_splits, window, softcap)
+    ref = reference(case[0], case[1], case[2], query_lens, ctx_lens, block_size, head_dim**-0.5, window, softcap)
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
     return out
 
@@ -170,6 +193,41 @@ def test_triton_split_kv_matches_float64_and_unsplit(int8):
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+def test_triton_sliding_window_matches_float64(window):
+    """A sliding window (HF's rule) in the mixed batch: decodes, a fresh prompt longer than the
+    window and a chunk after context, GQA 3; every slot before a sequence's first read key NaN
+    (a key read before the window shows)."""
+    check(*MIXED, num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.float32, window=window)
+
+
+@pytest.mark.parametrize("qpk,head_dim,dtype", [(1, 128, torch.float32), (4, 64, torch.float16)], ids=["gqa1-128-fp32", "gqa4-64-fp16"])
+def test_triton_sliding_window_other_shapes(qpk, head_dim, dtype):
+    check(*MIXED, num_heads=2 * qpk, num_kv_heads=2, head_dim=head_dim, dtype=dtype, window=17)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_sliding_window_int8_and_split_kv(num_splits):
+    """The int8 cache (NaN scales outside the windows) and split-KV decode under a window: the
+    shares divide the key tiles from the window's first, one sequence shorter than the window."""
+    check([1, 1, 1], [150, 260, 7], num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, int8=True, num_splits=num_splits, window=40)
+    check([1, 1, 1], [150, 260, 7], num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, num_splits=num_splits, window=100)
+
+
+@pytest.mark.parametrize("window", [None, 17])
+def test_triton_softcap_matches_float64(window):
+    """Gemma 2's attention-logit softcap (scores scaled up so that the cap bites), with and
+    without a window, float32 and the int8 cache."""
+    for int8 in (False, True):
+        case = make_case(*MIXED, num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.float32, int8=int8, window=window)
+        case = (case[0] * 8, *case[1:])  # scores of tens: tanh far from linear at cap 20
+        out = run_kernel(case, MIXED[0], window=window, softcap=20.0)
+        ref = reference(case[0], case[1], case[2], *MIXED, 16, 64**-0.5, window, 20.0)
+        torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
+        plain = reference(case[0], case[1], case[2], *MIXED, 16, 64**-0.5, window)
+        assert (plain - ref).abs().max() > 1e-2  # the cap changes the result
+
+
 def test_triton_choose_num_splits():
     assert ta.choose_num_splits(1, 8, 1, 4096, 132) == 16
     assert ta.choose_num_splits(4, 8, 1, 4096, 132) == 4
@@ -180,10 +238,12 @@ def test_triton_choose_num_splits():
     assert ta.choose_num_splits(1, 8, 1, 4096, 0) == 1  # not a GPU
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (17, None), (9, 2.0)], ids=["full", "window", "window-softcap"])
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-cache", "int8-cache"])
-def test_triton_backend_matches_torch_backend(int8):
+def test_triton_backend_matches_torch_backend(int8, window, softcap):
     """TritonBackend.attention on a step's AttentionMetadata (a decode group, then a prefill
-    group with a fresh prompt and a chunk after context) equals TorchBackend's gather + SDPA."""
+    group with a fresh prompt and a chunk after context) equals TorchBackend's gather + SDPA,
+    also for a windowed (and softcapped) layer, which the kernel now takes itself."""
     B, H, KVH, D = 16, 6, 2, 64
     dec_q, dec_c = [1, 1], [20, 33]
     pre_q, pre_c = [18, 5], [0, 37]
@@ -207,8 +267,8 @@ def test_triton_backend_matches_torch_backend(int8):
     write_kv_cache(cache, torch.randn(len(slots), KVH, D, generator=g), torch.randn(len(slots), KVH, D, generator=g), all_meta)
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), groups, B)
     query = torch.randn(sum(dec_q + pre_q), H, D, generator=g)
-    want = TorchBackend().attention(query, None, None, cache, meta, D**-0.5)
-    got = ta.TritonBackend().attention(query, None, None, cache, meta, D**-0.5)
+    want = TorchBackend().attention(query, None, None, cache, meta, D**-0.5, window, softcap)
+    got = ta.TritonBackend().attention(query, None, None, cache, meta, D**-0.5, window, softcap)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 

@@ -101,12 +101,16 @@ class CpuBackend(TorchBackend):
     def attention(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, window=None, softcap=None) -> torch.Tensor:
         out = torch.empty_like(query)
         for g in metadata.groups:
-            if not (g.is_decode or self.fused_rope) or window is not None or softcap is not None:
+            # the kernel takes sliding windows (it reads only the window's keys) and Gemma 2's
+            # logit softcap
+            if not (g.is_decode or self.fused_rope):
                 sdpa_attention(query, key, value, kv_cache, metadata, g, scale, out, window, softcap)
                 continue
             s, e = g.token_start, g.token_end
             lens = g.seq_lens if g.is_decode else g.token_lens
-            if not kernels.paged_attention_cpu(query[s:e], kv_cache, g.block_tables, g.token_seq, lens, scale, out[s:e], metadata.block_size):
+            if not kernels.paged_attention_cpu(
+                query[s:e], kv_cache, g.block_tables, g.token_seq, lens, scale, out[s:e], metadata.block_size, window or 0, softcap or 0.0
+            ):
                 raise RuntimeError("the CPU attention kernel refused the tensors of a step it was chosen for")
         return out
 

@@ -29,6 +29,11 @@ Yang, Parnell), on our head-major cache and our int8 KV layout:
 - Split-KV for decode batches too small to fill the GPU (flash-decoding): ``num_splits``
   programs per (tile, KV head) each take a contiguous share of the key tiles and store their
   unnormalized ``acc``, ``m`` and ``l`` in float32; a second kernel combines them.
+- Sliding window (Mistral, Gemma 2/3; HF's rule: the query at position ``p`` reads key ``k`` iff
+  ``p - window < k <= p``): a program starts at the key tile holding its first row's first key
+  (split-KV shares divide the tiles from there) and masks the partial tile; keys before the
+  window are never loaded (their blocks may be freed and reused). Gemma 2's logit softcap
+  ``cap * tanh(s / cap)`` applies to the scaled scores before the softmax.
 
 Untested on a GPU so far: the tests run these kernels under Triton's interpreter on the CPU.
 """
@@ -83,6 +88,8 @@ def _paged_attention_kernel(
     part_max_ptr,  # [T, Hq, NUM_SPLITS] float32
     part_sum_ptr,  # [T, Hq, NUM_SPLITS] float32
     qk_scale,  # softmax scale * log2(e)
+    softcap,  # Gemma 2's attention-logit cap (SOFTCAP)
+    window,  # sliding window in tokens; 0: none
     num_seqs,
     stride_qt,
     stride_qh,
@@ -104,6 +111,7 @@ def _paged_attention_kernel(
     KV_INT8: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -131,11 +139,14 @@ def _paged_attention_kernel(
     )
     q_abs = ctx_len + q_pos  # each row's position in its sequence
 
-    # keys up to the last row's position; with splits, this program's share of the key tiles
+    # keys up to the last row's position, from the first row's first key under a window; with
+    # splits, this program's share of those key tiles
     kv_end = ctx_len + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    kv_start = tl.where(window > 0, tl.maximum(ctx_len + local * BLOCK_Q - window + 1, 0), 0)
+    first_tile = kv_start // TILE
     num_tiles = tl.cdiv(kv_end, TILE)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    t_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    t_lo = first_tile + split * tiles_per_split
     t_hi = tl.minimum(t_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -145,7 +156,7 @@ def _paged_attention_kernel(
     head_off = kv_head.to(tl.int64) * stride_head
     for j in range(t_lo, t_hi):
         pos = j * TILE + offs_t
-        pos_ok = pos < kv_end
+        pos_ok = (pos < kv_end) & (pos >= kv_start)  # keys before the window: never loaded
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         cell = blk * stride_blk + head_off  # [TILE] offsets of each key's (block, head) cell
@@ -158,15 +169,22 @@ def _paged_attention_kernel(
             sc = (cell + BLOCK_SIZE * HEAD_DIM) // 4 + slot
             k_scale = tl.load(scale_ptr + sc, mask=pos_ok, other=0.0)
             v_scale = tl.load(scale_ptr + stride_kv // 4 + sc, mask=pos_ok, other=0.0)
+        if SOFTCAP:  # cap * tanh(x / cap) of the scaled score x, tanh(y) = 1 - 2 / (exp(2y) + 1)
+            if KV_INT8:
+                s = s * k_scale[None, :]
+            s = s * (qk_scale / 1.4426950408889634) / softcap
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * 1.4426950408889634
+        elif KV_INT8:
             s = s * (k_scale * qk_scale)[None, :]
         else:
             s = s * qk_scale
         allowed = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_abs[:, None])
+        allowed = allowed & ((pos[None, :] > q_abs[:, None] - window) | (window == 0))
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: m stays -inf
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if KV_INT8:
@@ -199,7 +217,8 @@ def _combine_splits_kernel(
     NUM_SPLITS: tl.constexpr,
 ):
     """One (token, head) of a split-KV launch: ``sum_s w_s acc_s / sum_s w_s l_s`` with
-    ``w_s = exp2(m_s - max_s m_s)``; empty shares (``m = -inf``, ``l = 0``) weigh 0."""
+    ``w_s = exp2(m_s - max_s m_s)``; empty shares (``m = -inf``, ``l = 0``: no key of the row,
+    e.g. all before its window) weigh 0."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -255,6 +274,8 @@ def triton_paged_attention(
     max_query_len: int,
     max_seq_len: int = 0,
     num_splits: Optional[int] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Attention of every query token of a flat batch to its own sequence's cached K/V up to its
     position, in one launch (two with split-KV). Returns ``out``.
@@ -272,6 +293,9 @@ def triton_paged_attention(
         block_size: tokens per cache block.
         max_query_len, max_seq_len: host-side maxima (choose the tile shape and the splits).
         num_splits: split-KV shares (a power of 2); None chooses (:func:`choose_num_splits`).
+        window: sliding window in tokens (None: full attention): the token at position ``p``
+            reads keys ``(p - window, p]`` only, never loading older ones.
+        softcap: Gemma 2's attention-logit cap (None: none): scores ``cap * tanh(s / cap)``.
     """
     T, num_heads, head_dim = query.shape
     kv_int8 = kv_cache.dtype == torch.int8
@@ -286,6 +310,8 @@ def triton_paged_attention(
     for name, t, n in (("block_tables", block_tables, 2), ("query_start_loc", query_start_loc, 1), ("seq_lens", seq_lens, 1)):
         if t.dtype != torch.int32 or t.dim() != n or t.stride(-1) != 1:
             raise ValueError(f"{name} must be int32, {n}-D, contiguous in its last dim")
+    if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+        raise ValueError(f"window must be >= 1 and softcap > 0, got {window} and {softcap}")
     if T == 0 or num_seqs == 0:
         return out
     if kv_int8:
@@ -322,6 +348,8 @@ def triton_paged_attention(
         part_max,
         part_sum,
         scale * 1.4426950408889634,
+        float(softcap or 1.0),
+        int(window or 0),
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -343,6 +371,7 @@ def triton_paged_attention(
         KV_INT8=kv_int8,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32: no TF32
+        SOFTCAP=softcap is not None,
     )
     if num_splits > 1:
         _combine_splits_kernel[(T, num_heads)](
@@ -412,9 +441,7 @@ class TritonBackend(TorchBackend):
     ) -> torch.Tensor:
         """Every query token ``[T, num_heads, head_dim]`` attends to its own request's cached
         K/V up to its position (causal); ``key``/``value`` are unused (already in the cache).
-        ``window``/``softcap``: as :meth:`TorchBackend.attention`."""
-        if (window is not None or softcap is not None) and metadata.groups:
-            return super().attention(query, key, value, kv_cache, metadata, scale, window, softcap)
+        ``window``/``softcap``: as :meth:`TorchBackend.attention`, in the kernel."""
         out = torch.empty_like(query)
         f = metadata.flat  # staged by the CUDA step loop
         if f is None:
@@ -435,4 +462,6 @@ class TritonBackend(TorchBackend):
             f.max_query_len,
             f.max_seq_len,
             f.num_splits,
+            window,
+            softcap,
         )

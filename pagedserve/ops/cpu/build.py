@@ -308,6 +308,8 @@ def _declare(name: str, lib: ctypes.CDLL) -> None:
             fn = getattr(lib, fn_name)
             fn.restype = ctypes.c_int
             fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32]
+        lib.paged_attention_window.restype = ctypes.c_int
+        lib.paged_attention_window.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i32, i32, i64, f32]
         lib.paged_attention_bf16_fast_path.restype = ctypes.c_int
         lib.paged_attention_bf16_fast_path.argtypes = [i64, i64]
     elif name == "quant":

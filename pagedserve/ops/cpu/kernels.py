@@ -41,6 +41,8 @@ def paged_attention_cpu(
     scale: float,
     out: torch.Tensor,
     block_size: Optional[int] = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> bool:
     """Attention straight from the paged cache into ``out``, one query token at a time.
 
@@ -60,6 +62,12 @@ def paged_attention_cpu(
         token_seq: ``[num_tokens]`` int64 row of ``block_tables`` per token, or None.
         token_lens: ``[num_tokens]`` int64 (tokens attended to, the query's own included).
         out: ``[num_tokens, num_heads, head_dim]`` contiguous, written in place.
+        window: sliding window in tokens (0: full attention). Token ``t`` then attends only to
+            keys ``[max(0, token_lens[t] - window), token_lens[t])``, HF's rule (Mistral, Gemma
+            2/3: key ``k`` seen from position ``p`` iff ``p - window < k <= p``); keys before
+            that are never read, so their blocks may hold anything.
+        softcap: Gemma 2's attention-logit cap (0: none): scores ``cap * tanh(s / cap)`` after
+            the scale, before the softmax.
     Returns:
         False (and writes nothing) when the kernel cannot run here: no compiled library, a
         device other than CPU, or another dtype or layout.
@@ -87,7 +95,13 @@ def paged_attention_cpu(
         return False
     if token_seq is None and block_tables.shape[0] < n:
         return False
-    if int8:
+    if window < 0 or not softcap >= 0:
+        return False
+    tail: tuple = ()
+    if window > 0 or softcap > 0:  # one entry for every storage type: its flags, window and cap after the scale
+        fn = lib.paged_attention_window
+        tail = (int(query.dtype == torch.bfloat16), int(int8), window, softcap)
+    elif int8:
         fn = lib.paged_attention_q8_bf16 if query.dtype == torch.bfloat16 else lib.paged_attention_q8_f32
     else:
         fn = lib.paged_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_attention_f32
@@ -105,6 +119,7 @@ def paged_attention_cpu(
         d,
         bs,
         scale,
+        *tail,
     )
     return rc == 0
 

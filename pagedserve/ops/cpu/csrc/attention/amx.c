@@ -82,9 +82,14 @@ static inline void pa_widen_q8(const int8_t* src, __m512i dst[2]) {
 }
 
 /* R = nt * G rows: tokens q_tok[0..nt) (row r = token r / G, head r % G of KV head kh), each
- * attending to its first lens[i] keys of the sequence's block table. */
+ * attending to its first lens[i] keys of the sequence's block table, from pa_first_key under a
+ * sliding window (window > 0). Buffers are indexed by key; a window's task starts at the 16 keys
+ * (scores) or 32 keys (P.V) holding its first key: keys before the window in the scores' first
+ * 16 (its own block) are loaded but their scores never used, values before it never read (zero
+ * rows), their probabilities zero. softcap: Gemma 2's logit cap on the scaled scores (0: none). */
 static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* lens, int nt, int G, int64_t num_heads,
-                        int64_t kh, const pa_cache* c, const int64_t* table, float scale, uint16_t* out, pa_bufs* b) {
+                        int64_t kh, const pa_cache* c, const int64_t* table, float scale, int64_t window, float softcap,
+                        uint16_t* out, pa_bufs* b) {
     const int64_t D = 64;
     const int q8 = c->scale_off >= 0;
     const int pf_lines = (int)(16 * c->row_bytes / 64);
@@ -92,6 +97,9 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
     int64_t n_max = 0;
     for (int i = 0; i < nt; i++) n_max = lens[i] > n_max ? lens[i] : n_max;
     const int64_t n_pad = (n_max + 31) / 32 * 32;
+    int64_t lo_min = n_max;  /* the first key any row reads */
+    for (int i = 0; i < nt; i++) lo_min = pa_first_key(lens[i], window) < lo_min ? pa_first_key(lens[i], window) : lo_min;
+    const int64_t k_start = lo_min / 16 * 16, p_start = lo_min / 32 * 32;
     memset(b->qt, 0, sizeof(b->qt));
     for (int r = 0; r < R; r++) {
         const uint16_t* qr = q + (q_tok[r / G] * num_heads + kh * G + r % G) * D;
@@ -103,12 +111,12 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
     }
     /* scores, 16 keys per block row of the table (block_size 16: one cache block) */
     const int64_t n16 = (n_max + 15) / 16 * 16;
-    for (int64_t k0 = 0; k0 < n_max; k0 += 16) {
+    for (int64_t k0 = k_start; k0 < n_max; k0 += 16) {
         const char* kb = pa_row(c, c->k, table, k0);
         /* tile loads wait for the tile's previous use, so the stream never runs ahead by
          * itself: fetch the keys PA_PF_KEYS ahead into L1 */
-        const int64_t kf = k0 + PA_PF_KEYS, vf = kf - n16;  /* then the first values */
-        if (kf < n_max || (vf >= 0 && vf < n_max)) {
+        const int64_t kf = k0 + PA_PF_KEYS, vf = kf - n16 + k_start;  /* then the first values */
+        if (kf < n_max || (vf >= k_start && vf < n_max)) {
             const char* f = kf < n_max ? pa_row(c, c->k, table, kf) : pa_row(c, c->v, table, vf);
             for (int l = 0; l < pf_lines; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
         }
@@ -135,22 +143,23 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
         }
         _tile_stored(2, b->st + k0 * 16, 64);
     }
-    /* softmax per row over its own keys; P zero after them */
+    /* softmax per row over its own keys; P zero before and after them */
     for (int r = 0; r < R; r++) {
-        const int64_t n = lens[r / G];
+        const int64_t n = lens[r / G], lo = pa_first_key(n, window);
         const __m512i col = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                                 _mm512_set1_epi32(16)), _mm512_set1_epi32(r));
         const __m512 sv = _mm512_set1_ps(scale);
-        int64_t k = 0;
+        int64_t k = lo;
         for (; k + 16 <= n; k += 16)  /* column r of 16 key rows of S^T */
             _mm512_storeu_ps(b->row + k, _mm512_mul_ps(_mm512_i32gather_ps(col, b->st + k * 16, 4), q8 ? _mm512_loadu_ps(b->ks + k) : sv));
         for (; k < n; k++) b->row[k] = b->st[k * 16 + r] * (q8 ? b->ks[k] : scale);
-        softmax_rows(b->row, 1, n);
+        softcap_rows(b->row + lo, 1, n - lo, 0, softcap);
+        softmax_rows(b->row + lo, 1, n - lo);
         uint16_t* pr = b->p + r * n_pad;
-        k = 0;
+        k = lo;
         if (q8)  /* each value row's scale folded into its probability */
             for (; k < n; k++) b->row[k] *= b->vs[k];
-        k = 0;
+        for (k = p_start; k < lo; k++) pr[k] = 0;
         for (; k + 16 <= n; k += 16)
             _mm256_storeu_si256((__m256i*)(pr + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b->row + k)));
         for (; k < n; k++) pr[k] = f32_to_bf16(b->row[k]);
@@ -161,7 +170,7 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    for (int64_t k0 = 0; k0 < n_pad; k0 += 32) {
+    for (int64_t k0 = p_start; k0 < n_pad; k0 += 32) {
         for (int64_t k = k0 + PA_PF_KEYS; k < k0 + PA_PF_KEYS + 32 && k < n_max; k += 16) {
             const char* f = pa_row(c, c->v, table, k);
             for (int l = 0; l < pf_lines; l++) _mm_prefetch(f + 64 * l, _MM_HINT_T0);
@@ -169,14 +178,16 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
         for (int half = 0; half < 2; half++) {  /* 16 keys: one cache block or a part of one */
             const int64_t ks = k0 + 16 * half;
             const int64_t valid = n_max - ks < 0 ? 0 : (n_max - ks < 16 ? n_max - ks : 16);
-            const char* vb = valid ? pa_row(c, c->v, table, ks) : NULL;
+            const int64_t skip = lo_min > ks ? lo_min - ks : 0;  /* keys before the window: zero rows */
+            const char* vb = valid > skip ? pa_row(c, c->v, table, ks) : NULL;
             for (int j = 0; j < 8; j++) {
                 __m512i x[2], y[2];
                 for (int e = 0; e < 2; e++) {
                     __m512i* dst = e ? y : x;
-                    if (2 * j + e < valid && q8) {
+                    const int keep = 2 * j + e >= skip && 2 * j + e < valid;
+                    if (keep && q8) {
                         pa_widen_q8((const int8_t*)vb + (2 * j + e) * D, dst);
-                    } else if (2 * j + e < valid) {
+                    } else if (keep) {
                         const uint16_t* vr = (const uint16_t*)(vb + (2 * j + e) * c->row_bytes);
                         dst[0] = _mm512_loadu_si512((const void*)vr);
                         dst[1] = _mm512_loadu_si512((const void*)(vr + 32));
@@ -223,7 +234,7 @@ static void pa_task_amx(const uint16_t* q, const int64_t* q_tok, const int64_t* 
 static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc, const int64_t* block_tables,
                                int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, uint16_t* out,
                                int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                               float scale, int kv_int8) {
+                               float scale, int kv_int8, int64_t window, float softcap) {
     const int G = (int)(num_heads / num_kv_heads);
     const int T = token_seq ? 16 / G : 1;
     const int64_t cell = kv_int8 ? Q8_BYTES(block_size, 64) : block_size * 64 * 2;  /* one (block, KV head) */
@@ -277,7 +288,7 @@ static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc
                 const int64_t* table = block_tables + (token_seq ? token_seq[tile_start[i]] : tile_start[i]) * max_blocks;
                 pa_cache c = cache0;
                 c.head_bytes = kh * cell;
-                pa_task_amx(q, idx, token_lens + tile_start[i], nt, G, num_heads, kh, &c, table, scale, out, b);
+                pa_task_amx(q, idx, token_lens + tile_start[i], nt, G, num_heads, kh, &c, table, scale, window, softcap, out, b);
             }
         if (b && fl) {
             amx_restore(&saved);
@@ -292,5 +303,5 @@ static int paged_attention_amx(const uint16_t* q, const void* kc, const void* vc
 int pa_amx(const pa_call* c) {
     return paged_attention_amx((const uint16_t*)c->q, c->k_cache, c->v_cache, c->block_tables, c->max_blocks, c->token_seq,
                                c->token_lens, (uint16_t*)c->out, c->num_tokens, c->num_heads, c->num_kv_heads, c->block_size,
-                               c->scale, c->kv_int8);
+                               c->scale, c->kv_int8, c->window, c->softcap);
 }

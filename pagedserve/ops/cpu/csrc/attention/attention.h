@@ -9,7 +9,9 @@
  *   generic       every other call: generic_head.h on rows.h's helpers, built per ISA
  *                 (avx512.c: 16 lanes, avx2.c: 8 lanes, scalar.c)
  * One OpenMP task per (query token, KV head) (heads.c), or per query token or tile of a prefill
- * chunk's tokens (token_tasks.c decides).
+ * chunk's tokens (token_tasks.c decides). A sliding window (pa_first_key: each path walks only the
+ * window's keys, pa_run) and Gemma 2's logit softcap (rows.h, softcap_rows) hold on every path;
+ * with either, prefill chunks run one task per token instead of tiles (AMX keeps its tiles).
  */
 #ifndef PAGEDSERVE_ATTENTION_H
 #define PAGEDSERVE_ATTENTION_H
@@ -33,8 +35,25 @@ typedef struct {
     float scale;
     int is_bf16, kv_int8;
     int64_t group; /* num_heads / num_kv_heads */
-    int64_t max_n; /* the largest token_lens, at least 1 */
+    int64_t max_n; /* the most keys a token reads (token_lens capped by window), at least 1 */
+    int64_t window; /* sliding window in tokens (pa_first_key); 0: full attention */
+    float softcap;  /* Gemma 2's attention-logit cap (rows.h, softcap_rows); 0: none */
 } pa_call;
+
+/* The first key a query token with n keys (position n - 1) reads under a sliding window: HF's
+ * rule (Mistral, Gemma 2/3), key k seen from position p iff p - window < k <= p, so keys
+ * [max(0, n - window), n); 0 for window 0 (full attention). Keys before it are never read: their
+ * blocks may be freed and reused, or hold garbage. */
+static inline int64_t pa_first_key(int64_t n, int64_t window) {
+    return window > 0 && n > window ? n - window : 0;
+}
+
+/* Keys from k0 (k0 < n) that lie in k0's block: as many as the block holds after k0, at most
+ * n - k0. Every unit walks a window [lo, n) block by block in such runs. */
+static inline int64_t pa_run(int64_t k0, int64_t n, int64_t block_size) {
+    const int64_t rest = block_size - k0 % block_size;
+    return n - k0 < rest ? n - k0 : rest;
+}
 
 /* The AVX512-BF16 path's shapes. */
 static inline int pa_bf16_fast_shape(int64_t group, int64_t head_dim) {
@@ -42,8 +61,8 @@ static inline int pa_bf16_fast_shape(int64_t group, int64_t head_dim) {
 }
 
 /* One (query token t, KV head kh) task: the group's query rows of token t against the first
- * token_lens[t] tokens of its sequence (table: its row of block_tables). scores, pbf: this
- * thread's buffers of group * max_n floats and bf16 values. */
+ * token_lens[t] tokens of its sequence (table: its row of block_tables), from pa_first_key under
+ * a window. scores, pbf: this thread's buffers of group * max_n floats and bf16 values. */
 typedef void (*pa_head_task)(const pa_call* c, int64_t t, int64_t kh, const int64_t* table, float* scores, uint16_t* pbf);
 
 /* heads.c: `task` for every (query token, KV head), one OpenMP task each. Returns 0, or -2 on
@@ -64,7 +83,7 @@ int pa_heads(const pa_call* c, pa_head_task task);
 #define TOKEN_TASK_MAX_SCORES (1 << 17)
 int token_tasks_preferred(int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t max_n);
 int64_t token_task_list(const int64_t* token_seq, const int64_t* token_lens, int64_t num_tokens, int64_t tile_rows,
-                        int64_t** tasks);
+                        int64_t window, int64_t** tasks);
 
 /* The generic task (generic_head.h) at each ISA. */
 void pa_head_generic_scalar(const pa_call* c, int64_t t, int64_t kh, const int64_t* table, float* scores, uint16_t* pbf);

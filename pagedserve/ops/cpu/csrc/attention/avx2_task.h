@@ -214,10 +214,12 @@ static inline void store_row(const float* acc, void* out, int64_t head_dim, int 
  * (bf = 1). Scores of R keys per pass (R x G running FMA sums, reduced together); softmax in
  * fp32; P.V accumulated in fp32, rounded once into out. A row's steps do not depend on nkv, so
  * its result is bit-identical either way. qf, acc: nkv * G rows (32-byte aligned); scores:
- * nkv * G * n. */
+ * nkv * G * (n - lo). Keys [lo, n) (lo: pa_first_key under a sliding window, else 0); softcap:
+ * Gemma 2's logit cap (0: none). */
 static inline __attribute__((always_inline)) void task_avx2(const void* q, const void* kc, const void* vc, const int64_t* table,
-                                                             int64_t n, int64_t block_size, int64_t block_stride, int64_t head_off,
-                                                             int64_t nkv, int64_t head_dim, float scale, void* out, float* scores,
+                                                             int64_t n, int64_t lo, int64_t block_size, int64_t block_stride,
+                                                             int64_t head_off, int64_t nkv, int64_t head_dim, float scale, float softcap,
+                                                             void* out, float* scores,
                                                              float (*qf)[MAX_HEAD_DIM], float (*acc)[MAX_HEAD_DIM],
                                                              const int G, const int bf) {
     const int R = AVX2_KEYS_PER_PASS(G), CH = AVX2_CHAINS(G);
@@ -225,34 +227,39 @@ static inline __attribute__((always_inline)) void task_avx2(const void* q, const
     const int64_t nc = head_dim / 8, esize = bf ? 2 : 4, rows = nkv * G;
     const int64_t head_bytes = block_size * head_dim * esize, bytes = nkv * head_bytes;
     for (int64_t r = 0; r < rows; r++) load_scaled_row((const char*)q + r * head_dim * esize, bf, head_dim, scale, qf[r]);
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const char* kb = (const char*)kc + (table[t0 / block_size] * block_stride + head_off) * esize;
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + block_size < n) prefetch_block((const char*)kc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, bytes);
-        else prefetch_block((const char*)vc + (table[0] * block_stride + head_off) * esize, bytes);
+    /* keys [lo, n), scores rows of m: the window's first block read from lo on, none before it */
+    const int64_t m = n - lo;
+    for (int64_t k0 = lo; k0 < n;) {
+        const int64_t off = k0 % block_size, len = pa_run(k0, n, block_size), nb = k0 / block_size + 1;
+        const char* kb = (const char*)kc + (table[k0 / block_size] * block_stride + head_off + off * head_dim) * esize;
+        if (nb * block_size < n) prefetch_block((const char*)kc + (table[nb] * block_stride + head_off) * esize, bytes);
+        else prefetch_block((const char*)vc + (table[lo / block_size] * block_stride + head_off) * esize, bytes);
         for (int64_t h = 0; h < nkv; h++) {
-            slice_scores(qf[h * G], MAX_HEAD_DIM, kb + h * head_bytes, len, nc, head_dim, scores + h * G * n + t0, n, G, R, bf);
+            slice_scores(qf[h * G], MAX_HEAD_DIM, kb + h * head_bytes, len, nc, head_dim, scores + h * G * m + k0 - lo, m, G, R, bf);
         }
+        k0 += len;
     }
-    softmax_rows(scores, rows, n);
+    softcap_rows(scores, rows, m, m, softcap);
+    softmax_rows(scores, rows, m);
     for (int64_t r = 0; r < rows; r++) memset(acc[r], 0, sizeof(float) * head_dim);
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const char* vb = (const char*)vc + (table[t0 / block_size] * block_stride + head_off) * esize;
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + block_size < n) prefetch_block((const char*)vc + (table[t0 / block_size + 1] * block_stride + head_off) * esize, bytes);
+    for (int64_t k0 = lo; k0 < n;) {
+        const int64_t off = k0 % block_size, len = pa_run(k0, n, block_size), nb = k0 / block_size + 1;
+        const char* vb = (const char*)vc + (table[k0 / block_size] * block_stride + head_off + off * head_dim) * esize;
+        if (nb * block_size < n) prefetch_block((const char*)vc + (table[nb] * block_stride + head_off) * esize, bytes);
         for (int64_t h = 0; h < nkv; h++)
-            slice_pv(acc[h * G], MAX_HEAD_DIM, scores + h * G * n + t0, n, vb + h * head_bytes, len, nc, head_dim, G, CH, PV16, bf, 0);
+            slice_pv(acc[h * G], MAX_HEAD_DIM, scores + h * G * m + k0 - lo, m, vb + h * head_bytes, len, nc, head_dim, G, CH, PV16, bf, 0);
+        k0 += len;
     }
     for (int64_t r = 0; r < rows; r++) store_row(acc[r], (char*)out + r * head_dim * esize, head_dim, PV16, bf);
 }
 
 /* task_avx2 for a group size known at run time (1 .. 12; larger groups take the generic path). */
 static inline __attribute__((always_inline)) void task_avx2_any(const void* q, const void* kc, const void* vc, const int64_t* table,
-                                                                 int64_t n, int64_t block_size, int64_t block_stride,
+                                                                 int64_t n, int64_t lo, int64_t block_size, int64_t block_stride,
                                                                  int64_t head_off, int64_t nkv, int64_t group, int64_t head_dim,
-                                                                 float scale, void* out, float* scores, float (*qf)[MAX_HEAD_DIM],
+                                                                 float scale, float softcap, void* out, float* scores, float (*qf)[MAX_HEAD_DIM],
                                                                  float (*acc)[MAX_HEAD_DIM], const int bf) {
-#define TASK_G(G_) case G_: task_avx2(q, kc, vc, table, n, block_size, block_stride, head_off, nkv, head_dim, scale, out, scores, qf, acc, G_, bf); break;
+#define TASK_G(G_) case G_: task_avx2(q, kc, vc, table, n, lo, block_size, block_stride, head_off, nkv, head_dim, scale, softcap, out, scores, qf, acc, G_, bf); break;
     switch (group) {
         TASK_G(1) TASK_G(2) TASK_G(3) TASK_G(4) TASK_G(5) TASK_G(6)
         TASK_G(7) TASK_G(8) TASK_G(9) TASK_G(10) TASK_G(11) TASK_G(12)

@@ -95,8 +95,10 @@ static inline __attribute__((always_inline)) void bf16_scores_block(
     }
 }
 
-/* Softmax of G rows of n scores in place, then the probabilities rounded to bf16 into pbf. */
-static inline void bf16_probabilities(float* scores, uint16_t* pbf, int64_t G, int64_t n) {
+/* Softmax of G rows of n scores in place (capped first: softcap_rows), then the probabilities
+ * rounded to bf16 into pbf. */
+static inline void bf16_probabilities(float* scores, uint16_t* pbf, int64_t G, int64_t n, float softcap) {
+    softcap_rows(scores, G, n, n, softcap);
     softmax_rows(scores, G, n);
     int64_t i = 0;
     const int64_t total = G * n;
@@ -153,52 +155,57 @@ static inline __attribute__((always_inline)) void bf16_store_rows(__m512 (*acc)[
     }
 }
 
-/* One (query token, KV head): the G query rows at q against the first n tokens of the
- * sequence (head_off: the head's offset inside a block). scores, pbf: G * n each. */
+/* One (query token, KV head): the G query rows at q against tokens [lo, n) of the sequence (lo:
+ * pa_first_key; head_off: the head's offset inside a block). scores, pbf: G * (n - lo) each. */
 static inline __attribute__((always_inline)) void decode_task_bf16(
-    const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n,
-    int64_t block_size, int64_t block_stride, int64_t head_off, const int G, float scale,
+    const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n, int64_t lo,
+    int64_t block_size, int64_t block_stride, int64_t head_off, const int G, float scale, float softcap,
     uint16_t* out, float* scores, uint16_t* pbf, const int NV) {
     const int64_t blk_bytes = block_size * NV * 32;  /* one head of one block */
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + PF_DIST * block_size < n) prefetch_block(kc + table[t0 / block_size + PF_DIST] * block_stride + head_off, blk_bytes);
-        bf16_scores_block(q, kc + table[t0 / block_size] * block_stride + head_off, len, n, t0, G, scale, scores, NV);
+    const int64_t m = n - lo, row = NV * 16;          /* keys [lo, n): the window's */
+    for (int64_t k0 = lo; k0 < n;) {
+        const int64_t len = pa_run(k0, n, block_size), b = k0 / block_size;
+        if ((b + PF_DIST) * block_size < n) prefetch_block(kc + table[b + PF_DIST] * block_stride + head_off, blk_bytes);
+        bf16_scores_block(q, kc + table[b] * block_stride + head_off + (k0 % block_size) * row, len, m, k0 - lo, G, scale, scores, NV);
+        k0 += len;
     }
-    bf16_probabilities(scores, pbf, G, n);
+    bf16_probabilities(scores, pbf, G, m, softcap);
     __m512 acc[4][8];  /* [g][2 * chunk + (0: unpacklo dims, 1: unpackhi dims)] */
     zero_rows(acc, G, NV);
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + PF_DIST * block_size < n) prefetch_block(vc + table[t0 / block_size + PF_DIST] * block_stride + head_off, blk_bytes);
-        bf16_pv_block(acc, vc + table[t0 / block_size] * block_stride + head_off, pbf, len, n, t0, G, NV);
+    for (int64_t k0 = lo; k0 < n;) {
+        const int64_t len = pa_run(k0, n, block_size), b = k0 / block_size;
+        if ((b + PF_DIST) * block_size < n) prefetch_block(vc + table[b + PF_DIST] * block_stride + head_off, blk_bytes);
+        bf16_pv_block(acc, vc + table[b] * block_stride + head_off + (k0 % block_size) * row, pbf, len, m, k0 - lo, G, NV);
+        k0 += len;
     }
     bf16_store_rows(acc, out, G, NV);
 }
 
 /* One query token, all nkv KV heads (q, out: nkv * G rows), each block's K (then V) of every
  * head in turn: the same per-row arithmetic as decode_task_bf16, so a row's result does not
- * depend on which of the two ran it. scores, pbf: nkv * G * n each; acc: nkv accumulator sets
+ * depend on which of the two ran it. Keys [lo, n). scores, pbf: nkv * G * (n - lo) each; acc: nkv accumulator sets
  * (heap: 16 KiB for 8 heads in each of the 16 inlined instantiations would crowd a thread's stack). */
 static inline __attribute__((always_inline)) void decode_token_bf16(
-    const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n,
-    int64_t block_size, int64_t block_stride, int64_t nkv, const int G, float scale,
+    const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t n, int64_t lo,
+    int64_t block_size, int64_t block_stride, int64_t nkv, const int G, float scale, float softcap,
     uint16_t* out, float* scores, uint16_t* pbf, __m512 (*acc)[4][8], const int NV) {
-    const int64_t head_elems = block_size * NV * 16;
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + PF_DIST * block_size < n) prefetch_block(kc + table[t0 / block_size + PF_DIST] * block_stride, block_stride * 2);
-        const uint16_t* kb = kc + table[t0 / block_size] * block_stride;
+    const int64_t head_elems = block_size * NV * 16, m = n - lo;  /* keys [lo, n): the window's */
+    for (int64_t k0 = lo; k0 < n;) {
+        const int64_t len = pa_run(k0, n, block_size), b = k0 / block_size;
+        if ((b + PF_DIST) * block_size < n) prefetch_block(kc + table[b + PF_DIST] * block_stride, block_stride * 2);
+        const uint16_t* kb = kc + table[b] * block_stride + (k0 % block_size) * NV * 16;
         for (int64_t h = 0; h < nkv; h++)
-            bf16_scores_block(q + h * G * NV * 16, kb + h * head_elems, len, n, t0, G, scale, scores + h * G * n, NV);
+            bf16_scores_block(q + h * G * NV * 16, kb + h * head_elems, len, m, k0 - lo, G, scale, scores + h * G * m, NV);
+        k0 += len;
     }
-    for (int64_t h = 0; h < nkv; h++) bf16_probabilities(scores + h * G * n, pbf + h * G * n, G, n);
+    for (int64_t h = 0; h < nkv; h++) bf16_probabilities(scores + h * G * m, pbf + h * G * m, G, m, softcap);
     for (int64_t h = 0; h < nkv; h++) zero_rows(acc[h], G, NV);
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (t0 + PF_DIST * block_size < n) prefetch_block(vc + table[t0 / block_size + PF_DIST] * block_stride, block_stride * 2);
-        const uint16_t* vb = vc + table[t0 / block_size] * block_stride;
-        for (int64_t h = 0; h < nkv; h++) bf16_pv_block(acc[h], vb + h * head_elems, pbf + h * G * n, len, n, t0, G, NV);
+    for (int64_t k0 = lo; k0 < n;) {
+        const int64_t len = pa_run(k0, n, block_size), b = k0 / block_size;
+        if ((b + PF_DIST) * block_size < n) prefetch_block(vc + table[b + PF_DIST] * block_stride, block_stride * 2);
+        const uint16_t* vb = vc + table[b] * block_stride + (k0 % block_size) * NV * 16;
+        for (int64_t h = 0; h < nkv; h++) bf16_pv_block(acc[h], vb + h * head_elems, pbf + h * G * m, len, m, k0 - lo, G, NV);
+        k0 += len;
     }
     for (int64_t h = 0; h < nkv; h++) bf16_store_rows(acc[h], out + h * G * NV * 16, G, NV);
 }
@@ -231,16 +238,19 @@ static inline __attribute__((always_inline)) void decode_token_bf16(
 static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                                   int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, uint16_t* out,
                                   int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t block_size, float scale, int kv_int8, int64_t max_n) {
+                                  int64_t block_size, float scale, int kv_int8, int64_t max_n, int64_t window,
+                                  float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     /* elements of a bf16 block, or bytes of an int8 one */
     const int64_t block_stride = kv_int8 ? num_kv_heads * Q8_BYTES(block_size, head_dim) : num_kv_heads * block_size * head_dim;
     /* a tile's scores (rows * group * max_n) within the token task's budget */
     int64_t tile_rows = TOKEN_TASK_MAX_SCORES / (group * max_n);
     tile_rows = tile_rows > TILE_MAX_ROWS ? TILE_MAX_ROWS : tile_rows;
-    if (token_seq == NULL || kv_int8 || block_size % 16 != 0 || tile_rows < 2) tile_rows = 1;
+    /* no tiles under a sliding window or softcap (a tile reads keys from 0, takes no cap): one
+     * task per token */
+    if (token_seq == NULL || kv_int8 || block_size % 16 != 0 || tile_rows < 2 || window > 0 || softcap > 0.f) tile_rows = 1;
     int64_t* tasks;
-    const int64_t num_tasks = token_task_list(token_seq, token_lens, num_tokens, tile_rows, &tasks);
+    const int64_t num_tasks = token_task_list(token_seq, token_lens, num_tokens, tile_rows, window, &tasks);
     if (num_tasks < 0) return -2;
     const int64_t score_elems = (num_heads > tile_rows * group ? num_heads : tile_rows * group) * max_n;
     int failed = 0;
@@ -260,17 +270,18 @@ static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const 
         const int64_t* table = block_tables + (token_seq ? token_seq[t] : t) * max_blocks;
         const uint16_t* qp = q + t * num_heads * head_dim;
         uint16_t* op = out + t * num_heads * head_dim;
+        const int64_t lo = pa_first_key(token_lens[t], window);
 #define TOKEN_TASK(G_, NV_)                                                                                                  \
         do {                                                                                                                 \
             if (kv_int8)                                                                                                     \
-                decode_token_q8(qp, (const char*)k_cache, (const char*)v_cache, table, token_lens[t], block_size,         \
-                                block_stride, num_kv_heads, G_, scale, op, scores, acc, NV_);                                     \
+                decode_token_q8(qp, (const char*)k_cache, (const char*)v_cache, table, token_lens[t], lo, block_size,         \
+                                block_stride, num_kv_heads, G_, scale, softcap, op, scores, acc, NV_);                                     \
             else if (rows > 1)                                                                                               \
                 prefill_tile_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, token_lens[t], rows,       \
                                   block_size, block_stride, num_kv_heads, G_, scale, op, scores, pbf, acc, NV_);                \
             else                                                                                                             \
-                decode_token_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, token_lens[t], block_size, \
-                                  block_stride, num_kv_heads, G_, scale, op, scores, pbf, acc, NV_);                              \
+                decode_token_bf16(qp, (const uint16_t*)k_cache, (const uint16_t*)v_cache, table, token_lens[t], lo, block_size, \
+                                  block_stride, num_kv_heads, G_, scale, softcap, op, scores, pbf, acc, NV_);                     \
         } while (0)
         FAST_PATH_DISPATCH(group, head_dim, TOKEN_TASK)
 #undef TOKEN_TASK
@@ -285,12 +296,13 @@ static int paged_attention_tokens(const uint16_t* q, const void* k_cache, const 
 int pa_tokens_avx512bf16(const pa_call* c) {
     return paged_attention_tokens((const uint16_t*)c->q, c->k_cache, c->v_cache, c->block_tables, c->max_blocks, c->token_seq,
                                   c->token_lens, (uint16_t*)c->out, c->num_tokens, c->num_heads, c->num_kv_heads, c->head_dim,
-                                  c->block_size, c->scale, c->kv_int8, c->max_n);
+                                  c->block_size, c->scale, c->kv_int8, c->max_n, c->window, c->softcap);
 }
 
 /* One (query token, KV head) task (pa_head_task), for calls with too few tokens for token tasks. */
 void pa_head_avx512bf16(const pa_call* c, int64_t t, int64_t kh, const int64_t* table, float* scores, uint16_t* pbf) {
     const int64_t group = c->group, head_dim = c->head_dim, block_size = c->block_size, n = c->token_lens[t];
+    const int64_t lo = pa_first_key(n, c->window);
     const int64_t block_stride = c->num_kv_heads * block_size * head_dim; /* elements */
     const int64_t q8_bytes = Q8_BYTES(block_size, head_dim);              /* int8 cache: one (block, KV head) */
     const char* kc = (const char*)c->k_cache;
@@ -298,9 +310,9 @@ void pa_head_avx512bf16(const pa_call* c, int64_t t, int64_t kh, const int64_t* 
     const float scale = c->scale;
     const uint16_t* qp = (const uint16_t*)c->q + (t * c->num_heads + kh * group) * head_dim;
     uint16_t* op = (uint16_t*)c->out + (t * c->num_heads + kh * group) * head_dim;
-#define TASK_Q8(G_, NV_) decode_task_q8(qp, kc, vc, table, n, block_size, c->num_kv_heads * q8_bytes, kh * q8_bytes, G_, scale, op, scores, NV_)
-#define TASK_BF16(G_, NV_) decode_task_bf16(qp, (const uint16_t*)kc, (const uint16_t*)vc, table, n, block_size, block_stride, \
-                                            kh * block_size * head_dim, G_, scale, op, scores, pbf, NV_)
+#define TASK_Q8(G_, NV_) decode_task_q8(qp, kc, vc, table, n, lo, block_size, c->num_kv_heads * q8_bytes, kh * q8_bytes, G_, scale, c->softcap, op, scores, NV_)
+#define TASK_BF16(G_, NV_) decode_task_bf16(qp, (const uint16_t*)kc, (const uint16_t*)vc, table, n, lo, block_size, block_stride, \
+                                            kh * block_size * head_dim, G_, scale, c->softcap, op, scores, pbf, NV_)
     if (c->kv_int8) {
         FAST_PATH_DISPATCH(group, head_dim, TASK_Q8)
     } else {

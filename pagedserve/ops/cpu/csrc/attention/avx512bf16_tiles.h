@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
         }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t off = tile_row_offset(G, n0, r);
-            bf16_probabilities(scores + off, pbf + off, G, n0 + r);
+            bf16_probabilities(scores + off, pbf + off, G, n0 + r, 0.f);  /* no tiles with a softcap */
             zero_rows(acc[r], G, NV);
         }
         for (int64_t k0 = 0; k0 < n_last; k0 += 16) {

@@ -1,13 +1,15 @@
 /*
  * The generic attention task, for every shape and storage type (f32 or bf16 queries; f32, bf16
  * or int8 cache): the group's query rows scaled, a dot product per cached token, softmax in fp32
- * (rows.h), the weighted sum of V in fp32, rounded once into out. Compiled by scalar.c, avx2.c
+ * (rows.h), the weighted sum of V in fp32, rounded once into out. Under a sliding window only
+ * the keys [pa_first_key, n) are read. Compiled by scalar.c, avx2.c
  * and avx512.c, each with its ISA's rows.h helpers (include rows.h first).
  */
 #ifndef PAGEDSERVE_ATTENTION_GENERIC_HEAD_H
 #define PAGEDSERVE_ATTENTION_GENERIC_HEAD_H
 
-/* One (query token t, KV head kh) task (pa_head_task); scores: group * max_n floats. */
+/* One (query token t, KV head kh) task (pa_head_task); scores: group * max_n floats (rows of
+ * the m keys the token reads). */
 static inline void pa_generic_head(const pa_call* c, int64_t t, int64_t kh, const int64_t* table, float* scores) {
     const void* q = c->q;
     void* out = c->out;
@@ -27,30 +29,35 @@ static inline void pa_generic_head(const pa_call* c, int64_t t, int64_t kh, cons
         load_row((const char*)q + ((t * num_heads + kh * group + g) * head_dim) * esize, is_bf16, head_dim, qf[g]);
         for (int64_t d = 0; d < head_dim; d++) { qf[g][d] *= scale; acc[g][d] = 0.f; }
     }
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const char* kb = kv_int8 ? kc + (table[t0 / block_size] * num_kv_heads + kh) * q8_bytes
-                                 : kc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        for (int64_t o = 0; o < len; o++) {
+    /* keys [lo, n): the window's first block read from lo on, none before it */
+    const int64_t lo = pa_first_key(n, c->window), m = n - lo;
+    for (int64_t k0 = lo; k0 < n;) {
+        const int64_t blk = table[k0 / block_size], off = k0 % block_size, len = pa_run(k0, n, block_size);
+        const char* kb = kv_int8 ? kc + (blk * num_kv_heads + kh) * q8_bytes
+                                 : kc + (blk * block_stride + kh * block_size * head_dim) * esize;
+        for (int64_t o = off; o < off + len; o++) {
             if (kv_int8)
                 dequantize_row_q8((const int8_t*)kb + o * head_dim, ((const float*)(kb + block_size * head_dim))[o], head_dim, row);
             else
                 load_row(kb + o * head_dim * esize, is_bf16, head_dim, row);
-            for (int64_t g = 0; g < group; g++) scores[g * n + t0 + o] = dot(qf[g], row, head_dim);
+            for (int64_t g = 0; g < group; g++) scores[g * m + k0 - lo + o - off] = dot(qf[g], row, head_dim);
         }
+        k0 += len;
     }
-    softmax_rows(scores, group, n);
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const char* vb = kv_int8 ? vc + (table[t0 / block_size] * num_kv_heads + kh) * q8_bytes
-                                 : vc + (table[t0 / block_size] * block_stride + kh * block_size * head_dim) * esize;
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        for (int64_t o = 0; o < len; o++) {
+    softcap_rows(scores, group, m, m, c->softcap);
+    softmax_rows(scores, group, m);
+    for (int64_t k0 = lo; k0 < n;) {
+        const int64_t blk = table[k0 / block_size], off = k0 % block_size, len = pa_run(k0, n, block_size);
+        const char* vb = kv_int8 ? vc + (blk * num_kv_heads + kh) * q8_bytes
+                                 : vc + (blk * block_stride + kh * block_size * head_dim) * esize;
+        for (int64_t o = off; o < off + len; o++) {
             if (kv_int8)
                 dequantize_row_q8((const int8_t*)vb + o * head_dim, ((const float*)(vb + block_size * head_dim))[o], head_dim, row);
             else
                 load_row(vb + o * head_dim * esize, is_bf16, head_dim, row);
-            for (int64_t g = 0; g < group; g++) axpy(scores[g * n + t0 + o], row, acc[g], head_dim);
+            for (int64_t g = 0; g < group; g++) axpy(scores[g * m + k0 - lo + o - off], row, acc[g], head_dim);
         }
+        k0 += len;
     }
     for (int64_t g = 0; g < group; g++) {
         char* op = (char*)out + ((t * num_heads + kh * group + g) * head_dim) * esize;

@@ -17,6 +17,10 @@
  *   block_tables [num_seqs, max_blocks] (int64)
  *   token_seq    [num_tokens] (int64): the token's row of block_tables; NULL = row t (decode)
  *   token_lens   [num_tokens] (int64): tokens to attend to, the token itself included
+ *   window       sliding window (paged_attention_window): token t reads only keys
+ *                [max(0, token_lens[t] - window), token_lens[t]) (attention.h, pa_first_key)
+ *   softcap      Gemma 2's logit cap (paged_attention_window): cap * tanh(s / cap) of the
+ *                scaled scores before the softmax (rows.h, softcap_rows)
  * Storage types: float32 (f32) or bfloat16 (bf16, raw uint16).
  *
  * Portable: built without ISA flags; this file only picks the path, each ISA's code is its own
@@ -41,21 +45,23 @@ static int amx_ok(void) {
 }
 
 /* Attention of num_tokens query tokens, each to the first token_lens[t] cached tokens of the
- * sequence whose block table is row token_seq[t] (token_seq NULL: row t, the decode case), by the
- * best path this CPU has for the call's shape (attention.h). Returns 0 on success, -1 when group
- * or head_dim exceed the static limits, -2 on allocation failure. */
+ * sequence whose block table is row token_seq[t] (token_seq NULL: row t, the decode case), the
+ * last `window` of them when window > 0, by the best path this CPU has for the call's shape
+ * (attention.h). Returns 0 on success, -1 when group or head_dim exceed the static limits or
+ * window < 0, -2 on allocation failure. */
 static int paged_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, void* out,
                            int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int is_bf16, int kv_int8) {
+                           int64_t block_size, float scale, int is_bf16, int kv_int8, int64_t window, float softcap) {
     pa_call c = {q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens, num_heads,
-                 num_kv_heads, head_dim, block_size, scale, is_bf16, kv_int8, num_heads / num_kv_heads, 1};
-    if (c.group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
+                 num_kv_heads, head_dim, block_size, scale, is_bf16, kv_int8, num_heads / num_kv_heads, 1, window, softcap};
+    if (c.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || window < 0 || !(softcap >= 0.f)) return -1;
     const int isa = ps_cpu_isa();
 #ifdef PS_X86
     if (isa >= PS_ISA_AMX && is_bf16 && head_dim == 64 && block_size % 16 == 0 && amx_ok()) return pa_amx(&c);
 #endif
     for (int64_t t = 0; t < num_tokens; t++) c.max_n = token_lens[t] > c.max_n ? token_lens[t] : c.max_n;
+    if (window > 0 && c.max_n > window) c.max_n = window;  /* keys a token reads: the score buffers' rows */
 #ifdef PS_X86
     if (isa >= PS_ISA_AVX512BF16 && is_bf16 && pa_bf16_fast_shape(c.group, head_dim))
         return token_tasks_preferred(num_tokens, num_heads, num_kv_heads, c.max_n) ? pa_tokens_avx512bf16(&c)
@@ -76,7 +82,7 @@ PS_EXPORT int paged_attention_f32(const float* q, const float* k_cache, const fl
                                   int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t block_size, float scale) {
     return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0.f);
 }
 
 PS_EXPORT int paged_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -84,7 +90,7 @@ PS_EXPORT int paged_attention_bf16(const uint16_t* q, const uint16_t* k_cache, c
                                    const int64_t* token_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
     return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, 1, 0);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 1, 0, 0, 0.f);
 }
 
 /* The same over an int8 cache (kv_int8.h): k_cache, v_cache [num_blocks, num_kv_heads,
@@ -94,7 +100,7 @@ PS_EXPORT int paged_attention_q8_f32(const float* q, const void* k_cache, const 
                                      int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                      int64_t block_size, float scale) {
     return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, 0, 1);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 0, 1, 0, 0.f);
 }
 
 PS_EXPORT int paged_attention_q8_bf16(const uint16_t* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
@@ -102,7 +108,18 @@ PS_EXPORT int paged_attention_q8_bf16(const uint16_t* q, const void* k_cache, co
                                       int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                       int64_t block_size, float scale) {
     return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, 1, 1);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, 1, 1, 0, 0.f);
+}
+
+/* Any of the four above (is_bf16: q, out and a non-int8 cache bf16, else float32; kv_int8: the
+ * int8 cache) under a sliding window of `window` tokens (0: full attention, as above) and with
+ * Gemma 2's attention-logit cap `softcap` (scores cap * tanh(s / cap) after the scale; 0: none). */
+PS_EXPORT int paged_attention_window(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                                     int64_t max_blocks, const int64_t* token_seq, const int64_t* token_lens, void* out,
+                                     int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t block_size, float scale, int is_bf16, int kv_int8, int64_t window, float softcap) {
+    return paged_attention(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_lens, out, num_tokens,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, kv_int8, window, softcap);
 }
 
 /* 1 when bf16 attention with this GQA group size and head_dim runs a vectorised bf16 path

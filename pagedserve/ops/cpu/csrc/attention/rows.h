@@ -146,6 +146,15 @@ static inline float exp_sum(float* x, int64_t n, float m) {
     return sum;
 }
 
+/* Gemma 2's attention-logit softcap, in place: each of `rows` rows of n scaled scores (stride
+ * floats apart) s -> cap * tanh(s / cap) (HF's eager order: after the scale, before the mask and
+ * softmax); nothing for cap 0. Every unit calls it on a row's scores just before its softmax. */
+static inline void softcap_rows(float* scores, int64_t rows, int64_t n, int64_t stride, float cap) {
+    if (cap > 0.f)
+        for (int64_t g = 0; g < rows; g++)
+            for (int64_t t = 0; t < n; t++) scores[g * stride + t] = cap * tanhf(scores[g * stride + t] / cap);
+}
+
 /* In-place softmax of `rows` rows of n scores each (float32), stride floats apart. */
 static inline void softmax_rows_strided(float* scores, int64_t rows, int64_t n, int64_t stride) {
     for (int64_t g = 0; g < rows; g++) {

@@ -24,19 +24,20 @@ int token_tasks_preferred(int64_t num_tokens, int64_t num_heads, int64_t num_kv_
 /* The call's tasks as (cost, first token, rows) triples, costliest first (LPT: with tokens in
  * batch order a long context last left one thread working while the other waited; the order
  * changes no token's arithmetic). A task is one token, or with tile_rows > 1 up to tile_rows
- * consecutive tokens of one sequence with consecutive lengths (a prefill chunk's rows).
+ * consecutive tokens of one sequence with consecutive lengths (a prefill chunk's rows). A token's
+ * cost is the keys it reads: under a sliding window (window > 0) at most window.
  * Returns the number of tasks, or -1 on allocation failure (*tasks: free()). */
 int64_t token_task_list(const int64_t* token_seq, const int64_t* token_lens, int64_t num_tokens, int64_t tile_rows,
-                        int64_t** tasks) {
+                        int64_t window, int64_t** tasks) {
     int64_t* t3 = (int64_t*)malloc(sizeof(int64_t) * 3 * num_tokens);
     *tasks = t3;
     if (t3 == NULL) return -1;
     int64_t count = 0;
     for (int64_t t = 0; t < num_tokens;) {
-        int64_t rows = 1, cost = token_lens[t];
+        int64_t rows = 1, cost = token_lens[t] - pa_first_key(token_lens[t], window);
         while (rows < tile_rows && t + rows < num_tokens && token_seq[t + rows] == token_seq[t]
                && token_lens[t + rows] == token_lens[t] + rows) {
-            cost += token_lens[t + rows];
+            cost += token_lens[t + rows] - pa_first_key(token_lens[t + rows], window);
             rows++;
         }
         t3[3 * count] = cost;
