@@ -23,6 +23,9 @@ _CLASSES = {
     "mistral": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "qwen2": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "qwen3": ("pagedserve.model.llama", "LlamaForCausalLM"),
+    "mixtral": ("pagedserve.model.moe", "MoeForCausalLM"),
+    "qwen2_moe": ("pagedserve.model.moe", "MoeForCausalLM"),
+    "qwen3_moe": ("pagedserve.model.moe", "MoeForCausalLM"),
 }
 
 

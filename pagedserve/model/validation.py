@@ -43,6 +43,8 @@ from pagedserve.model.file_headers import (
     short,
 )
 
+MAX_EXPERTS = 4096  # routed experts per MoE layer (Qwen3-MoE: 128, DeepSeek-V3: 256)
+
 # -- config ---------------------------------------------------------------------------------------
 # name: (lowest, highest); None means "not given" wherever transformers has a default.
 _CONFIG_INTS = {
@@ -54,10 +56,17 @@ _CONFIG_INTS = {
     "num_key_value_heads": (1, MAX_HEADS),
     "head_dim": (2, MAX_HEAD_DIM),
     "max_position_embeddings": (1, MAX_POSITIONS),
-    "sliding_window": (1, MAX_POSITIONS),
+    "sliding_window": (0, MAX_POSITIONS),  # 0: none (what Qwen2-MoE writes without use_sliding_window)
     "max_window_layers": (0, MAX_LAYERS),
+    # mixture of experts (moe.py): Mixtral's num_local_experts, Qwen's num_experts (0: all dense)
+    "num_local_experts": (1, MAX_EXPERTS),
+    "num_experts": (0, MAX_EXPERTS),
+    "num_experts_per_tok": (1, MAX_EXPERTS),
+    "moe_intermediate_size": (1, MAX_INTERMEDIATE),
+    "shared_expert_intermediate_size": (0, MAX_INTERMEDIATE),
+    "decoder_sparse_step": (1, MAX_LAYERS),
 }
-_CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob", "qkv_bias")
 _CONFIG_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
@@ -129,6 +138,13 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
         theta = where.get("rope_theta")
         if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < 1e15):
             raise bad("rope_theta", theta, "is not a positive number")
+    only = cfg.get("mlp_only_layers")
+    if only is not None and not (isinstance(only, list) and all(_is_int(i) and 0 <= i < MAX_LAYERS for i in only)):
+        raise bad("mlp_only_layers", only, "is not a list of layer indices")
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    top_k = cfg.get("num_experts_per_tok")
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe") and experts and top_k is not None and top_k > experts:
+        raise bad("num_experts_per_tok", top_k, f"is more than the model's {experts} experts")
     layer_types = cfg.get("layer_types")
     if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
         raise bad("layer_types", layer_types, "is not a list of strings")
