@@ -44,6 +44,10 @@ def verify_tp_size(hf_config, tp_size: int) -> None:
         )
     if inter % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's intermediate_size ({inter})")
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts (moe.py)
+        width = getattr(hf_config, field, None)
+        if width and width % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's {field} ({width})")
 
 
 def _resize(linear: nn.Linear, out_features: Optional[int] = None, in_features: Optional[int] = None, keep_bias: bool = True) -> None:
@@ -107,9 +111,15 @@ def shard_shapes(model: nn.Module) -> None:
         _resize(attn.o_proj, in_features=attn.q_size, keep_bias=keep_row_bias)
         attn.register_forward_hook(_all_reduce_hook(group))
         mlp = layer.mlp
-        mlp.intermediate_size //= n
-        _resize(mlp.gate_up_proj, out_features=2 * mlp.intermediate_size)
-        _resize(mlp.down_proj, in_features=mlp.intermediate_size, keep_bias=keep_row_bias)
+        # An MoE block (moe.py): each expert (and the shared expert) split like an MLP, the
+        # router replicated, one all-reduce after the block.
+        mlps = [mlp]
+        if hasattr(mlp, "experts"):
+            mlps = list(mlp.experts) + ([mlp.shared_expert] if mlp.shared_expert is not None else [])
+        for part in mlps:
+            part.intermediate_size //= n
+            _resize(part.gate_up_proj, out_features=2 * part.intermediate_size)
+            _resize(part.down_proj, in_features=part.intermediate_size, keep_bias=keep_row_bias)
         mlp.register_forward_hook(_all_reduce_hook(group))
     vocab, hidden = model.embed_tokens.weight.shape
     model.embed_tokens = VocabParallelEmbedding(vocab, hidden, group)
@@ -148,22 +158,53 @@ def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, gro
     shard = -(-hf_config.vocab_size // n)
     rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "gate_proj": part, "up_proj": part}
     cols = {"o_proj": q_rows, "down_proj": part}
+    moe_rules = _moe_rules(hf_config, n)
     for name, t in weights:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if isinstance(t, QuantizedWeight):
-            yield name, _shard_quantized(name, t, module, r, rows, cols, shard)
+        moe = next((rule for key, rule in moe_rules.items() if key in parts), None)
+        if moe is not None and module == "experts":  # transformers 5's 3-D [E, out, in] stacks
+            yield name, _shard_stacked_experts(t, kind, moe[2], r)
             continue
-        if module in rows:
-            t = t[r * rows[module] : (r + 1) * rows[module]]
-        elif module in cols:
+        t_rows, t_cols = moe[:2] if moe is not None else (rows, cols)
+        if isinstance(t, QuantizedWeight):
+            yield name, _shard_quantized(name, t, module, r, t_rows, t_cols, shard)
+            continue
+        if module in t_rows:
+            t = t[r * t_rows[module] : (r + 1) * t_rows[module]]
+        elif module in t_cols:
             if kind == "bias":
                 if r != 0:
                     continue
             else:
-                t = t[:, r * cols[module] : (r + 1) * cols[module]]
+                t = t[:, r * t_cols[module] : (r + 1) * t_cols[module]]
         elif module in ("embed_tokens", "lm_head"):
             local = t[r * shard : (r + 1) * shard]
             t = torch.zeros(shard, t.shape[1], dtype=t.dtype)
             t[: local.shape[0]] = local
         yield name, t
+
+
+def _moe_rules(hf_config, n: int) -> dict[str, tuple[dict, dict, int]]:
+    """Name part -> (row rules, column rules, this rank's width) for an MoE checkpoint's experts
+    (``experts``: Mixtral's ``w1``/``w3`` rows and ``w2`` columns too) and Qwen2-MoE's shared
+    expert; empty for other models."""
+    if hf_config.model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    widths = {"experts": hf_config.intermediate_size if hf_config.model_type == "mixtral" else hf_config.moe_intermediate_size}
+    if getattr(hf_config, "shared_expert_intermediate_size", None):
+        widths["shared_expert"] = hf_config.shared_expert_intermediate_size
+    rules = {}
+    for key, width in widths.items():
+        p = width // n
+        rules[key] = ({"gate_proj": p, "up_proj": p, "w1": p, "w3": p}, {"down_proj": p, "w2": p}, p)
+    return rules
+
+
+def _shard_stacked_experts(t: torch.Tensor, kind: str, p: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s slice of a 3-D expert stack: ``gate_up_proj [E, 2I, H]`` keeps rows
+    ``[r*p, (r+1)*p)`` of each half, ``down_proj [E, H, I]`` those input columns."""
+    if kind == "down_proj":
+        return t[:, :, r * p : (r + 1) * p]
+    half = t.shape[1] // 2
+    return torch.cat((t[:, r * p : (r + 1) * p], t[:, half + r * p : half + (r + 1) * p]), dim=1)
