@@ -30,6 +30,7 @@ from pagedserve.model.layers import RMSNorm
 from pagedserve.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from pagedserve.model.packed_linear import PackedLinear, attach_small_gemm
 from pagedserve.model.quant_linear import QuantLinear
+from pagedserve.ops.quantized import QuantizedWeight
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -149,15 +150,37 @@ class MoeDecoderLayer(DecoderLayer):
 # Checkpoint spellings -> the per-expert HF spelling ``...mlp.experts.E.{gate,up,down}_proj.weight``.
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")  # GGUF's *_exps
 
 
-def canonical_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _split_stack(prefix: str, proj: str, t, num_experts: int) -> Iterator[tuple[str, object]]:
+    """Each expert's slice of a GGUF expert stack: a float ``[E, out, in]`` (or ``[E * out, in]``)
+    tensor, or a 2-D :class:`~pagedserve.ops.quantized.QuantizedWeight` of ``E * out`` rows."""
+    if isinstance(t, QuantizedWeight):
+        rows = t.out_features // num_experts
+        for e in range(num_experts):
+            yield f"{prefix}.{e}.{proj}.weight", t.rows(e * rows, (e + 1) * rows)
+        return
+    t = t.reshape(num_experts, -1, t.shape[-1])
+    for e in range(num_experts):
+        yield f"{prefix}.{e}.{proj}.weight", t[e]
+
+
+def canonical_weights(weights: Iterable[tuple[str, torch.Tensor]], num_experts: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors renamed to one spelling: Mixtral's ``block_sparse_moe`` -> ``mlp`` and
     ``w1/w3/w2`` -> ``gate_proj/up_proj/down_proj``; transformers 5's fused 3-D
-    ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]`` split into each
-    expert's ``gate_proj``/``up_proj``/``down_proj`` (views, no copy)."""
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]`` and GGUF's
+    stacks ``mlp.experts.{gate,up,down}_proj.weight`` (``num_experts`` of them) split into each
+    expert's ``gate_proj``/``up_proj``/``down_proj`` (views, no copy); GGUF's 1-D shared-expert
+    gate ``[H]`` as ``[1, H]``."""
     for name, t in weights:
         name = canonical_name(name)
+        stacked = _STACKED_EXPERTS.match(name)
+        if stacked is not None:
+            yield from _split_stack(stacked.group(1), stacked.group(2), t, num_experts)
+            continue
+        if name.endswith("shared_expert_gate.weight") and not isinstance(t, QuantizedWeight) and t.dim() == 1:
+            t = t.reshape(1, -1)
         m = _FUSED_EXPERTS.match(name)
         if m is None:
             yield name, t
@@ -203,8 +226,12 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def module_of(cls, name: str) -> str:
-        """``model.layers.0.block_sparse_moe.experts.3.w1.weight`` -> ``layers.0.mlp.experts.3.gate_up_proj``."""
-        return super().module_of(canonical_name(name))
+        """``model.layers.0.block_sparse_moe.experts.3.w1.weight`` -> ``layers.0.mlp.experts.3.gate_up_proj``;
+        a GGUF expert stack ``...mlp.experts.gate_proj.weight`` -> expert 0's module (all alike)."""
+        name = canonical_name(name)
+        if _STACKED_EXPERTS.match(name):
+            name = name.replace(".experts.", ".experts.0.")
+        return super().module_of(name)
 
     def load_weights(self, weights) -> None:
         """Load HF-named tensors in any of the spellings :func:`canonical_weights` accepts
@@ -213,7 +240,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         Raises:
             ValueError: as :meth:`LlamaForCausalLM.load_weights` (unknown name, shape, missing).
         """
-        super().load_weights(canonical_weights(weights))
+        super().load_weights(canonical_weights(weights, num_experts(self.config)))
 
     def pack_for_cpu(self) -> None:
         """As :meth:`LlamaForCausalLM.pack_for_cpu`, but the routers and shared-expert gates

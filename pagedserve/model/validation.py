@@ -42,6 +42,7 @@ from pagedserve.model.file_headers import (
     read_safetensors_header,
     short,
 )
+from pagedserve.model.moe_gguf import GGUF_ARCH_MODEL_TYPES
 
 MAX_EXPERTS = 4096  # routed experts per MoE layer (Qwen3-MoE: 128, DeepSeek-V3: 256)
 
@@ -178,6 +179,10 @@ GGUF_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "rope.freq_base": "rope_theta",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 
 
@@ -191,15 +196,16 @@ def check_gguf_metadata(header: GGUFHeader) -> None:
     arch = header.metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(header.path, f"GGUF general.architecture {short(arch)} is missing or not a string")
-    if arch not in SUPPORTED_MODEL_TYPES:
+    model_type = GGUF_ARCH_MODEL_TYPES.get(arch, arch)
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelFileError(header.path, f"GGUF architecture {short(arch)} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    fields: dict[str, Any] = {"model_type": arch}
+    fields: dict[str, Any] = {"model_type": model_type}
     for suffix, field in GGUF_CONFIG_KEYS.items():
         key = f"{arch}.{suffix}"
         if key in header.metadata:
             fields[field] = header.metadata[key]
             try:
-                check_config(header.path, {"model_type": arch, field: fields[field]})
+                check_config(header.path, {"model_type": model_type, field: fields[field]})
             except ModelFileError as e:
                 raise ModelFileError(header.path, f"GGUF metadata {key}: {e.what}") from None
     try:
