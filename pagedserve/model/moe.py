@@ -20,7 +20,7 @@ ascending order (HF's order too, so float32 results match HF's bit for bit up to
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -142,7 +142,7 @@ class MoeDecoderLayer(DecoderLayer):
     def __init__(self, config, layer_idx: int) -> None:
         nn.Module.__init__(self)
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = SparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else MLP(config, layer_idx)
+        self.mlp: nn.Module = SparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else MLP(config, layer_idx)  # type: ignore[assignment]
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -153,7 +153,7 @@ _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")  # GGUF's *_exps
 
 
-def _split_stack(prefix: str, proj: str, t, num_experts: int) -> Iterator[tuple[str, object]]:
+def _split_stack(prefix: str, proj: str, t, num_experts: int) -> Iterator[tuple[str, Any]]:
     """Each expert's slice of a GGUF expert stack: a float ``[E, out, in]`` (or ``[E * out, in]``)
     tensor, or a 2-D :class:`~pagedserve.ops.quantized.QuantizedWeight` of ``E * out`` rows."""
     if isinstance(t, QuantizedWeight):
@@ -166,7 +166,7 @@ def _split_stack(prefix: str, proj: str, t, num_experts: int) -> Iterator[tuple[
         yield f"{prefix}.{e}.{proj}.weight", t[e]
 
 
-def canonical_weights(weights: Iterable[tuple[str, torch.Tensor]], num_experts: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def canonical_weights(weights: Iterable[tuple[str, Any]], num_experts: int = 0) -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors renamed to one spelling: Mixtral's ``block_sparse_moe`` -> ``mlp`` and
     ``w1/w3/w2`` -> ``gate_proj/up_proj/down_proj``; transformers 5's fused 3-D
     ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]`` and GGUF's
@@ -214,7 +214,8 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     The CPU backend's one-call C step is refused (``c_step_ok``: it runs the Llama layer only);
     every projection still takes the packed / quantized matmuls, and the norms the fused kernels.
-    LoRA is refused (``supports_lora``: adapters name the Llama MLP's modules).
+    LoRA is refused (``supports_lora``: adapters name the Llama MLP's modules), and so are CUDA
+    graphs (``cuda_graphs_ok``).
 
     Raises:
         ValueError: an unsupported model_type or a ``num_experts_per_tok`` outside [1, experts].
@@ -223,6 +224,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     layer_class = MoeDecoderLayer
     c_step_ok = False
     supports_lora = False
+    cuda_graphs_ok = False  # the expert groups' sizes are read on the host each step
 
     @classmethod
     def module_of(cls, name: str) -> str:
@@ -252,7 +254,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             attach_small_gemm(packed, plans)
             self._logits_linear = packed
             if not self.tie_word_embeddings:
-                self.lm_head = None
+                self.lm_head = None  # type: ignore[assignment]
         for module in list(self.layers.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
