@@ -159,14 +159,15 @@ def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, gro
     rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "gate_proj": part, "up_proj": part}
     cols = {"o_proj": q_rows, "down_proj": part}
     moe_rules = _moe_rules(hf_config, n)
+    if moe_rules:  # every expert under its own name (Mixtral's w1/w3/w2, 3-D and GGUF stacks split)
+        from pagedserve.model.moe import canonical_weights, num_experts
+
+        weights = canonical_weights(weights, num_experts(hf_config))
     for name, t in weights:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
         moe = next((rule for key, rule in moe_rules.items() if key in parts), None)
-        if moe is not None and module == "experts":  # transformers 5's 3-D [E, out, in] stacks
-            yield name, _shard_stacked_experts(t, kind, moe[2], r)
-            continue
-        t_rows, t_cols = moe[:2] if moe is not None else (rows, cols)
+        t_rows, t_cols = moe if moe is not None else (rows, cols)
         if isinstance(t, QuantizedWeight):
             yield name, _shard_quantized(name, t, module, r, t_rows, t_cols, shard)
             continue
@@ -185,26 +186,13 @@ def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, gro
         yield name, t
 
 
-def _moe_rules(hf_config, n: int) -> dict[str, tuple[dict, dict, int]]:
-    """Name part -> (row rules, column rules, this rank's width) for an MoE checkpoint's experts
-    (``experts``: Mixtral's ``w1``/``w3`` rows and ``w2`` columns too) and Qwen2-MoE's shared
-    expert; empty for other models."""
+def _moe_rules(hf_config, n: int) -> dict[str, tuple[dict, dict]]:
+    """Name part -> (row rules, column rules) for an MoE checkpoint's experts and Qwen2-MoE's
+    shared expert (their own widths: ``moe_intermediate_size``, Mixtral's ``intermediate_size``,
+    ``shared_expert_intermediate_size``); empty for other models."""
     if hf_config.model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {}
     widths = {"experts": hf_config.intermediate_size if hf_config.model_type == "mixtral" else hf_config.moe_intermediate_size}
     if getattr(hf_config, "shared_expert_intermediate_size", None):
         widths["shared_expert"] = hf_config.shared_expert_intermediate_size
-    rules = {}
-    for key, width in widths.items():
-        p = width // n
-        rules[key] = ({"gate_proj": p, "up_proj": p, "w1": p, "w3": p}, {"down_proj": p, "w2": p}, p)
-    return rules
-
-
-def _shard_stacked_experts(t: torch.Tensor, kind: str, p: int, r: int) -> torch.Tensor:
-    """Rank ``r``'s slice of a 3-D expert stack: ``gate_up_proj [E, 2I, H]`` keeps rows
-    ``[r*p, (r+1)*p)`` of each half, ``down_proj [E, H, I]`` those input columns."""
-    if kind == "down_proj":
-        return t[:, :, r * p : (r + 1) * p]
-    half = t.shape[1] // 2
-    return torch.cat((t[:, r * p : (r + 1) * p], t[:, half + r * p : half + (r + 1) * p]), dim=1)
+    return {key: ({"gate_proj": w // n, "up_proj": w // n}, {"down_proj": w // n}) for key, w in widths.items()}

@@ -155,3 +155,25 @@ def test_moe_gguf_f32_equals_hf_and_q8_0_stays_close(kind, tmp_path):
     assert (close - got).abs().max().item() < 0.5
     assert (close.argmax(-1) == got.argmax(-1)).float().mean().item() >= 0.9
     assert os.path.getsize(tmp_path / "q8.gguf") < os.path.getsize(tmp_path / "f32.gguf") / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_moe_gguf_tp2_equals_tp1(kind, tmp_path):
+    """TP 2 on a GGUF file: the expert stacks are split per expert, then each expert's
+    intermediate dimension per rank (Mixtral: after the Q/K un-permutation)."""
+    from pagedserve import SamplingParams
+
+    path = write_moe_gguf(_tiny_hf(kind), kind, str(tmp_path / "f32.gguf"), "F32")
+    prompts = [{"prompt_token_ids": torch.randint(3, len(TOKENS), (n,), generator=torch.Generator().manual_seed(n)).tolist()} for n in (20, 45, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", num_kv_blocks=48, max_model_len=128, max_num_batched_tokens=24)
+    ref = LLM(path, num_threads=1, **kw)
+    want = [list(o.outputs[0].token_ids) for o in ref.generate(prompts, params, use_tqdm=False)]
+    del ref
+    tp = LLM(path, num_threads=2, tensor_parallel_size=2, **kw)
+    try:
+        got = [list(o.outputs[0].token_ids) for o in tp.generate(prompts, params, use_tqdm=False)]
+    finally:
+        tp.llm_engine.core.shutdown()
+    assert got == want
