@@ -8,7 +8,7 @@ sigmoid-gated shared expert), Qwen3-MoE (q/k norm, top-3 of 8 renormalised, a de
 greedy equal to HF (teacher-forced argmax and logits within 1e-3); equal again with chunked
 prefill, prefix hits and preemption; the MoE block equal to HF's block (ties included) and
 independent of its batch neighbours; transformers 5's fused 3-D expert tensors load to the same
-model; bf16 and the int8 KV cache close to HF (top-5); LoRA refused. Long prompts and TP 2 are in
+model; bf16 and the int8 KV cache close to HF; the pooling runner; LoRA refused. Long prompts and TP 2 are in
 the slow suite.
 """
 
@@ -280,6 +280,21 @@ def test_moe_bf16_and_int8_kv_stay_close_to_hf(kind, kw, tol, moe_dir):
 def test_moe_lora_refused(moe_dir):
     with pytest.raises(ValueError, match="LoRA is not supported for model_type 'qwen2_moe'"):
         LLM(moe_dir("qwen2_moe"), dtype="float32", num_kv_blocks=16, enable_lora=True)
+
+
+def test_moe_pooling_runner_embeds_like_hf(moe_dir):
+    """``runner="pooling"`` needs only the final hidden states: LAST pooling, normalised, equals
+    HF's last hidden state of the same model."""
+    from transformers import AutoModel
+
+    path = moe_dir("qwen2_moe")
+    llm = LLM(path, dtype="float32", num_kv_blocks=16, max_model_len=128, runner="pooling")
+    ids = _long_prompts(1, 30, 31, seed=8)[0]
+    got = torch.tensor(llm.embed([{"prompt_token_ids": ids}])[0].outputs.embedding)
+    with torch.no_grad():
+        last = AutoModel.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).last_hidden_state[0, -1]
+    assert llm.llm_engine.config.pooler.pooling_type == "LAST"
+    torch.testing.assert_close(got, torch.nn.functional.normalize(last, dim=-1), atol=1e-5, rtol=1e-5)
 
 
 # -- slow: long prompts, tensor parallelism --------------------------------------------------------------
