@@ -15,6 +15,12 @@ contiguous group and runs them as ONE matmul per projection on its own linear mo
 the CPU, or quantized for GGUF, like any projection); each group's output, times its routing
 weights, is added back to its tokens with ``index_add_`` into a float32 accumulator, experts in
 ascending order (HF's order too, so float32 results match HF's bit for bit up to the matmuls).
+
+Checkpoints: the hub's per-expert tensors (Mixtral ``block_sparse_moe.experts.E.w1/w3/w2``, Qwen
+``mlp.experts.E.{gate,up,down}_proj``), transformers 5's 3-D stacks and llama.cpp's GGUF stacks
+all become per-expert names (:func:`canonical_weights`), which tensor parallelism
+(``distributed/tensor_parallel.py``: each expert's intermediate dimension split, router
+replicated, one all-reduce after the block) and quantized GGUF loading use too.
 """
 
 from __future__ import annotations
