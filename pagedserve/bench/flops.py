@@ -48,9 +48,23 @@ def projection_shapes(hf_config) -> list[tuple[int, int]]:
 
 
 def model_flops(hf_config) -> ModelFlops:
-    """Matmul parameter counts of a Llama-family config: its layers' projections, and the LM head."""
+    """Matmul parameter counts of a Llama-family config: its layers' projections, and the LM head.
+    An MoE layer counts the parameters one token touches: the router, its ``num_experts_per_tok``
+    experts and the shared expert (``pagedserve.model.moe``)."""
     per_layer = sum(n * k for n, k in projection_shapes(hf_config))
-    return ModelFlops(per_layer * hf_config.num_hidden_layers, hf_config.hidden_size * hf_config.vocab_size)
+    if hf_config.model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return ModelFlops(per_layer * hf_config.num_hidden_layers, hf_config.hidden_size * hf_config.vocab_size)
+    from pagedserve.model.moe import expert_intermediate, is_sparse_layer, num_experts
+
+    h, dense_mlp = hf_config.hidden_size, 3 * hf_config.hidden_size * hf_config.intermediate_size
+    active = (
+        3
+        * h
+        * (int(hf_config.num_experts_per_tok) * expert_intermediate(hf_config) + int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0))
+    )
+    active += h * num_experts(hf_config) + (h if getattr(hf_config, "shared_expert_intermediate_size", 0) else 0)  # router, shared gate
+    total = sum(per_layer - dense_mlp + (active if is_sparse_layer(hf_config, i) else dense_mlp) for i in range(hf_config.num_hidden_layers))
+    return ModelFlops(total, h * hf_config.vocab_size)
 
 
 def measure_matmul_flops(

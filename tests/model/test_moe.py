@@ -297,6 +297,25 @@ def test_moe_pooling_runner_embeds_like_hf(moe_dir):
     torch.testing.assert_close(got, torch.nn.functional.normalize(last, dim=-1), atol=1e-5, rtol=1e-5)
 
 
+def test_moe_flops_count_the_active_parameters():
+    """The benchmark's MFU counts what one token touches: the issue's Qwen3-MoE layout (hidden
+    1,024, 16 query / 4 KV heads of 64, top-4 of 32 experts of 768) is 0.29B layer + 0.05B head."""
+    import transformers
+
+    from pagedserve.bench.flops import model_flops
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=768, intermediate_size=6144,
+    )  # fmt: skip
+    attn = (16 + 2 * 4) * 64 * 1024 + 1024 * 16 * 64
+    experts = 4 * 3 * 1024 * 768 + 32 * 1024  # 4 experts' gate/up/down, the router
+    flops = model_flops(cfg)
+    assert flops.layer_params == 24 * (attn + experts) and flops.lm_head_params == 49152 * 1024
+    dense_one = model_flops(transformers.Qwen3MoeConfig(**{**cfg.to_dict(), "mlp_only_layers": [0]}))
+    assert dense_one.layer_params == flops.layer_params - experts + 3 * 1024 * 6144
+
+
 # -- slow: long prompts, tensor parallelism --------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
