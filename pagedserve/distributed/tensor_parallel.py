@@ -44,6 +44,10 @@ def verify_tp_size(hf_config, tp_size: int) -> None:
         )
     if inter % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's intermediate_size ({inter})")
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts (moe.py)
+        width = getattr(hf_config, field, None)
+        if width and width % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's {field} ({width})")
 
 
 def _resize(linear: nn.Linear, out_features: Optional[int] = None, in_features: Optional[int] = None, keep_bias: bool = True) -> None:
@@ -107,9 +111,15 @@ def shard_shapes(model: nn.Module) -> None:
         _resize(attn.o_proj, in_features=attn.q_size, keep_bias=keep_row_bias)
         attn.register_forward_hook(_all_reduce_hook(group))
         mlp = layer.mlp
-        mlp.intermediate_size //= n
-        _resize(mlp.gate_up_proj, out_features=2 * mlp.intermediate_size)
-        _resize(mlp.down_proj, in_features=mlp.intermediate_size, keep_bias=keep_row_bias)
+        # An MoE block (moe.py): each expert (and the shared expert) split like an MLP, the
+        # router replicated, one all-reduce after the block.
+        mlps = [mlp]
+        if hasattr(mlp, "experts"):
+            mlps = list(mlp.experts) + ([mlp.shared_expert] if mlp.shared_expert is not None else [])
+        for part in mlps:
+            part.intermediate_size //= n
+            _resize(part.gate_up_proj, out_features=2 * part.intermediate_size)
+            _resize(part.down_proj, in_features=part.intermediate_size, keep_bias=keep_row_bias)
         mlp.register_forward_hook(_all_reduce_hook(group))
     vocab, hidden = model.embed_tokens.weight.shape
     model.embed_tokens = VocabParallelEmbedding(vocab, hidden, group)
@@ -152,22 +162,41 @@ def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, gro
         from pagedserve.model.phi3 import split_fused
 
         weights = split_fused(weights, hf_config)
+    moe_rules = _moe_rules(hf_config, n)
+    if moe_rules:  # every expert under its own name (Mixtral's w1/w3/w2, 3-D and GGUF stacks split)
+        from pagedserve.model.moe import canonical_weights, num_experts
+
+        weights = canonical_weights(weights, num_experts(hf_config))
     for name, t in weights:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        moe = next((rule for key, rule in moe_rules.items() if key in parts), None)
+        t_rows, t_cols = moe if moe is not None else (rows, cols)
         if isinstance(t, QuantizedWeight):
-            yield name, _shard_quantized(name, t, module, r, rows, cols, shard)
+            yield name, _shard_quantized(name, t, module, r, t_rows, t_cols, shard)
             continue
-        if module in rows:
-            t = t[r * rows[module] : (r + 1) * rows[module]]
-        elif module in cols:
+        if module in t_rows:
+            t = t[r * t_rows[module] : (r + 1) * t_rows[module]]
+        elif module in t_cols:
             if kind == "bias":
                 if r != 0:
                     continue
             else:
-                t = t[:, r * cols[module] : (r + 1) * cols[module]]
+                t = t[:, r * t_cols[module] : (r + 1) * t_cols[module]]
         elif module in ("embed_tokens", "lm_head"):
             local = t[r * shard : (r + 1) * shard]
             t = torch.zeros(shard, t.shape[1], dtype=t.dtype)
             t[: local.shape[0]] = local
         yield name, t
+
+
+def _moe_rules(hf_config, n: int) -> dict[str, tuple[dict, dict]]:
+    """Name part -> (row rules, column rules) for an MoE checkpoint's experts and Qwen2-MoE's
+    shared expert (their own widths: ``moe_intermediate_size``, Mixtral's ``intermediate_size``,
+    ``shared_expert_intermediate_size``); empty for other models."""
+    if hf_config.model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    widths = {"experts": hf_config.intermediate_size if hf_config.model_type == "mixtral" else hf_config.moe_intermediate_size}
+    if getattr(hf_config, "shared_expert_intermediate_size", None):
+        widths["shared_expert"] = hf_config.shared_expert_intermediate_size
+    return {key: ({"gate_proj": w // n, "up_proj": w // n}, {"down_proj": w // n}) for key, w in widths.items()}

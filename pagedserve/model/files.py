@@ -28,6 +28,7 @@ import subprocess
 import sys
 from typing import Any, Iterator, Optional
 
+from pagedserve.model.moe_gguf import moe_config_from_gguf
 from pagedserve.model.validation import (
     GGUFHeader,
     ModelFileError,
@@ -131,7 +132,18 @@ _GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts (moe.py): the router, 3-D expert stacks [E, out, in], Qwen2-MoE's shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# llama.cpp architectures whose Q/K rows its converter permutes (Mixtral is arch llama)
+GGUF_PERMUTED_ARCHS = ("llama", "mixtral")
 
 
 # Where an architecture's names differ from llama's (phi3: fused Q/K/V, and gate+up in ffn_up).
@@ -199,7 +211,7 @@ def iterate_gguf_arrays(path: str, num_heads: int, num_kv_heads: int, arch: str)
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         name = _gguf_hf_name(t.name, arch)
-        if arch == "llama":
+        if arch in GGUF_PERMUTED_ARCHS:
             if name.endswith("q_proj.weight"):
                 arr = _unpermute_rope(arr, num_heads)
             elif name.endswith("k_proj.weight"):
@@ -361,6 +373,7 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
         from pagedserve.model.phi3 import gguf_config
 
         gguf_config(config, header, path)
+    config = moe_config_from_gguf(header.metadata, config)
     check_config(path, config.to_dict())
     # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.
     check_weights(path, config, {hf: TensorSpec(hf, "F32", tuple(reversed(header.tensors[g].shape)), path) for g, hf in names.items()}, shape_check())

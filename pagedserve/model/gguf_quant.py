@@ -241,7 +241,8 @@ def iterate_gguf_tensors(
     :class:`QuantizedWeight` (see :func:`repack`), an F32 / F16 / BF16 tensor as a torch tensor
     of that dtype (float32 / float16 / bfloat16), and a 1-D tensor of any type (norms, biases) as
     a float tensor (float32 for a quantized one). Without it every tensor is float32, the values
-    of ``iterate_gguf_arrays``. For ``arch == "llama"`` the Q/K rows are un-permuted (llama.cpp
+    of ``iterate_gguf_arrays``. A quantized 3-D MoE expert stack ``[E, out, in]`` comes as the 2-D
+    ``[E * out, in]`` weight. For ``arch`` llama (and mixtral, a llama-arch file) the Q/K rows are un-permuted (llama.cpp
     interleaves them at conversion). The file's header is read and checked first
     (:func:`~pagedserve.model.file_headers.read_gguf_header`), then each tensor is read from a
     read-only memmap of the file and converted on its own.
@@ -276,7 +277,7 @@ def iterate_gguf_tensors(
         shape = tuple(int(d) for d in reversed(spec.shape))
         data = _tensor_data(mm, spec)
         heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads if name.endswith("k_proj.weight") else None
-        if arch == "llama" and heads is not None:
+        if arch in ("llama", "mixtral") and heads is not None:  # files.GGUF_PERMUTED_ARCHS
             # Un-permuted before the conversion: a GGUF row holds one output row's blocks, so
             # reordering the raw rows is QuantizedWeight.permuted_rows (and _unpermute_rope) on
             # the result, on fewer bytes and without torch's gather.
@@ -289,6 +290,10 @@ def iterate_gguf_tensors(
             out = _float_tensor(data, qtype, shape)
         elif quantized and len(shape) == 2:
             out = repack(data, qtype, (shape[0], shape[1]), where=f"{path}: tensor {spec.name}")
+        elif quantized and len(shape) == 3 and ".experts." in name:
+            # An MoE expert stack [E, out, in]: its rows are whole blocks, so it is the 2-D
+            # [E * out, in] weight whose row slices are the experts (moe.canonical_weights).
+            out = repack(data, qtype, (shape[0] * shape[1], shape[2]), where=f"{path}: tensor {spec.name}")
         elif quantized and len(shape) > 2:
             raise ModelFileError(path, f"tensor {short(spec.name)} of type {qtype} has {len(shape)} dimensions; quantized weights must be 2-D")
         else:  # float32, as iterate_gguf_arrays

@@ -36,10 +36,10 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -125,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     rotary_embedding = RotaryEmbedding  # the RoPE tables' class (the worker rebuilds them with it after loading)
+    layer_class: type = DecoderLayer  # a family's decoder layer (``moe.py``: MoE blocks in place of the MLP)
 
     def __init__(self, config, max_positions: int, tp=None) -> None:
         super().__init__()
@@ -133,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_class(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = self.rotary_embedding(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -228,7 +229,6 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         attn0 = self.layers[0].self_attn
         q, kv = attn0.q_size, attn0.kv_size
-        inter = self.layers[0].mlp.intermediate_size  # this rank's share under tensor parallelism
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model.") :]
@@ -270,7 +270,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             if target == "qkv_proj":
                 offsets = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-            else:
+            else:  # gate/up halves of this module (this rank's share under tensor parallelism)
+                inter = params[pname].shape[0] // 2
                 offsets = [(0, inter), (inter, 2 * inter)]
             lo, hi = offsets[shard]
             dst = params[pname].data[lo:hi]

@@ -48,11 +48,16 @@ def gguf_quantized_modules(model_dir: str, module_of) -> set[str]:
     header = read_gguf_header(source)
     quantized: dict[str, bool] = {}
     for gname, hf in _gguf_weight_names(header).items():
-        if not hf.endswith(".weight") or len(header.tensors[gname].shape) != 2:
+        if not hf.endswith(".weight") or len(header.tensors[gname].shape) not in (2, 3):
             continue
-        module = module_of(hf)
+        shape = header.tensors[gname].shape
+        if len(shape) == 3 and ".experts." not in hf:
+            continue
+        # An MoE expert stack (GGUF dims [in, out, E]) holds each expert's module.
+        names = [hf] if len(shape) == 2 else [hf.replace(".experts.", f".experts.{e}.") for e in range(shape[2])]
         is_q = header.tensors[gname].dtype not in ("F32", "F16", "BF16")
-        quantized[module] = quantized.get(module, True) and is_q
+        for module in map(module_of, names):
+            quantized[module] = quantized.get(module, True) and is_q
     return {m for m, q in quantized.items() if q}
 
 

@@ -24,6 +24,9 @@ _CLASSES = {
     "qwen2": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "qwen3": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "phi3": ("pagedserve.model.phi3", "Phi3ForCausalLM"),
+    "mixtral": ("pagedserve.model.moe", "MoeForCausalLM"),
+    "qwen2_moe": ("pagedserve.model.moe", "MoeForCausalLM"),
+    "qwen3_moe": ("pagedserve.model.moe", "MoeForCausalLM"),
 }
 
 

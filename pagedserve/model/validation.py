@@ -42,6 +42,9 @@ from pagedserve.model.file_headers import (
     read_safetensors_header,
     short,
 )
+from pagedserve.model.moe_gguf import GGUF_ARCH_MODEL_TYPES
+
+MAX_EXPERTS = 4096  # routed experts per MoE layer (Qwen3-MoE: 128, DeepSeek-V3: 256)
 
 # -- config ---------------------------------------------------------------------------------------
 # name: (lowest, highest); None means "not given" wherever transformers has a default.
@@ -54,11 +57,18 @@ _CONFIG_INTS = {
     "num_key_value_heads": (1, MAX_HEADS),
     "head_dim": (2, MAX_HEAD_DIM),
     "max_position_embeddings": (1, MAX_POSITIONS),
-    "sliding_window": (1, MAX_POSITIONS),
+    "sliding_window": (0, MAX_POSITIONS),  # 0: none (what Qwen2-MoE writes without use_sliding_window)
     "max_window_layers": (0, MAX_LAYERS),
     "original_max_position_embeddings": (1, MAX_POSITIONS),  # phi3 LongRoPE
+    # mixture of experts (moe.py): Mixtral's num_local_experts, Qwen's num_experts (0: all dense)
+    "num_local_experts": (1, MAX_EXPERTS),
+    "num_experts": (0, MAX_EXPERTS),
+    "num_experts_per_tok": (1, MAX_EXPERTS),
+    "moe_intermediate_size": (1, MAX_INTERMEDIATE),
+    "shared_expert_intermediate_size": (0, MAX_INTERMEDIATE),
+    "decoder_sparse_step": (1, MAX_LAYERS),
 }
-_CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob", "qkv_bias")
 _CONFIG_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
@@ -133,6 +143,13 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
         prf = where.get("partial_rotary_factor")  # phi3: RoPE on the first head_dim * prf dims
         if prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1):
             raise bad("partial_rotary_factor", prf, "is not a number in (0, 1]")
+    only = cfg.get("mlp_only_layers")
+    if only is not None and not (isinstance(only, list) and all(_is_int(i) and 0 <= i < MAX_LAYERS for i in only)):
+        raise bad("mlp_only_layers", only, "is not a list of layer indices")
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    top_k = cfg.get("num_experts_per_tok")
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe") and experts and top_k is not None and top_k > experts:
+        raise bad("num_experts_per_tok", top_k, f"is more than the model's {experts} experts")
     layer_types = cfg.get("layer_types")
     if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
         raise bad("layer_types", layer_types, "is not a list of strings")
@@ -166,6 +183,10 @@ GGUF_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "rope.freq_base": "rope_theta",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 
 
@@ -179,15 +200,16 @@ def check_gguf_metadata(header: GGUFHeader) -> None:
     arch = header.metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(header.path, f"GGUF general.architecture {short(arch)} is missing or not a string")
-    if arch not in SUPPORTED_MODEL_TYPES:
+    model_type = GGUF_ARCH_MODEL_TYPES.get(arch, arch)
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelFileError(header.path, f"GGUF architecture {short(arch)} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    fields: dict[str, Any] = {"model_type": arch}
+    fields: dict[str, Any] = {"model_type": model_type}
     for suffix, field in GGUF_CONFIG_KEYS.items():
         key = f"{arch}.{suffix}"
         if key in header.metadata:
             fields[field] = header.metadata[key]
             try:
-                check_config(header.path, {"model_type": arch, field: fields[field]})
+                check_config(header.path, {"model_type": model_type, field: fields[field]})
             except ModelFileError as e:
                 raise ModelFileError(header.path, f"GGUF metadata {key}: {e.what}") from None
     try:

@@ -114,6 +114,11 @@ class ModelRunner:
             and model.backend.name == "triton"  # (sliding windows and softcaps in the Triton kernel)
         )
         graphs = cuda_step and not enforce_eager
+        if graphs and not getattr(model, "cuda_graphs_ok", True):
+            raise ValueError(
+                f"enforce_eager=False: CUDA graphs are not supported for model_type {cfg.model_type!r} "
+                "(its MoE blocks size each expert's matmul from the step's routing on the host); serve it with enforce_eager=True"
+            )
         if graphs:  # one scratch block past the pool, for the padded rows of graph steps
             full = torch.zeros((*shape[:2], num_blocks + 1, *shape[3:]), dtype=kv_dtype, device=device)
             self.kv_cache = full[:, :, :num_blocks]

@@ -115,6 +115,10 @@ class Worker:
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.max_positions = self._max_positions()
+        if config.enable_lora and not getattr(model_class(self.hf_config.model_type), "supports_lora", True):
+            raise ValueError(
+                f"enable_lora: LoRA is not supported for model_type {self.hf_config.model_type!r} (adapters name the Llama layer's modules)"
+            )
         if self.device.type == "cpu" and (tp is None or tp.rank == 0):
             _prepare_cpu_kernels()
         logger.info("pagedserve worker: loading the weights from %s", self.model_dir)

@@ -183,6 +183,7 @@ class CpuBackend(TorchBackend):
         ok = (
             self.fused_rope
             and model.tp is None  # the C step has no all-reduce between layers
+            and getattr(model, "c_step_ok", True)  # exactly the Llama layer (a family says False)
             and model._logits_linear is not None
             and not attn.qk_norm
             and all(layer.self_attn.sliding_window is None for layer in model.layers)
