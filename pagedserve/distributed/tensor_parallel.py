@@ -37,6 +37,8 @@ def verify_tp_size(hf_config, tp_size: int) -> None:
     inter = hf_config.intermediate_size
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {tp_size!r}")
+    if tp_size > 1 and hf_config.model_type in ("gemma2", "gemma3_text"):
+        raise ValueError(f"tensor parallelism is not supported for {hf_config.model_type} models yet (tensor_parallel_size must be 1)")
     if heads % tp_size or kv_heads % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} must divide the model's {heads} query heads and {kv_heads} KV heads "

@@ -104,7 +104,7 @@ def resolve_model(model: Optional[str]) -> str:
         if source is not None:
             _check_gguf_dir(path, source)
         else:
-            validate_model_dir(path, shape_check=shape_check())
+            validate_model_dir(path, load_config=load_config, shape_check=shape_check())
         return path
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -387,13 +387,18 @@ def _remove_stale_tmp(out: str) -> None:
 
 
 def load_config(model_dir: str):
-    """The transformers config of a model folder. Raises ModelFileError when it cannot be read."""
+    """The transformers config of a model folder; for a multimodal ``gemma3`` checkpoint its
+    ``text_config`` (the text model is what is served). Raises ModelFileError when it cannot be
+    read."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:
         raise ModelFileError(os.path.join(model_dir, "config.json"), f"transformers cannot read it ({describe(e)})") from None
+    if config.model_type == "gemma3":
+        config = config.get_text_config()
+    return config
 
 
 def load_tokenizer(model_dir: str):

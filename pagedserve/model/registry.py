@@ -23,6 +23,8 @@ _CLASSES = {
     "mistral": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "qwen2": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "qwen3": ("pagedserve.model.llama", "LlamaForCausalLM"),
+    "gemma2": ("pagedserve.model.gemma", "GemmaForCausalLM"),
+    "gemma3_text": ("pagedserve.model.gemma", "GemmaForCausalLM"),
 }
 
 

@@ -182,7 +182,10 @@ class Worker:
             if isinstance(module, QuantEmbedding):
                 module.dtype = self.dtype
         # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
-        model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
+        if hasattr(model, "rebuild_rotary_emb"):  # a family with its own tables (Gemma 3: local and global)
+            model.rebuild_rotary_emb(max_positions, self.device)
+        else:
+            model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
         self.weights: WeightsInfo = describe_weights(model)
         if self.weights.kinds:
             quant_matmul.check_settings()
