@@ -166,6 +166,7 @@ class GemmaForCausalLM(nn.Module):
     """
 
     c_step_ok = False  # the CPU backend's one-call step runs Llama's layer only
+    supports_lora = False  # the worker refuses enable_lora at load
 
     def __init__(self, config, max_positions: int, tp=None) -> None:
         super().__init__()

@@ -154,6 +154,8 @@ class Worker:
     def _load_model(self, max_positions: int) -> torch.nn.Module:
         cfg = self.config
         cls = model_class(self.hf_config.model_type)
+        if cfg.enable_lora and not getattr(cls, "supports_lora", True):
+            raise ValueError(f"LoRA adapters (enable_lora) are not supported for {self.hf_config.model_type} models yet")
         gguf = loader.gguf_source(self.model_dir)
         quant_modules: set[str] = set()
         if gguf is not None and cfg.quantization != "none":

@@ -1,0 +1,232 @@
+"""Gemma 2 and Gemma 3 (text) against HF transformers on the same random weights.
+
+Each tiny model keeps the real configs' structure scaled down: GQA 4/2 with ``head_dim`` 32
+(not hidden / heads), ``query_pre_attn_scalar`` unlike head_dim, local layers with a 16-token
+window beside global ones; Gemma 2 with both softcaps (set low so they bite), Gemma 3 with
+q/k norms and two RoPE tables (local theta 1,000, global 100,000 with linear scaling). Every
+1-D weight (the ``1 + w`` norm scales) is random too. Checked: greedy output equal to HF's
+(float32) on 8 prompts of 5-130 tokens (300-600 in the slow test), again with chunked prefill
+whose chunks straddle the window edge, prefix-cache hits and preemption; close with the int8
+KV cache; top-5 agreement in bfloat16; hub-style and multimodal ``gemma3`` checkpoints load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, _smollm2_dir, assert_engine_idle
+from safetensors.torch import load_file, save_file
+from test_model_hf import _hf_model, check_decode_logits, compare_with_hf, hf_greedy, our_prefill_logits
+
+from pagedserve import LLM, SamplingParams
+
+WINDOW = 16
+NEW_TOKENS = 10
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+}
+
+
+def make_gemma(kind: str, path: str) -> str:
+    """Save a tiny random ``gemma2`` / ``gemma3_text`` model with SmolLM2's tokenizer."""
+    import transformers
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if kind == "gemma2":
+        cfg = transformers.Gemma2Config(**common, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        cfg = transformers.Gemma3TextConfig(**common, rope_parameters=json.loads(json.dumps(GEMMA3_ROPE)), layer_types=LAYER_TYPES)
+        cls = transformers.Gemma3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)  # well separated greedy choices
+            else:
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(_smollm2_dir()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3_text"])
+def gemma(request, tmp_path_factory):
+    """(model dir, HF float32 model) per kind."""
+    path = make_gemma(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return path, _hf_model(path, attn_implementation="eager")
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+PROMPTS = _prompts([5, 12, 17, 30, 47, 64, 90, 130])  # the window is 16 tokens
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(gemma):
+    """HF's cached greedy continuation of every prompt."""
+    return [hf_greedy(gemma[1], p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_gemma_logits_and_greedy_match_hf(gemma, hf_reference):
+    path, hf = gemma
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, block_size=8)
+    assert _greedy(llm, PROMPTS) == hf_reference
+    reports = compare_with_hf(llm, hf, ["The capital of France is", "Once upon a time, in a land far away, there lived a king who"], 12)
+    assert all(r["identical"] for r in reports), reports
+    check_decode_logits(llm, hf, "Paged attention stores the key/value cache in fixed-size blocks so that", 24)
+
+
+def test_gemma_chunked_prefill_prefix_hits_and_preemption(gemma, hf_reference):
+    path, _ = gemma
+    # 12-token chunks: chunk edges fall at 12, 24, 36, ... across the 16-token window's edge.
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=12, enable_prefix_caching=True)
+    assert _greedy(llm, PROMPTS) == hf_reference
+    assert _greedy(llm, PROMPTS[-3:]) == hf_reference[-3:]  # the same prompts again: prefix hits
+    assert llm.stats().prefix_cache_hits > 0
+    assert_engine_idle(llm)
+    del llm
+    # A pool of 40 blocks (320 tokens) for 8 requests that need ~60 blocks: preemptions.
+    small = LLM(path, dtype="float32", num_kv_blocks=40, block_size=8, max_model_len=256, enable_prefix_caching=False)
+    assert _greedy(small, PROMPTS) == hf_reference
+    assert small.stats().num_preemptions > 0
+    assert_engine_idle(small)
+
+
+def test_gemma_int8_kv_cache_stays_close(gemma, hf_reference):
+    """The int8 cache: greedy output does not depend on batching, chunking or prefix hits, and
+    stays close to HF's float32 (first 4 tokens equal on at least 6 of 8 prompts)."""
+    path, _ = gemma
+    llm = LLM(path, dtype="float32", kv_cache_dtype="int8", num_kv_blocks=256, block_size=8)
+    batched = _greedy(llm, PROMPTS)
+    again = _greedy(llm, PROMPTS)
+    del llm
+    chunked = LLM(path, dtype="float32", kv_cache_dtype="int8", num_kv_blocks=256, block_size=8, max_num_batched_tokens=12, enable_prefix_caching=False)
+    assert _greedy(chunked, PROMPTS) == batched == again
+    close = sum(ours[:4] == ref[:4] for ours, ref in zip(batched, hf_reference))
+    assert close >= 6, (batched, hf_reference)
+
+
+def test_gemma_bf16_agrees_with_hf_top5(gemma):
+    """bfloat16 on the CPU paths (packed matmuls, C attention for global layers): each greedy
+    token of ours is in HF float32's top-5 along our sequence."""
+    path, hf = gemma
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=256, block_size=8)
+    outs = _greedy(llm, PROMPTS[2:6])
+    for prompt, ours in zip(PROMPTS[2:6], outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]
+        top5 = logits.topk(5).indices
+        assert all(t in top5[i].tolist() for i, t in enumerate(ours)), (ours, top5[:, 0].tolist())
+
+
+@pytest.mark.slow
+def test_gemma_long_prompts_match_hf(gemma):
+    path, hf = gemma
+    prompts = _prompts([300, 450, 600], seed=1)
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(path, dtype="float32", num_kv_blocks=512, block_size=16, max_num_batched_tokens=100)
+    assert _greedy(llm, prompts, 8) == want
+
+
+# -- config spellings and checkpoint layouts ------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return make_gemma("gemma3_text", str(tmp_path_factory.mktemp("gemma3-src")))
+
+
+def test_hub_style_gemma3_config_loads_as_hf_reads_it(gemma3_dir, tmp_path):
+    """A config.json as the hub has them (rope_theta, rope_local_base_freq,
+    sliding_window_pattern, rope_scaling; no layer_types / rope_parameters) gives HF's model."""
+    import shutil
+
+    dst = str(tmp_path / "hub")
+    shutil.copytree(gemma3_dir, dst)
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    for k in ("layer_types", "rope_parameters"):
+        cfg.pop(k, None)
+    cfg.update(rope_theta=50000.0, rope_local_base_freq=500.0, sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    with open(cfg_path, "w") as fh:
+        json.dump(cfg, fh)
+    hf = _hf_model(dst, attn_implementation="eager")
+    assert hf.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    llm = LLM(dst, dtype="float32", num_kv_blocks=128, block_size=8)
+    model = llm.llm_engine.core.worker.model_runner.model
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [WINDOW, WINDOW, None, WINDOW]
+    ids = PROMPTS[5]
+    diff = (our_prefill_logits(llm, ids) - hf(torch.tensor([ids])).logits[0]).abs().max().item()
+    assert diff < 1e-3
+    assert _greedy(llm, PROMPTS[4:6]) == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS[4:6]]
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers5"])
+def test_multimodal_gemma3_checkpoint_serves_its_text_model(gemma3_dir, tmp_path, layout):
+    """A ``gemma3`` checkpoint (text_config + vision weights): the text weights under
+    ``language_model.model.*`` (hub files) or ``model.language_model.*`` (transformers 5), the
+    vision tower skipped; logits equal to the text-only checkpoint's."""
+    import shutil
+
+    dst = str(tmp_path / layout)
+    shutil.copytree(gemma3_dir, dst)
+    st = os.path.join(dst, "model.safetensors")
+    tensors = load_file(st)
+    prefix = "language_model.model." if layout == "hub" else "model.language_model."
+    vision = "vision_tower." if layout == "hub" else "model.vision_tower."
+    renamed = {prefix + k[len("model.") :]: v for k, v in tensors.items()}
+    renamed[vision + "vision_model.embeddings.patch_embedding.weight"] = torch.zeros(8, 3, 4, 4)
+    save_file(renamed, st, metadata={"format": "pt"})
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as fh:
+        text = json.load(fh)
+    with open(cfg_path, "w") as fh:
+        json.dump({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}, fh)
+    ref = LLM(gemma3_dir, dtype="float32", num_kv_blocks=64, block_size=8)
+    want = our_prefill_logits(ref, PROMPTS[4])
+    del ref
+    llm = LLM(dst, dtype="float32", num_kv_blocks=64, block_size=8)
+    assert torch.equal(our_prefill_logits(llm, PROMPTS[4]), want)
+
+
+def test_refused_features(gemma3_dir):
+    from pagedserve.model.file_headers import ModelFileError
+    from pagedserve.model.validation import check_config
+
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for gemma3_text"):
+        LLM(gemma3_dir, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="LoRA"):
+        LLM(gemma3_dir, dtype="float32", num_kv_blocks=64, enable_lora=True)
+    with pytest.raises(ModelFileError, match="hidden_activation"):
+        check_config("c.json", {"model_type": "gemma2", "hidden_activation": "relu"})
+    with pytest.raises(ModelFileError, match="query_pre_attn_scalar"):
+        check_config("c.json", {"model_type": "gemma3", "text_config": {"query_pre_attn_scalar": -1}})
