@@ -181,6 +181,7 @@ class GemmaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._sliding = [t == "sliding_attention" for t in config.layer_types]  # which RoPE table each layer reads
         self.rotary_emb, self.rotary_emb_local = _rope_tables(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         softcap = getattr(config, "final_logit_softcapping", None)
@@ -221,8 +222,8 @@ class GemmaForCausalLM(nn.Module):
         local_state = state
         if state is not None and self.rotary_emb_local is not self.rotary_emb:
             local_state = self.rotary_emb_local(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            if layer.self_attn.is_sliding:
+        for layer, kv_cache, sliding in zip(self.layers, kv_caches, self._sliding):
+            if sliding:
                 hidden = layer(hidden, positions, local_state, self.rotary_emb_local, kv_cache, attn_metadata, backend)
             else:
                 hidden = layer(hidden, positions, state, self.rotary_emb, kv_cache, attn_metadata, backend)
