@@ -134,8 +134,21 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_hf_name(name: str) -> str:
-    """The HF name of a llama.cpp tensor name. Raises KeyError for a name with no HF twin."""
+# Gemma 2/3 (llama.cpp's gemma2 / gemma3 architectures; gemma3_text: the config's model_type):
+# four norms per layer, ``ffn_norm`` being the one before the MLP.
+_GEMMA_ARCHS = ("gemma2", "gemma3", "gemma3_text")
+_GEMMA_GGUF_NAMES = {
+    **_GGUF_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _gguf_hf_name(name: str, arch: str = "llama") -> str:
+    """The HF name of a llama.cpp tensor name of architecture ``arch`` (or the config's
+    model_type). Raises KeyError for a name with no HF twin."""
+    table = _GEMMA_GGUF_NAMES if arch in _GEMMA_ARCHS else _GGUF_NAMES
     stem, _, suffix = name.rpartition(".")  # suffix: weight / bias
     if suffix not in ("weight", "bias"):
         raise KeyError(name)
@@ -143,8 +156,15 @@ def _gguf_hf_name(name: str) -> str:
         _, idx, part = (stem.split(".", 2) + ["", ""])[:3]
         if not idx.isdigit() or not idx.isascii():
             raise KeyError(name)
-        return f"model.layers.{int(idx)}.{_GGUF_NAMES[part]}.{suffix}"
-    return f"{_GGUF_NAMES[stem]}.{suffix}"
+        return f"model.layers.{int(idx)}.{table[part]}.{suffix}"
+    return f"{table[stem]}.{suffix}"
+
+
+def gguf_norm_shift(arch: str, hf_name: str) -> float:
+    """What llama.cpp's converter added to a tensor: Gemma's RMSNorm scales are stored as
+    ``1 + w`` (its ``(1 + weight)`` folded in), so the loader subtracts 1 (exact in float32:
+    ``1 + ((1 + w) - 1)`` is again the stored value)."""
+    return 1.0 if arch in _GEMMA_ARCHS and hf_name.endswith("norm.weight") else 0.0
 
 
 def _gguf_weight_names(header: GGUFHeader) -> dict[str, str]:
@@ -155,10 +175,11 @@ def _gguf_weight_names(header: GGUFHeader) -> dict[str, str]:
     """
     from pagedserve.model.file_headers import SUPPORTED_GGUF_TYPES
 
+    arch = str(header.metadata.get("general.architecture", "llama"))
     names: dict[str, str] = {}
     for name, spec in header.tensors.items():
         try:
-            names[name] = _gguf_hf_name(name)
+            names[name] = _gguf_hf_name(name, arch)
         except KeyError:
             raise ModelFileError(header.path, f"tensor {short(name)} is not a llama-family weight pagedserve knows") from None
         if spec.dtype not in SUPPORTED_GGUF_TYPES:
@@ -185,7 +206,10 @@ def iterate_gguf_arrays(path: str, num_heads: int, num_kv_heads: int, arch: str)
     for t in reader.tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        name = _gguf_hf_name(t.name)
+        name = _gguf_hf_name(t.name, arch)
+        shift = gguf_norm_shift(arch, name)
+        if shift:
+            arr = arr - np.float32(shift)
         if arch == "llama":
             if name.endswith("q_proj.weight"):
                 arr = _unpermute_rope(arr, num_heads)
@@ -335,6 +359,8 @@ def _check_gguf_dir(folder: str, gguf: str) -> None:
 def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from pagedserve.model.gguf_config import fix_gguf_config
+
     names = _gguf_weight_names(header)
     check_gguf_metadata(header)
     d, f = os.path.dirname(path), os.path.basename(path)
@@ -344,6 +370,7 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
         raise ModelFileError(path, f"transformers cannot read its metadata ({describe(e)})") from None
     if "lm_head.weight" not in names.values():
         config.tie_word_embeddings = True
+    fix_gguf_config(config, header)
     check_config(path, config.to_dict())
     # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.
     check_weights(path, config, {hf: TensorSpec(hf, "F32", tuple(reversed(header.tensors[g].shape)), path) for g, hf in names.items()}, shape_check())

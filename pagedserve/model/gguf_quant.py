@@ -253,13 +253,13 @@ def iterate_gguf_tensors(
     """
     import gguf
 
-    from pagedserve.model.files import _gguf_hf_name
+    from pagedserve.model.files import _gguf_hf_name, gguf_norm_shift
 
     header = read_gguf_header(path)
     names: dict[str, str] = {}
     for spec in header.tensors.values():
         try:
-            names[spec.name] = _gguf_hf_name(spec.name)
+            names[spec.name] = _gguf_hf_name(spec.name, arch)
         except KeyError:
             raise ModelFileError(path, f"tensor {short(spec.name)} is not a llama-family weight pagedserve knows") from None
         if quantized and spec.dtype not in SUPPORTED_GGUF_TYPES:
@@ -294,4 +294,7 @@ def iterate_gguf_tensors(
                 raise ModelFileError(path, f"tensor {short(spec.name)} has ggml type {qtype}, which gguf cannot dequantize") from None
             out = torch.from_numpy(np.array(np.asarray(arr, dtype=np.float32).reshape(shape), dtype=np.float32, order="C", copy=True))
         del data
+        shift = gguf_norm_shift(arch, name)
+        if shift and isinstance(out, torch.Tensor):  # Gemma's norms, stored as 1 + w
+            out = out.float() - shift
         yield name, out

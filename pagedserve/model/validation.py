@@ -194,6 +194,7 @@ GGUF_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "rope.freq_base": "rope_theta",
+    "attention.sliding_window": "sliding_window",
 }
 
 
@@ -209,8 +210,6 @@ def check_gguf_metadata(header: GGUFHeader) -> None:
         raise ModelFileError(header.path, f"GGUF general.architecture {short(arch)} is missing or not a string")
     if arch not in SUPPORTED_MODEL_TYPES:
         raise ModelFileError(header.path, f"GGUF architecture {short(arch)} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if arch in GEMMA_MODEL_TYPES:
-        raise ModelFileError(header.path, f"GGUF architecture {arch} is not supported yet: load the safetensors checkpoint")
     fields: dict[str, Any] = {"model_type": arch}
     for suffix, field in GGUF_CONFIG_KEYS.items():
         key = f"{arch}.{suffix}"

@@ -230,3 +230,122 @@ def test_refused_features(gemma3_dir):
         check_config("c.json", {"model_type": "gemma2", "hidden_activation": "relu"})
     with pytest.raises(ModelFileError, match="query_pre_attn_scalar"):
         check_config("c.json", {"model_type": "gemma3", "text_config": {"query_pre_attn_scalar": -1}})
+
+
+# -- GGUF ----------------------------------------------------------------------------------------
+_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gemma_gguf(hf_dir: str, path: str, arch: str, qtype: str) -> str:
+    """A GGUF of an HF Gemma checkpoint as llama.cpp's converter writes one: its names, norms
+    stored as ``1 + w`` (float32), the metadata of ``conversion/gemma.py``; 2-D weights in
+    ``qtype``. The tokenizer is gguf_utils' byte-level BPE (the model's vocabulary is its size)."""
+    import gguf
+    import numpy as np
+    from gguf_utils import _byte_chars
+
+    with open(os.path.join(hf_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "e r"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_chars() + [m.replace(" ", "") for m in merges]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    else:
+        full, local = cfg["rope_parameters"]["full_attention"], cfg["rope_parameters"]["sliding_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    qt = gguf.GGMLQuantizationType[qtype]
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        arr = t.float().numpy()
+        if name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)
+        stem = name[len("model.") :].rsplit(".", 1)[0]
+        if stem.startswith("layers."):
+            _, i, part = stem.split(".", 2)
+            gname = f"blk.{i}.{_TO_GGUF[part]}.weight"
+        else:
+            gname = {"embed_tokens": "token_embd", "norm": "output_norm"}[stem] + ".weight"
+        if arr.ndim == 2 and qtype != "F32":
+            w.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
+def test_gguf_loads_as_the_safetensors_checkpoint(kind, tmp_path, monkeypatch):
+    """llama.cpp's layout (names, ``1 + w`` norms, metadata): F32 gives the safetensors
+    checkpoint's logits exactly; Q8_0 stays close (same top-1 on most rows)."""
+    import transformers
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    common = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  query_pre_attn_scalar=32, max_position_embeddings=512, sliding_window=WINDOW, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "gemma2":
+        cfg = transformers.Gemma2Config(**common, num_hidden_layers=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+        model = transformers.Gemma2ForCausalLM(cfg)
+    else:  # 6 layers: llama.cpp's fixed pattern (5 local, 1 global)
+        cfg = transformers.Gemma3TextConfig(**common, num_hidden_layers=6, rope_parameters=json.loads(json.dumps(GEMMA3_ROPE)))
+        model = transformers.Gemma3ForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(4.0 * torch.randn_like(p) * 0.02 if p.dim() >= 2 else 0.5 * torch.randn_like(p))
+    hf_dir = str(tmp_path / "hf")
+    model.save_pretrained(hf_dir)
+    transformers.AutoTokenizer.from_pretrained(_smollm2_dir()).save_pretrained(hf_dir)
+    arch = "gemma2" if kind == "gemma2" else "gemma3"
+    ids = _prompts([40], seed=3)[0]
+    ids = [i % 264 for i in ids]
+    ref = LLM(hf_dir, dtype="float32", num_kv_blocks=32, block_size=8)
+    want = our_prefill_logits(ref, ids)
+    del ref
+    f32 = LLM(write_gemma_gguf(hf_dir, str(tmp_path / "m-f32.gguf"), arch, "F32"), dtype="float32", num_kv_blocks=32, block_size=8)
+    assert torch.equal(our_prefill_logits(f32, ids), want)
+    del f32
+    q8 = LLM(write_gemma_gguf(hf_dir, str(tmp_path / "m-q8.gguf"), arch, "Q8_0"), dtype="float32", num_kv_blocks=32, block_size=8)
+    got = our_prefill_logits(q8, ids)
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
