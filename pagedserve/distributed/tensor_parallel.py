@@ -1,6 +1,6 @@
-"""Shard a Llama-family model for rank ``r`` of ``N`` tensor-parallel ranks (Megatron-LM's
-layout, Shoeybi et al. 2019; the size of gpt-fast's ``tp.py``, applied while loading so that no
-rank ever holds the whole model):
+"""Shard a Llama-family or Gemma model (the same module names) for rank ``r`` of ``N``
+tensor-parallel ranks (Megatron-LM's layout, Shoeybi et al. 2019; the size of gpt-fast's
+``tp.py``, applied while loading so that no rank ever holds the whole model):
 
 - column-parallel: the fused ``qkv_proj`` keeps this rank's query heads and KV heads (and their
   bias rows), ``gate_up_proj`` this rank's share of the gate rows and of the up rows;
@@ -37,8 +37,6 @@ def verify_tp_size(hf_config, tp_size: int) -> None:
     inter = hf_config.intermediate_size
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {tp_size!r}")
-    if tp_size > 1 and hf_config.model_type in ("gemma2", "gemma3_text"):
-        raise ValueError(f"tensor parallelism is not supported for {hf_config.model_type} models yet (tensor_parallel_size must be 1)")
     if heads % tp_size or kv_heads % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} must divide the model's {heads} query heads and {kv_heads} KV heads "

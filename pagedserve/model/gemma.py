@@ -157,12 +157,15 @@ class GemmaForCausalLM(nn.Module):
     Args:
         config: a transformers ``Gemma2Config`` or ``Gemma3TextConfig``.
         max_positions: size of the RoPE tables (tokens), at least max_model_len.
-        tp: must be None (tensor parallelism is not built for Gemma).
+        tp: this rank's tensor-parallel group, else None: the model is then shaped for its
+            rank by ``pagedserve.distributed.tensor_parallel.shard_shapes`` as Llama is (the
+            all-reduce hooks sit on ``self_attn`` and ``mlp``, before Gemma's post-norms; the
+            norms, q/k norms included, are replicated).
     Attributes:
         rotary_emb: the global layers' RoPE table; ``rotary_emb_local`` the sliding layers'
             (the same object for Gemma 2). :meth:`rebuild_rotary_emb` makes both anew.
     Raises:
-        ValueError: an unsupported model_type, tensor parallelism, bidirectional attention.
+        ValueError: an unsupported model_type, bidirectional attention.
     """
 
     c_step_ok = False  # the CPU backend's one-call step runs Llama's layer only
@@ -172,8 +175,6 @@ class GemmaForCausalLM(nn.Module):
         super().__init__()
         if config.model_type not in GEMMA_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not a Gemma 2/3 text config")
-        if tp is not None:
-            raise ValueError("tensor parallelism is not supported for Gemma models yet (tensor_parallel_size must be 1)")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not supported")
         self.config = config
