@@ -360,3 +360,17 @@ def test_gguf_loads_as_the_safetensors_checkpoint(kind, tmp_path, monkeypatch):
     got = our_prefill_logits(q8, ids)
     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_pooling_runner_embeds_as_hf_last_hidden_state(gemma3_dir):
+    """``runner="pooling"``: the mean of the final normed hidden states, as HF's
+    ``Gemma3TextModel.last_hidden_state`` (the windowed layers included: 40 tokens > 16)."""
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(gemma3_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = PROMPTS[4][:40]
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).last_hidden_state[0].mean(0)
+    llm = LLM(gemma3_dir, runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False}, dtype="float32", num_kv_blocks=64, block_size=8)
+    got = torch.tensor(llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)[0].outputs.embedding)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
