@@ -374,3 +374,16 @@ def test_pooling_runner_embeds_as_hf_last_hidden_state(gemma3_dir):
     llm = LLM(gemma3_dir, runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False}, dtype="float32", num_kv_blocks=64, block_size=8)
     got = torch.tensor(llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)[0].outputs.embedding)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_fused_rope_path_reads_each_layers_table(gemma, hf_reference):
+    """The CPU backend's fused RoPE + KV write (taken in bf16 where the CPU has AVX512-BF16),
+    forced on here in float32: each layer's C RoPE reads its own table (Gemma 3: local or
+    global), global layers' prefill runs in the C kernel, local ones read the cache in PyTorch."""
+    path, _ = gemma
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, block_size=8)
+    backend = llm.llm_engine.core.worker.model_runner.model.backend
+    if backend.name != "cpu-kernels":
+        pytest.skip("no compiled CPU kernels")
+    backend.fused_rope = True
+    assert _greedy(llm, PROMPTS) == hf_reference
