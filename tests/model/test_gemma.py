@@ -203,6 +203,25 @@ def test_hub_style_gemma3_config_loads_as_hf_reads_it(gemma3_dir, tmp_path):
     assert _greedy(llm, PROMPTS[4:6]) == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS[4:6]]
 
 
+def test_hub_style_gemma2_config_loads_as_hf_reads_it(tmp_path):
+    """Gemma 2 as on the hub: rope_theta, hidden_act beside hidden_activation,
+    cache_implementation; no layer_types (even layers local) / rope_parameters."""
+    dst = make_gemma("gemma2", str(tmp_path / "hub2"))
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    for k in ("layer_types", "rope_parameters"):
+        cfg.pop(k, None)
+    cfg.update(rope_theta=3000.0, hidden_act="gelu_pytorch_tanh", cache_implementation="hybrid")
+    with open(cfg_path, "w") as fh:
+        json.dump(cfg, fh)
+    hf = _hf_model(dst, attn_implementation="eager")
+    llm = LLM(dst, dtype="float32", num_kv_blocks=128, block_size=8)
+    model = llm.llm_engine.core.worker.model_runner.model
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [WINDOW, None, WINDOW, None]
+    assert _greedy(llm, PROMPTS[4:6]) == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS[4:6]]
+
+
 @pytest.mark.parametrize("layout", ["hub", "transformers5"])
 def test_multimodal_gemma3_checkpoint_serves_its_text_model(gemma3_dir, tmp_path, layout):
     """A ``gemma3`` checkpoint (text_config + vision weights): the text weights under
