@@ -17,10 +17,13 @@ What differs from the Llama family (:mod:`pagedserve.model.llama`), each as HF c
   the global one possibly scaled);
 - local/global layers: each layer's window from :func:`pagedserve.model.registry.layer_windows`.
 
-Projections are fused as in Llama (qkv, gate/up), so the weight loader is Llama's. The CPU
-backend's fused C ops assume Llama's norm and activation: this model calls only the backend's
-RoPE + KV write and attention, never its ``add_rms_norm`` / ``silu_and_mul`` nor its one-call
-C step (``decode_step``).
+Projections are fused as in Llama (qkv, gate/up) under Llama's module names, so the weight
+loader, the CPU packing and the tensor-parallel sharding are Llama's. The CPU backend's fused C
+ops assume Llama's norm and activation: this model calls only the backend's RoPE + KV write
+(each layer with its own table) and attention, never its ``add_rms_norm`` / ``silu_and_mul``
+nor its one-call C step (``c_step_ok = False``). LoRA is refused (``supports_lora = False``).
+A multimodal ``gemma3`` checkpoint is served as its text model (``files.load_config`` returns
+its ``text_config``; :meth:`GemmaForCausalLM.text_name` renames the weights).
 """
 
 from __future__ import annotations
