@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve-bench", "llama-1b-shapes")
@@ -51,10 +52,15 @@ ROPE_THETA = 500000.0
 TINY = dict(SHAPES, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
 
 
-def build(out: str, seed: int, shapes: dict = SHAPES) -> str:
-    """Write the model to ``out`` (atomically: a temp dir renamed at the end); returns ``out``."""
+def build(out: str, seed: int, shapes: dict = SHAPES, arch: str = "LlamaForCausalLM", extra_json: Optional[dict] = None,
+          rope_theta: float = ROPE_THETA) -> str:
+    """Write the model to ``out`` (atomically: a temp dir renamed at the end); returns ``out``.
+
+    ``arch`` names the transformers class (``Qwen3MoeForCausalLM`` for moe_vs_llamacpp.py; its
+    config class is ``<family>Config``), ``shapes`` its config's fields; ``extra_json``: keys
+    written into config.json as well (e.g. the hub's spelling of a field transformers renames)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     sys.path.insert(0, ROOT)
     from pagedserve.model import loader
@@ -62,15 +68,15 @@ def build(out: str, seed: int, shapes: dict = SHAPES) -> str:
     src = loader.resolve_model(None)  # SmolLM2's HF dir (converted from the packaged GGUF once)
     tok = loader.load_tokenizer(src)
     src_cfg = loader.load_config(src)
-    config = LlamaConfig(
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
         vocab_size=src_cfg.vocab_size,
         bos_token_id=src_cfg.bos_token_id,
         eos_token_id=src_cfg.eos_token_id,
         pad_token_id=getattr(src_cfg, "pad_token_id", None),
-        rope_theta=ROPE_THETA,
+        rope_theta=rope_theta,
         **shapes,
     )
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [arch]
     tmp = out + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -78,7 +84,7 @@ def build(out: str, seed: int, shapes: dict = SHAPES) -> str:
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # init straight into bf16: no fp32 copy (4.3 GB) in memory
     try:
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, arch)(config)
     finally:
         torch.set_default_dtype(prev)
     model.eval()
@@ -92,13 +98,14 @@ def build(out: str, seed: int, shapes: dict = SHAPES) -> str:
             shutil.copy(os.path.join(src, name), tmp)
     with open(os.path.join(tmp, "config.json")) as fh:
         cfg = json.load(fh)
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg.setdefault("rope_theta", ROPE_THETA)  # older readers (and converters) look for it here
+    cfg["architectures"] = [arch]
+    cfg.update(extra_json or {})
+    cfg.setdefault("rope_theta", rope_theta)  # older readers (and converters) look for it here
     cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
     with open(os.path.join(tmp, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)
     with open(os.path.join(tmp, "build.json"), "w") as fh:
-        json.dump({"seed": seed, "params": n, "tokenizer_from": src, "shapes": shapes, "rope_theta": ROPE_THETA}, fh, indent=2)
+        json.dump({"seed": seed, "params": n, "tokenizer_from": src, "arch": arch, "shapes": shapes, "rope_theta": rope_theta}, fh, indent=2)
     open(os.path.join(tmp, ".complete"), "w").close()
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_cache_manager import KVCacheManager, num_skipped_blocks
 from pagedserve.core.outputs import EngineCoreOutputs, ModelRunnerOutput
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.output import SchedulerOutput
@@ -23,23 +23,25 @@ TOK = 7  # an ordinary sampled token
 IDENTITY = "/models/tiny|torch.float32"
 
 
-def make_kv_manager(num_blocks: int = 16, caching: bool = True, identity: str = IDENTITY) -> KVCacheManager:
-    return KVCacheManager(num_blocks, B, enable_caching=caching, model_identity=identity)
+def make_kv_manager(num_blocks: int = 16, caching: bool = True, identity: str = IDENTITY, window: Optional[int] = None) -> KVCacheManager:
+    return KVCacheManager(num_blocks, B, enable_caching=caching, model_identity=identity, sliding_window=window)
 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, max_model_len: Optional[int] = None,
                    chunked: bool = True, threshold: int = 0, caching: bool = True, max_step_ms: float = 0.0,
-                   max_step_decode_multiple: float = 0.0, policy: str = "fcfs", spec: Optional[dict] = None) -> Scheduler:
+                   max_step_decode_multiple: float = 0.0, policy: str = "fcfs", spec: Optional[dict] = None,
+                   window: Optional[int] = None) -> Scheduler:
     """A scheduler over a fresh pool of ``num_blocks`` blocks of ``B`` tokens. The step-time
     bound is off unless ``max_step_ms`` is given (the token-budget tests pin the plain rule;
     with it on, ``step(..., step_ms=...)`` plays the clock); its decode multiple is off unless
-    given, so that ``max_step_ms`` is the fixed target."""
+    given, so that ``max_step_ms`` is the fixed target. ``window``: every layer's sliding
+    window (tokens), whose blocks the KV cache manager frees as requests move on."""
     cfg = EngineConfig(
         block_size=B, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold, enable_prefix_caching=caching, max_step_ms=max_step_ms,
         max_step_decode_multiple=max_step_decode_multiple, scheduling_policy=policy, speculative_config=spec,
     ).resolved(max_model_len or num_blocks * B)
-    sched = Scheduler(cfg, make_kv_manager(num_blocks, caching, "unit"))
+    sched = Scheduler(cfg, make_kv_manager(num_blocks, caching, "unit", window))
     sched.fake_worker = FakeWorker()
     return sched
 
@@ -155,7 +157,7 @@ def drain(sched: Scheduler, max_steps: int = 1000, **kw) -> list[dict[str, int]]
 
 def assert_pool_idle(kv: KVCacheManager) -> None:
     pool = kv.block_pool
-    assert not kv.req_to_blocks and not kv.num_cached_blocks
+    assert not kv.req_to_blocks and not kv.num_cached_blocks and not kv.num_released
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert pool.num_free_blocks == pool.num_blocks == len(list(pool.free_queue))
     assert sorted(b.block_id for b in pool.free_queue) == list(range(pool.num_blocks))
@@ -191,15 +193,21 @@ def check_invariants(sched: Scheduler, spare_tokens: int = 0) -> None:
         assert (b.ref_cnt == 0) == (b.block_id in free_set), b
     # The O(1) count of cached-and-evictable blocks (read by the step trace) matches a walk.
     assert pool.num_cached_free_blocks == sum(1 for b in pool.free_queue if b.block_hash is not None)
-    # Every ref_cnt equals the number of live block tables holding the block.
+    # Every ref_cnt equals the number of live block tables holding the block (with a sliding
+    # window, the entries after the released ones; released only once out of every future
+    # query's window).
     counts: Counter = Counter()
     where = defaultdict(list)
+    assert set(kv.num_released) <= set(kv.req_to_blocks)
     for rid, blocks in kv.req_to_blocks.items():
         assert rid in live and live[rid].status == RequestStatus.RUNNING, rid
-        ids = [b.block_id for b in blocks]
+        released = kv.num_released.get(rid, 0)
+        assert released <= min(len(blocks), num_skipped_blocks(live[rid].num_computed_tokens, kv.sliding_window, B)), (rid, released)
+        ids = [b.block_id for b in blocks[released:]]
+        assert all(pool.blocks[b.block_id] is b for b in blocks[released:]), rid
         assert len(ids) == len(set(ids)), (rid, ids)
         counts.update(ids)
-        for i, bid in enumerate(ids):
+        for i, bid in enumerate(ids, start=released):
             where[bid].append((rid, i))
     for b in pool.blocks:
         assert b.ref_cnt == counts[b.block_id], (b, counts[b.block_id])

@@ -47,10 +47,30 @@ def projection_shapes(hf_config) -> list[tuple[int, int]]:
     return [((heads + 2 * kv_heads) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
 
 
+def mlp_params_per_token(hf_config, layer: int) -> int:
+    """Matmul weights one token's MLP reads in ``layer``: the dense MLP (gate, up, down), or in a
+    mixture-of-experts layer the router, its ``num_experts_per_tok`` experts and the shared expert
+    with its gate where there is one (Qwen2-MoE). Expert size: ``moe_intermediate_size`` (Qwen MoE),
+    else ``intermediate_size`` (Mixtral). Which layers are sparse: HF's Qwen2/3-MoE rule (not in
+    ``mlp_only_layers``, and ``(layer + 1) % decoder_sparse_step == 0``); every layer for Mixtral."""
+    h = hf_config.hidden_size
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
+    top_k = getattr(hf_config, "num_experts_per_tok", None) or 0
+    step = getattr(hf_config, "decoder_sparse_step", None) or 1
+    if not experts or not top_k or layer in (getattr(hf_config, "mlp_only_layers", None) or []) or (layer + 1) % step:
+        return 3 * h * hf_config.intermediate_size
+    inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) or 0
+    return experts * h + top_k * 3 * h * inter + (3 * h * shared + h if shared else 0)
+
+
 def model_flops(hf_config) -> ModelFlops:
-    """Matmul parameter counts of a Llama-family config: its layers' projections, and the LM head."""
-    per_layer = sum(n * k for n, k in projection_shapes(hf_config))
-    return ModelFlops(per_layer * hf_config.num_hidden_layers, hf_config.hidden_size * hf_config.vocab_size)
+    """Matmul parameter counts of a Llama-family config, per token: its layers' attention
+    projections and MLP (a mixture of experts: the weights of the experts a token is routed to,
+    ``mlp_params_per_token``), and the LM head."""
+    attn = sum(n * k for n, k in projection_shapes(hf_config)[:2])
+    layers = sum(attn + mlp_params_per_token(hf_config, i) for i in range(hf_config.num_hidden_layers))
+    return ModelFlops(layers, hf_config.hidden_size * hf_config.vocab_size)
 
 
 def measure_matmul_flops(

@@ -23,6 +23,11 @@ How many requests fit at once in the same pool: paged = the most requests the en
 arrival order (and ``pool // max_model_len`` slots). The engine then runs the workload again with
 ``max_num_seqs`` set to the static number, and the throughput ratio is printed: the batch-size cost
 of static reservation with everything else (kernels, scheduler) equal.
+
+For a model with sliding-window layers it also reports KV bytes per request at
+``--window-context`` tokens (default max_model_len) with the window's freeing and without
+(:mod:`pagedserve.bench.window_memory`: measured on the core's allocator for a pure
+sliding-window model; for a hybrid one, the one block table against per-group tables).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any, Optional, Sequence
 
 from pagedserve.bench.datasets import SampleRequest, build_requests, describe
 from pagedserve.bench.throughput import apply_num_threads, build_engine, load_tokenizer_and_config, warm_up_engine, write_json
+from pagedserve.bench.window_memory import describe_report, window_report
 
 logger = logging.getLogger("pagedserve.bench")
 
@@ -64,6 +70,9 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up request")
     p.add_argument("--output-json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="PNG: tokens held / allocated / reserved and utilization per step")
+    p.add_argument(
+        "--window-context", type=int, default=None, help="sliding-window models: KV bytes per request at this context (default max_model_len)"
+    )
 
 
 def stop_lengths(requests: Sequence[SampleRequest], dist: str, seed: int) -> list[int]:
@@ -191,9 +200,22 @@ def _plot(path: str, rows: Sequence[dict[str, int]], pool_tokens: int) -> None:
     print(f"Plot written to {path}")
 
 
+def sliding_window_report(hf_config, block_bytes: int, block_size: int, context: int, chunk: Optional[int]) -> Optional[dict[str, Any]]:
+    """:func:`window_report` for the served model (``block_bytes``: K and V of one block, all
+    layers; ``chunk``: the prefill chunk, None without chunked prefill), None without windows."""
+    from pagedserve.model.registry import layer_windows
+
+    windows = layer_windows(hf_config)
+    if all(w is None for w in windows):
+        return None
+    num_decode = min(256, context - 1)
+    per_token_layer = block_bytes // (block_size * len(windows))
+    return window_report(windows, per_token_layer, context, block_size, chunk or context - num_decode, num_decode)
+
+
 def cmd_memory(args: argparse.Namespace) -> int:
     apply_num_threads(args)
-    model_dir, tok, _ = load_tokenizer_and_config(args.model)
+    model_dir, tok, hf_config = load_tokenizer_and_config(args.model)
     requests = build_requests(args, tok, args.seed)
     lengths = stop_lengths(requests, args.output_len_dist, args.seed)
     B = args.block_size
@@ -212,6 +234,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
     pool_blocks = engine.core.info.num_blocks
     pool_tokens = pool_blocks * B
     max_len = engine.config.max_model_len
+    window = sliding_window_report(
+        hf_config,
+        engine.core.info.block_bytes,
+        B,
+        args.window_context or max_len,
+        engine.config.max_num_batched_tokens if engine.config.enable_chunked_prefill else None,
+    )
     if not args.no_warmup:
         warm_up_engine(engine, requests)
     elapsed, out_tokens, records, ids = run_traced(engine, requests, lengths, args.output_len_dist == "eos")
@@ -261,6 +290,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
             f"Throughput: paged {paged_tp['output_tokens_per_s']:.1f} output tok/s (max_num_seqs {paged_tp['max_num_seqs']}), "
             f"limited to the static batch {static_tp['output_tokens_per_s']:.1f} tok/s (max_num_seqs {static_tp['max_num_seqs']}): {ratio:.2f}x"
         )
+    if window is not None:
+        print(describe_report(window))
     if args.plot:
         _plot(args.plot, rows, pool_tokens)
     if args.output_json:
@@ -289,6 +320,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                 "max_concurrent_static_max_len": max_static_len,
                 "throughput": {"paged": paged_tp, "static": static_tp, "ratio_output_tokens_per_s": ratio},
                 "paper": PAPER,
+                "sliding_window": window,
                 "seed": args.seed,
             },
         )

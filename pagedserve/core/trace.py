@@ -213,7 +213,7 @@ def block_map(kv_cache_manager: KVCacheManager, running_ids: Optional[list[str]]
     order += [r for r in tables if r not in seen]
     owner = [-1] * pool.num_blocks
     for i, rid in enumerate(order):
-        for b in tables[rid]:
+        for b in kv_cache_manager.held_blocks(rid):  # not a sliding window's released entries
             if owner[b.block_id] < 0:
                 owner[b.block_id] = i
     state = []

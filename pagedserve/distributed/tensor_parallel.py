@@ -148,6 +148,10 @@ def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], hf_config, gro
     shard = -(-hf_config.vocab_size // n)
     rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "gate_proj": part, "up_proj": part}
     cols = {"o_proj": q_rows, "down_proj": part}
+    if hf_config.model_type == "phi3":  # fused qkv / gate_up tensors: shard each part
+        from pagedserve.model.phi3 import split_fused
+
+        weights = split_fused(weights, hf_config)
     for name, t in weights:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")

@@ -59,11 +59,18 @@ class EngineCore:
             if self.config.runner == "pooling":
                 self.config = _with_pooling(self.config, self.worker.model_dir)
             self.config.verify_token_budget()
+            if spec.sliding_window is not None and self.config.kv_transfer_config is not None:
+                raise ValueError(
+                    "prefill/decode disaggregation (kv_transfer_config) is not supported for sliding-window models: a "
+                    f"transfer sends every prompt block, and the blocks older than the {spec.sliding_window}-token window are freed during prefill"
+                )
             self.worker.initialize_cache(self.config)
         except BaseException:
             self.worker.shutdown()
             raise
-        kv = KVCacheManager(spec.num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.worker.model_identity)
+        kv = KVCacheManager(
+            spec.num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.worker.model_identity, spec.sliding_window
+        )
         tokenizer_dir = config.tokenizer or self.worker.model_dir
         hf_config = self.worker.hf_config
         grammars = StructuredOutputManager(

@@ -79,7 +79,7 @@ SAFETENSORS_BITS = {
 
 
 # The model types pagedserve's model implementation runs (pagedserve.model.llama).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
 
 
 class ModelFileError(ValueError):

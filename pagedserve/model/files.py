@@ -134,30 +134,37 @@ _GGUF_NAMES = {
 }
 
 
-# Gemma 2/3 (llama.cpp's gemma2 / gemma3 architectures; gemma3_text: the config's model_type):
-# four norms per layer, ``ffn_norm`` being the one before the MLP.
-_GEMMA_ARCHS = ("gemma2", "gemma3", "gemma3_text")
-_GEMMA_GGUF_NAMES = {
-    **_GGUF_NAMES,
+# Where an architecture's names differ from llama's (phi3: fused Q/K/V, and gate+up in ffn_up;
+# gemma2/gemma3: four norms per layer, ``ffn_norm`` being the one before the MLP).
+_GEMMA_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_GGUF_ARCH_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "gemma3_text": _GEMMA_NAMES,  # the config's model_type for a gemma3 GGUF
+}
+# Tensors that are config, not weights: phi3's LongRoPE factors (read into config.json at conversion).
+GGUF_CONFIG_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
+_GEMMA_ARCHS = ("gemma2", "gemma3", "gemma3_text")
 
 
 def _gguf_hf_name(name: str, arch: str = "llama") -> str:
     """The HF name of a llama.cpp tensor name of architecture ``arch`` (or the config's
     model_type). Raises KeyError for a name with no HF twin."""
-    table = _GEMMA_GGUF_NAMES if arch in _GEMMA_ARCHS else _GGUF_NAMES
     stem, _, suffix = name.rpartition(".")  # suffix: weight / bias
     if suffix not in ("weight", "bias"):
         raise KeyError(name)
+    names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES[arch]} if arch in _GGUF_ARCH_NAMES else _GGUF_NAMES
     if stem.startswith("blk."):
         _, idx, part = (stem.split(".", 2) + ["", ""])[:3]
         if not idx.isdigit() or not idx.isascii():
             raise KeyError(name)
-        return f"model.layers.{int(idx)}.{table[part]}.{suffix}"
-    return f"{table[stem]}.{suffix}"
+        return f"model.layers.{int(idx)}.{names[part]}.{suffix}"
+    return f"{names[stem]}.{suffix}"
 
 
 def gguf_norm_shift(arch: str, hf_name: str) -> float:
@@ -175,9 +182,11 @@ def _gguf_weight_names(header: GGUFHeader) -> dict[str, str]:
     """
     from pagedserve.model.file_headers import SUPPORTED_GGUF_TYPES
 
-    arch = str(header.metadata.get("general.architecture", "llama"))
     names: dict[str, str] = {}
+    arch = str(header.metadata.get("general.architecture"))
     for name, spec in header.tensors.items():
+        if name in GGUF_CONFIG_TENSORS.get(arch, ()):
+            continue
         try:
             names[name] = _gguf_hf_name(name, arch)
         except KeyError:
@@ -204,6 +213,8 @@ def iterate_gguf_arrays(path: str, num_heads: int, num_kv_heads: int, arch: str)
 
     reader = gguf.GGUFReader(path)
     for t in reader.tensors:
+        if t.name in GGUF_CONFIG_TENSORS.get(arch, ()):
+            continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         name = _gguf_hf_name(t.name, arch)
@@ -370,6 +381,10 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
         raise ModelFileError(path, f"transformers cannot read its metadata ({describe(e)})") from None
     if "lm_head.weight" not in names.values():
         config.tie_word_embeddings = True
+    if header.metadata.get("general.architecture") == "phi3":
+        from pagedserve.model.phi3 import gguf_config
+
+        gguf_config(config, header, path)
     fix_gguf_config(config, header)
     check_config(path, config.to_dict())
     # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.

@@ -143,14 +143,20 @@ class GemmaDecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(h)
 
 
-def _rope_tables(config, max_positions: int) -> tuple[RotaryEmbedding, RotaryEmbedding]:
-    """(global table, local table): Gemma 3's ``rope_parameters`` per layer type, Gemma 2's one
-    table for both."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if "full_attention" in params:
-        return RotaryEmbedding(config, max_positions, "full_attention"), RotaryEmbedding(config, max_positions, "sliding_attention")
-    rope = RotaryEmbedding(config, max_positions)
-    return rope, rope
+class GemmaRotaryEmbedding(RotaryEmbedding):
+    """The global (full-attention) layers' RoPE table, with the local (sliding) layers' one
+    beside it as ``local`` (Gemma 3: ``rope_parameters`` per layer type, the global one possibly
+    scaled); Gemma 2 has one table, ``local`` None. :meth:`for_local` is the local layers' table
+    either way. The worker rebuilds it after the meta-device load (the class's
+    ``rotary_embedding``)."""
+
+    def __init__(self, config, max_positions: int) -> None:
+        two = "full_attention" in (getattr(config, "rope_parameters", None) or {})
+        super().__init__(config, max_positions, "full_attention" if two else None)
+        self.local: Optional[RotaryEmbedding] = RotaryEmbedding(config, max_positions, "sliding_attention") if two else None
+
+    def for_local(self) -> RotaryEmbedding:
+        return self if self.local is None else self.local
 
 
 class GemmaForCausalLM(nn.Module):
@@ -165,13 +171,13 @@ class GemmaForCausalLM(nn.Module):
             all-reduce hooks sit on ``self_attn`` and ``mlp``, before Gemma's post-norms; the
             norms, q/k norms included, are replicated).
     Attributes:
-        rotary_emb: the global layers' RoPE table; ``rotary_emb_local`` the sliding layers'
-            (the same object for Gemma 2). :meth:`rebuild_rotary_emb` makes both anew.
+        rotary_emb: a :class:`GemmaRotaryEmbedding` (global table, local one beside it).
     Raises:
         ValueError: an unsupported model_type, bidirectional attention.
     """
 
     c_step_ok = False  # the CPU backend's one-call step runs Llama's layer only
+    rotary_embedding = GemmaRotaryEmbedding  # the RoPE tables' class (the worker rebuilds them with it)
     supports_lora = False  # the worker refuses enable_lora at load
 
     def __init__(self, config, max_positions: int, tp=None) -> None:
@@ -186,7 +192,7 @@ class GemmaForCausalLM(nn.Module):
         self.layers = nn.ModuleList([GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self._sliding = [t == "sliding_attention" for t in config.layer_types]  # which RoPE table each layer reads
-        self.rotary_emb, self.rotary_emb_local = _rope_tables(config, max_positions)
+        self.rotary_emb = self.rotary_embedding(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         softcap = getattr(config, "final_logit_softcapping", None)
         self.final_logit_softcapping = float(softcap) if softcap else None
@@ -194,13 +200,6 @@ class GemmaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.backend: TorchBackend = TorchBackend()
-
-    def rebuild_rotary_emb(self, max_positions: int, device: torch.device) -> None:
-        """Make the RoPE tables (float32) on ``device``: the worker calls it after a load on the
-        meta device, whose buffers hold nothing."""
-        glob, local = _rope_tables(self.config, max_positions)
-        self.rotary_emb = glob.to(device)
-        self.rotary_emb_local = self.rotary_emb if local is glob else local.to(device)
 
     def forward(
         self,
@@ -223,12 +222,13 @@ class GemmaForCausalLM(nn.Module):
         hidden = hidden * torch.tensor(self.config.hidden_size**0.5).to(hidden.dtype)
         # The CPU backend's fused RoPE reads each layer's table itself (state None).
         state = backend.begin_forward(self, positions, attn_metadata, kv_caches, hidden.dtype)
+        local_rope = self.rotary_emb.for_local()
         local_state = state
-        if state is not None and self.rotary_emb_local is not self.rotary_emb:
-            local_state = self.rotary_emb_local(positions, hidden.dtype)
+        if state is not None and local_rope is not self.rotary_emb:
+            local_state = local_rope(positions, hidden.dtype)
         for layer, kv_cache, sliding in zip(self.layers, kv_caches, self._sliding):
             if sliding:
-                hidden = layer(hidden, positions, local_state, self.rotary_emb_local, kv_cache, attn_metadata, backend)
+                hidden = layer(hidden, positions, local_state, local_rope, kv_cache, attn_metadata, backend)
             else:
                 hidden = layer(hidden, positions, state, self.rotary_emb, kv_cache, attn_metadata, backend)
         return self.norm(hidden)

@@ -253,11 +253,13 @@ def iterate_gguf_tensors(
     """
     import gguf
 
-    from pagedserve.model.files import _gguf_hf_name, gguf_norm_shift
+    from pagedserve.model.files import GGUF_CONFIG_TENSORS, _gguf_hf_name, gguf_norm_shift
 
     header = read_gguf_header(path)
     names: dict[str, str] = {}
     for spec in header.tensors.values():
+        if spec.name in GGUF_CONFIG_TENSORS.get(arch, ()):  # config (phi3's rope factors), not weights
+            continue
         try:
             names[spec.name] = _gguf_hf_name(spec.name, arch)
         except KeyError:
@@ -268,6 +270,8 @@ def iterate_gguf_tensors(
             )
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for spec in header.tensors.values():
+        if spec.name not in names:
+            continue
         name, qtype = names[spec.name], spec.dtype
         shape = tuple(int(d) for d in reversed(spec.shape))
         data = _tensor_data(mm, spec)

@@ -12,7 +12,7 @@ carried between layers beside the hidden states (vLLM's layout: each layer start
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +124,8 @@ class LlamaForCausalLM(nn.Module):
         ValueError: for an unsupported model_type.
     """
 
+    rotary_embedding: Callable[..., RotaryEmbedding] = RotaryEmbedding  # the RoPE tables' class (the worker rebuilds them with it after loading)
+
     def __init__(self, config, max_positions: int, tp=None) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -133,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, max_positions)
+        self.rotary_emb = self.rotary_embedding(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._logits_linear: Optional[nn.Module] = None  # set by pack_for_cpu, or by load_weights (quantized)
         if not self.tie_word_embeddings:

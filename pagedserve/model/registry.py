@@ -23,6 +23,7 @@ _CLASSES = {
     "mistral": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "qwen2": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "qwen3": ("pagedserve.model.llama", "LlamaForCausalLM"),
+    "phi3": ("pagedserve.model.phi3", "Phi3ForCausalLM"),
     "gemma2": ("pagedserve.model.gemma", "GemmaForCausalLM"),
     "gemma3_text": ("pagedserve.model.gemma", "GemmaForCausalLM"),
 }

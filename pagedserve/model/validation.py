@@ -56,6 +56,7 @@ _CONFIG_INTS = {
     "max_position_embeddings": (1, MAX_POSITIONS),
     "sliding_window": (1, MAX_POSITIONS),
     "max_window_layers": (0, MAX_LAYERS),
+    "original_max_position_embeddings": (1, MAX_POSITIONS),  # phi3 LongRoPE
 }
 _CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 _CONFIG_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -138,6 +139,9 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
         theta = where.get("rope_theta")
         if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < 1e15):
             raise bad("rope_theta", theta, "is not a positive number")
+        prf = where.get("partial_rotary_factor")  # phi3: RoPE on the first head_dim * prf dims
+        if prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1):
+            raise bad("partial_rotary_factor", prf, "is not a number in (0, 1]")
     layer_types = cfg.get("layer_types")
     if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
         raise bad("layer_types", layer_types, "is not a list of strings")
@@ -194,7 +198,6 @@ GGUF_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "rope.freq_base": "rope_theta",
-    "attention.sliding_window": "sliding_window",
 }
 
 

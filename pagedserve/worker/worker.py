@@ -18,6 +18,7 @@ import torch
 
 from pagedserve import platform
 from pagedserve.config import EngineConfig
+from pagedserve.core.kv_cache_manager import blocks_held_alone
 from pagedserve.core.outputs import ModelRunnerOutput
 from pagedserve.core.sched.output import SchedulerOutput
 from pagedserve.distributed.parallel_state import TPGroup
@@ -28,7 +29,7 @@ from pagedserve.model.backends import select_backend
 from pagedserve.model.layers import RotaryEmbedding
 from pagedserve.model.packed_linear import packing_available
 from pagedserve.model.quant_linear import QuantEmbedding, quantize_modules
-from pagedserve.model.registry import model_class
+from pagedserve.model.registry import model_class, sliding_window
 from pagedserve.ops.cpu import quant_matmul
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 from pagedserve.worker.weights import WeightsInfo, dequantize_unlisted, describe_weights, quantize_int8
@@ -78,12 +79,15 @@ class KVCacheSpec:
         num_blocks: blocks in the pool.
         block_bytes: bytes of K and V of one block, all layers (all tensor-parallel ranks
             together: each holds 1/N).
-        max_model_len: the model's context (capped by sliding window and the pool), tokens.
+        max_model_len: the model's context (capped by the pool), tokens.
+        sliding_window: the window (tokens) when every layer has the same one (pure
+            sliding-window attention: the core frees blocks that left it), else None.
     """
 
     num_blocks: int
     block_bytes: int
     max_model_len: int
+    sliding_window: Optional[int] = None
 
 
 class Worker:
@@ -121,6 +125,8 @@ class Worker:
         self.kv_connector = None  # prefill/decode disaggregation (initialize_cache)
         self.lora_manager = None
         if config.enable_lora:
+            if not getattr(self.model, "supports_lora", True):
+                raise ValueError(f"enable_lora: LoRA adapters are not supported for model_type {self.hf_config.model_type!r}")
             from pagedserve.worker.lora_manager import LoRAManager
 
             self.lora_manager = LoRAManager(
@@ -154,8 +160,6 @@ class Worker:
     def _load_model(self, max_positions: int) -> torch.nn.Module:
         cfg = self.config
         cls = model_class(self.hf_config.model_type)
-        if cfg.enable_lora and not getattr(cls, "supports_lora", True):
-            raise ValueError(f"LoRA adapters (enable_lora) are not supported for {self.hf_config.model_type} models yet")
         gguf = loader.gguf_source(self.model_dir)
         quant_modules: set[str] = set()
         if gguf is not None and cfg.quantization != "none":
@@ -184,10 +188,7 @@ class Worker:
             if isinstance(module, QuantEmbedding):
                 module.dtype = self.dtype
         # RoPE tables stay float32 (cast per step like HF does), built after the meta init.
-        if hasattr(model, "rebuild_rotary_emb"):  # a family with its own tables (Gemma 3: local and global)
-            model.rebuild_rotary_emb(max_positions, self.device)
-        else:
-            model.rotary_emb = RotaryEmbedding(self.hf_config, max_positions).to(self.device)
+        model.rotary_emb = getattr(cls, "rotary_embedding", RotaryEmbedding)(self.hf_config, max_positions).to(self.device)
         self.weights: WeightsInfo = describe_weights(model)
         if self.weights.kinds:
             quant_matmul.check_settings()
@@ -238,22 +239,29 @@ class Worker:
 
     def kv_spec_for(self, num_blocks: int, block_bytes: Optional[int] = None) -> KVCacheSpec:
         """The spec of a pool of ``num_blocks`` blocks (a tensor-parallel executor lowers rank
-        0's to the smallest any rank can hold). Raises ValueError when max_model_len does not fit."""
+        0's to the smallest any rank can hold). Raises ValueError when a request of
+        max_model_len tokens cannot run alone in the pool (:func:`blocks_held_alone`)."""
         cfg = self.config
         B = cfg.block_size
         if block_bytes is None:
             block_bytes = self.kv_spec.block_bytes
         capacity = num_blocks * B
+        window = sliding_window(self.hf_config)
+
+        def held(max_len: int) -> int:  # the most blocks one request holds at once
+            return blocks_held_alone(max_len, B, window, cfg.token_budget_for(max_len) if cfg.enable_chunked_prefill else None)
+
         if cfg.max_model_len is None:
-            max_model_len = min(self.max_positions, capacity)
-        elif cfg.max_model_len > capacity:
+            max_model_len = self.max_positions if held(self.max_positions) <= num_blocks else min(self.max_positions, capacity)
+        elif held(cfg.max_model_len) > num_blocks:
             raise ValueError(
                 f"max_model_len={cfg.max_model_len} tokens does not fit in the KV cache ({num_blocks} blocks "
-                f"x {B} = {capacity} tokens); raise kv_cache_memory_bytes/num_kv_blocks or lower max_model_len"
+                f"x {B} = {capacity} tokens; one request holds up to {held(cfg.max_model_len)} blocks); "
+                "raise kv_cache_memory_bytes/num_kv_blocks or lower max_model_len"
             )
         else:
             max_model_len = cfg.max_model_len
-        return KVCacheSpec(num_blocks, block_bytes, max_model_len)
+        return KVCacheSpec(num_blocks, block_bytes, max_model_len, window)
 
     def initialize_cache(self, config: EngineConfig, num_blocks: Optional[int] = None) -> None:
         """Allocate the KV pool of ``num_blocks`` (default ``kv_spec.num_blocks``) blocks and the

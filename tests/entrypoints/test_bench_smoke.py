@@ -284,3 +284,22 @@ def test_memory_paged_vs_static(tiny_model_factory, tmp_path, capsys):
     assert tp["static"]["max_num_seqs"] == res["max_concurrent_static"]
     assert tp["paged"]["output_tokens"] == tp["static"]["output_tokens"] == res["total_output_tokens"] < res["total_max_tokens"]
     assert png.stat().st_size > 1000
+    assert res["sliding_window"] is None  # full attention: no window report
+
+
+def test_memory_reports_the_sliding_windows_saving(tiny_model_factory, tmp_path, capsys):
+    """A tiny Mistral (2 layers, 2 KV heads of 32, float32: 512 bytes per token per layer) with
+    a 16-token window at 256 tokens of context: 16 blocks of 16 without freeing, 2 while decoding
+    with it (the window's block and the one being written), measured on the allocator."""
+    out = tmp_path / "mem.json"
+    rc = _bench(
+        "memory", "--model", tiny_model_factory("mistral", sliding_window=16), "--num-prompts", "2", "--min-input-len", "16",
+        "--max-input-len", "32", "--output-len", "8", "--dtype", "float32", "--num-threads", "1", "--no-static-run", "--no-warmup",
+        "--window-context", "256", "--output-json", str(out),
+    )
+    assert rc == 0
+    assert "freeing the window's blocks" in capsys.readouterr().out
+    w = json.loads(out.read_text())["sliding_window"]
+    assert w["kind"] == "pure" and w["bytes_per_token_layer"] == 512 and w["layers"] == w["local_layers"] == 2
+    assert w["bytes_no_freeing"] == 256 * 512 * 2
+    assert w["bytes_freeing_decode"] == 2 * 16 * 512 * 2

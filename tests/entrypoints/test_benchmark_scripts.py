@@ -41,6 +41,7 @@ SLOW = {
     "pd_disagg.py": "pd_disagg",
     "vs_llama_server.py": "vs_llama_server",
     "gguf_vs_llamacpp.py": "gguf_vs_llamacpp",  # bench latency, RSS processes, llama-bench where built
+    "moe_vs_llamacpp.py": "moe_vs_llamacpp",  # each side that can run: pagedserve once it loads qwen3_moe, llama.cpp where built
 }
 HELPERS = {"bench_procs.py"}  # imported by vs_llama_server.py, not run
 
