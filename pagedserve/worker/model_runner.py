@@ -112,8 +112,8 @@ class ModelRunner:
             and lora_manager is None
             and model.tp is None
             and model.backend.name == "triton"
-            and not any(layer.self_attn.sliding_window for layer in model.layers)
-        )
+            and not any(layer.self_attn.sliding_window or getattr(layer.self_attn, "softcap", None) for layer in model.layers)
+        )  # the staged flat metadata has no groups: windows and Gemma 2's softcap need the PyTorch path
         graphs = cuda_step and not enforce_eager
         if graphs:  # one scratch block past the pool, for the padded rows of graph steps
             full = torch.zeros((*shape[:2], num_blocks + 1, *shape[3:]), dtype=kv_dtype, device=device)
