@@ -1,6 +1,6 @@
-"""Shard a Llama-family model for rank ``r`` of ``N`` tensor-parallel ranks (Megatron-LM's
-layout, Shoeybi et al. 2019; the size of gpt-fast's ``tp.py``, applied while loading so that no
-rank ever holds the whole model):
+"""Shard a Llama-family or Gemma model (the same module names) for rank ``r`` of ``N``
+tensor-parallel ranks (Megatron-LM's layout, Shoeybi et al. 2019; the size of gpt-fast's
+``tp.py``, applied while loading so that no rank ever holds the whole model):
 
 - column-parallel: the fused ``qkv_proj`` keeps this rank's query heads and KV heads (and their
   bias rows), ``gate_up_proj`` this rank's share of the gate rows and of the up rows;

@@ -79,7 +79,7 @@ SAFETENSORS_BITS = {
 
 
 # The model types pagedserve's model implementation runs (pagedserve.model.llama).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text", "gemma3")
 
 
 class ModelFileError(ValueError):

@@ -105,7 +105,7 @@ def resolve_model(model: Optional[str]) -> str:
         if source is not None:
             _check_gguf_dir(path, source)
         else:
-            validate_model_dir(path, shape_check=shape_check())
+            validate_model_dir(path, load_config=load_config, shape_check=shape_check())
         return path
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -146,15 +146,27 @@ _GGUF_NAMES = {
 GGUF_PERMUTED_ARCHS = ("llama", "mixtral")
 
 
-# Where an architecture's names differ from llama's (phi3: fused Q/K/V, and gate+up in ffn_up).
-_GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Where an architecture's names differ from llama's (phi3: fused Q/K/V, and gate+up in ffn_up;
+# gemma2/gemma3: four norms per layer, ``ffn_norm`` being the one before the MLP).
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_ARCH_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "gemma3_text": _GEMMA_NAMES,  # the config's model_type for a gemma3 GGUF
+}
 # Tensors that are config, not weights: phi3's LongRoPE factors (read into config.json at conversion).
 GGUF_CONFIG_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
+_GEMMA_ARCHS = ("gemma2", "gemma3", "gemma3_text")
 
 
 def _gguf_hf_name(name: str, arch: str = "llama") -> str:
-    """The HF name of a llama.cpp tensor name of architecture ``arch``. Raises KeyError for a
-    name with no HF twin."""
+    """The HF name of a llama.cpp tensor name of architecture ``arch`` (or the config's
+    model_type). Raises KeyError for a name with no HF twin."""
     stem, _, suffix = name.rpartition(".")  # suffix: weight / bias
     if suffix not in ("weight", "bias"):
         raise KeyError(name)
@@ -165,6 +177,13 @@ def _gguf_hf_name(name: str, arch: str = "llama") -> str:
             raise KeyError(name)
         return f"model.layers.{int(idx)}.{names[part]}.{suffix}"
     return f"{names[stem]}.{suffix}"
+
+
+def gguf_norm_shift(arch: str, hf_name: str) -> float:
+    """What llama.cpp's converter added to a tensor: Gemma's RMSNorm scales are stored as
+    ``1 + w`` (its ``(1 + weight)`` folded in), so the loader subtracts 1 (exact in float32:
+    ``1 + ((1 + w) - 1)`` is again the stored value)."""
+    return 1.0 if arch in _GEMMA_ARCHS and hf_name.endswith("norm.weight") else 0.0
 
 
 def _gguf_weight_names(header: GGUFHeader) -> dict[str, str]:
@@ -211,6 +230,9 @@ def iterate_gguf_arrays(path: str, num_heads: int, num_kv_heads: int, arch: str)
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         name = _gguf_hf_name(t.name, arch)
+        shift = gguf_norm_shift(arch, name)
+        if shift:
+            arr = arr - np.float32(shift)
         if arch in GGUF_PERMUTED_ARCHS:
             if name.endswith("q_proj.weight"):
                 arr = _unpermute_rope(arr, num_heads)
@@ -360,6 +382,8 @@ def _check_gguf_dir(folder: str, gguf: str) -> None:
 def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from pagedserve.model.gguf_config import fix_gguf_config
+
     names = _gguf_weight_names(header)
     check_gguf_metadata(header)
     d, f = os.path.dirname(path), os.path.basename(path)
@@ -374,6 +398,7 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
 
         gguf_config(config, header, path)
     config = moe_config_from_gguf(header.metadata, config)
+    fix_gguf_config(config, header)
     check_config(path, config.to_dict())
     # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.
     check_weights(path, config, {hf: TensorSpec(hf, "F32", tuple(reversed(header.tensors[g].shape)), path) for g, hf in names.items()}, shape_check())
@@ -417,13 +442,18 @@ def _remove_stale_tmp(out: str) -> None:
 
 
 def load_config(model_dir: str):
-    """The transformers config of a model folder. Raises ModelFileError when it cannot be read."""
+    """The transformers config of a model folder; for a multimodal ``gemma3`` checkpoint its
+    ``text_config`` (the text model is what is served). Raises ModelFileError when it cannot be
+    read."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:
         raise ModelFileError(os.path.join(model_dir, "config.json"), f"transformers cannot read it ({describe(e)})") from None
+    if config.model_type == "gemma3":
+        config = config.get_text_config()
+    return config
 
 
 def load_tokenizer(model_dir: str):

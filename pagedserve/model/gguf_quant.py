@@ -254,7 +254,7 @@ def iterate_gguf_tensors(
     """
     import gguf
 
-    from pagedserve.model.files import GGUF_CONFIG_TENSORS, _gguf_hf_name
+    from pagedserve.model.files import GGUF_CONFIG_TENSORS, _gguf_hf_name, gguf_norm_shift
 
     header = read_gguf_header(path)
     names: dict[str, str] = {}
@@ -303,4 +303,7 @@ def iterate_gguf_tensors(
                 raise ModelFileError(path, f"tensor {short(spec.name)} has ggml type {qtype}, which gguf cannot dequantize") from None
             out = torch.from_numpy(np.array(np.asarray(arr, dtype=np.float32).reshape(shape), dtype=np.float32, order="C", copy=True))
         del data
+        shift = gguf_norm_shift(arch, name)
+        if shift and isinstance(out, torch.Tensor):  # Gemma's norms, stored as 1 + w
+            out = out.float() - shift
         yield name, out

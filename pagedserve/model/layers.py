@@ -3,6 +3,8 @@ computed as HF transformers computes them."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -30,13 +32,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """RoPE (Su et al., RoFormer 2021), NeoX-style halves as in HF. ``inv_freq`` and the
     attention scaling come from transformers' ``ROPE_INIT_FUNCTIONS`` for the config's
-    ``rope_type`` (default, linear, llama3, yarn, ...), so scaled checkpoints match HF."""
+    ``rope_type`` (default, linear, llama3, yarn, ...), so scaled checkpoints match HF.
+    ``layer_type``: the table of one kind of layer where the config's ``rope_parameters`` are
+    per layer type (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``)."""
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, layer_type: Optional[str] = None) -> None:
         super().__init__()
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         rope_params = getattr(config, "rope_parameters", None) or {}
+        if layer_type is not None:
+            rope_params = rope_params[layer_type]
         rope_type = rope_params.get("rope_type", "default")
         # Tables are computed on the CPU even when the model is built under
         # ``torch.device("meta")``: transformers' init functions for scaled RoPE (llama3, yarn,
@@ -48,7 +54,8 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
                 scaling = 1.0
             else:
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+                kw = {} if layer_type is None else {"layer_type": layer_type}
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kw)
             t = torch.arange(max_positions, dtype=torch.int64).float()
             freqs = torch.outer(t, inv_freq.float())
             emb = torch.cat((freqs, freqs), dim=-1)

@@ -12,7 +12,7 @@ carried between layers beside the hidden states (vLLM's layout: each layer start
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         ValueError: for an unsupported model_type.
     """
 
-    rotary_embedding = RotaryEmbedding  # the RoPE tables' class (the worker rebuilds them with it after loading)
+    rotary_embedding: Callable[..., RotaryEmbedding] = RotaryEmbedding  # the RoPE tables' class (the worker rebuilds them with it after loading)
     layer_class: type = DecoderLayer  # a family's decoder layer (``moe.py``: MoE blocks in place of the MLP)
 
     def __init__(self, config, max_positions: int, tp=None) -> None:

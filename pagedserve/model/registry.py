@@ -27,6 +27,8 @@ _CLASSES = {
     "mixtral": ("pagedserve.model.moe", "MoeForCausalLM"),
     "qwen2_moe": ("pagedserve.model.moe", "MoeForCausalLM"),
     "qwen3_moe": ("pagedserve.model.moe", "MoeForCausalLM"),
+    "gemma2": ("pagedserve.model.gemma", "GemmaForCausalLM"),
+    "gemma3_text": ("pagedserve.model.gemma", "GemmaForCausalLM"),
 }
 
 

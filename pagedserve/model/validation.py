@@ -71,6 +71,10 @@ _CONFIG_INTS = {
 _CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob", "qkv_bias")
 _CONFIG_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# Gemma 2/3 read ``hidden_activation`` (not ``hidden_act``): GeGLU with the tanh GELU only.
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3")
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
+_GEMMA_POSITIVE = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq")
 
 
 def read_json(path: str, what: str = "JSON file") -> Any:
@@ -126,9 +130,12 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
     eps = cfg.get("rms_norm_eps")
     if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1):
         raise bad("rms_norm_eps", eps, "is not a number in (0, 1)")
-    act = cfg.get("hidden_act")
-    if act is not None and act not in SUPPORTED_ACTIVATIONS:
-        raise bad("hidden_act", act, "is not supported (supported: " + ", ".join(SUPPORTED_ACTIVATIONS) + ")")
+    if model_type in GEMMA_MODEL_TYPES:
+        _check_gemma(path, cfg, bad)
+    else:
+        act = cfg.get("hidden_act")
+        if act is not None and act not in SUPPORTED_ACTIVATIONS:
+            raise bad("hidden_act", act, "is not supported (supported: " + ", ".join(SUPPORTED_ACTIVATIONS) + ")")
     rope = [cfg]
     for field in ("rope_parameters", "rope_scaling"):
         v = cfg.get(field)
@@ -136,6 +143,8 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
             raise bad(field, v, "is not an object")
         if v is not None:
             rope.append(v)
+    for v in list(rope[1:]):  # Gemma 3: rope_parameters per layer type
+        rope += [sub for sub in v.values() if isinstance(sub, Mapping)]
     for where in rope:
         theta = where.get("rope_theta")
         if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < 1e15):
@@ -169,6 +178,29 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
         raise ModelFileError(
             path, f"config max_position_embeddings={max_pos} x head_dim={head_dim} is over {MAX_ROPE_TABLE} (the RoPE table would not fit in memory)"
         )
+
+
+def _check_gemma(path: str, cfg: Mapping[str, Any], bad: Callable[[str, Any, str], ModelFileError]) -> None:
+    """Gemma 2/3's own fields (:func:`check_config`); a multimodal ``gemma3`` config's
+    ``text_config`` is checked as a ``gemma3_text`` config."""
+    if cfg.get("model_type") == "gemma3":
+        text = cfg.get("text_config")
+        if text is not None and not isinstance(text, Mapping):
+            raise bad("text_config", text, "is not an object")
+        check_config(path, {**(text or {}), "model_type": "gemma3_text"})
+        return
+    act = cfg.get("hidden_activation")
+    if act is not None and act not in GEMMA_ACTIVATIONS:
+        raise bad("hidden_activation", act, "is not supported (supported: " + ", ".join(GEMMA_ACTIVATIONS) + ")")
+    for field in _GEMMA_POSITIVE:
+        v = cfg.get(field)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e15):
+            raise bad(field, v, "is not a positive number")
+    pattern = cfg.get("sliding_window_pattern")
+    if pattern is not None and (not _is_int(pattern) or not 1 <= pattern <= MAX_LAYERS):
+        raise bad("sliding_window_pattern", pattern, f"is not an integer in [1, {MAX_LAYERS}]")
+    if cfg.get("use_bidirectional_attention"):
+        raise bad("use_bidirectional_attention", True, "is set: bidirectional (embedding) Gemma models are not supported")
 
 
 # GGUF metadata (after "<architecture>.") -> the config field transformers makes of it.
@@ -219,7 +251,7 @@ def check_gguf_metadata(header: GGUFHeader) -> None:
 
 
 # -- checkpoint vs config ---------------------------------------------------------------------------
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+_LAYER = re.compile(r"^(?:model\.|language_model\.model\.|model\.language_model\.)?layers\.(\d+)\.")  # the last two: gemma3
 # (config_path, hf_config, tensors) -> None, raising ModelFileError: the model's own name and shape check.
 ShapeCheck = Callable[[str, Any, Mapping[str, "TensorSpec"]], None]
 

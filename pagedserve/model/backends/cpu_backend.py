@@ -182,6 +182,7 @@ class CpuBackend(TorchBackend):
         eps = model.norm.eps
         ok = (
             self.fused_rope
+            and getattr(model, "c_step_ok", True)  # a family whose layer is not Llama's (Gemma) says False
             and model.tp is None  # the C step has no all-reduce between layers
             and getattr(model, "c_step_ok", True)  # exactly the Llama layer (a family says False)
             and model._logits_linear is not None
