@@ -20,14 +20,14 @@ def _byte_chars() -> list[str]:
 
 
 def write_tiny_gguf(path: str, hidden: int = 64, inter: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                    qtype: str = "Q4_1", extra_tensors: tuple = ()) -> str:
+                    qtype: str = "Q4_1", extra_tensors: tuple = (), name: str = "tiny") -> str:
     """A llama GGUF of random weights (2-D ones quantized to ``qtype``), with a byte-level BPE
     tokenizer of 3 special tokens, 256 bytes and 5 merges, and a chat template."""
     rng = np.random.default_rng(0)
     merges = ["Ġ t", "h e", "Ġt he", "i n", "e r"]
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_chars() + [m.replace(" ", "") for m in merges]
     w = gguf.GGUFWriter(path, "llama")
-    w.add_name("tiny")
+    w.add_name(name)
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(hidden)

@@ -142,8 +142,9 @@ _GGUF_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-# llama.cpp architectures whose Q/K rows its converter permutes (Mixtral is arch llama)
-GGUF_PERMUTED_ARCHS = ("llama", "mixtral")
+# Model types of llama.cpp files whose Q/K rows its converter permuted: arch llama, which
+# transformers names "mistral" when general.name says Mistral, "mixtral" with experts.
+GGUF_PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
 
 
 # Where an architecture's names differ from llama's (phi3: fused Q/K/V, and gate+up in ffn_up;

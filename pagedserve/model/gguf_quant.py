@@ -254,7 +254,7 @@ def iterate_gguf_tensors(
     """
     import gguf
 
-    from pagedserve.model.files import GGUF_CONFIG_TENSORS, _gguf_hf_name, gguf_norm_shift
+    from pagedserve.model.files import GGUF_CONFIG_TENSORS, GGUF_PERMUTED_ARCHS, _gguf_hf_name, gguf_norm_shift
 
     header = read_gguf_header(path)
     names: dict[str, str] = {}
@@ -277,7 +277,7 @@ def iterate_gguf_tensors(
         shape = tuple(int(d) for d in reversed(spec.shape))
         data = _tensor_data(mm, spec)
         heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads if name.endswith("k_proj.weight") else None
-        if arch in ("llama", "mixtral") and heads is not None:  # files.GGUF_PERMUTED_ARCHS
+        if arch in GGUF_PERMUTED_ARCHS and heads is not None:
             # Un-permuted before the conversion: a GGUF row holds one output row's blocks, so
             # reordering the raw rows is QuantizedWeight.permuted_rows (and _unpermute_rope) on
             # the result, on fewer bytes and without torch's gather.

@@ -166,6 +166,25 @@ def test_tiny_quantized_gguf_equals_dequantized_and_shards_under_tensor_parallel
         del tp
 
 
+def test_a_mistral_named_llama_gguf_is_unpermuted_too(tmp_path):
+    """llama.cpp writes Mistral models as arch llama with Q/K rows permuted, and transformers'
+    GGUF reader may name such a file's model_type "mistral" (from general.name). Its rows are
+    un-permuted like any llama file's: the same weights named "Mistral-7B-tiny" give the "tiny"
+    file's logits."""
+    from gguf_utils import write_tiny_gguf
+
+    kw = dict(dtype="float32", num_kv_blocks=16, max_model_len=64, num_threads=1)
+    rows = []
+    for name in ("tiny", "Mistral-7B-tiny"):
+        llm = LLM(write_tiny_gguf(str(tmp_path / f"{name}.gguf"), qtype="Q8_0", name=name), **kw)
+        assert _worker(llm).hf_config.model_type in ("llama", "mistral")
+        with capture_logits(llm) as cap:
+            _greedy(llm, "the the in er", n=2)
+        rows.append(cap.rows[0])
+        del llm
+    assert (rows[0] - rows[1]).abs().max().item() < 1e-5
+
+
 def test_float16_activations_bad_settings_and_int8_limits(tmp_path, monkeypatch, tiny_model_factory):
     """float16 activations on quantized weights are computed in float32 (equal to float32's
     logits to float16 rounding); a malformed PAGEDSERVE_QGEMM_MAX_ROWS and an int8 layer whose
