@@ -12,7 +12,7 @@ The freeing is measured by driving the core's allocator (``pagedserve.bench.wind
 through one request: its prompt in chunks of ``--chunk`` tokens (the default token budget),
 then ``--num-decode`` decodes up to ``--context``.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/swa_kv_memory.py [--context 16384] [--block-size 16] [--chunk 2048]
+    PYTHONPATH=. .venv/bin/python benchmarks/swa_kv_memory.py [--context 16384] [--block-size 16] [--chunk 2048] [--tiny]
 
 Prints one line per model and the figures as JSON; appends them to
 benchmarks/results/swa_kv_memory.jsonl.
@@ -57,7 +57,10 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (the token budget)")
     p.add_argument("--num-decode", type=int, default=256, help="decodes at the end of the request")
+    p.add_argument("--tiny", action="store_true", help="smoke run: a 2,048-token context, chunks of 256, 16 decodes")
     args = p.parse_args()
+    if args.tiny:
+        args.context, args.chunk, args.num_decode = 2048, 256, 16
     from pagedserve.model.registry import layer_windows
 
     results = {}
@@ -66,7 +69,7 @@ def main() -> int:
         results[name] = r
         print(f"{name}: {describe_report(r)}")
     print(json.dumps(results, indent=1))
-    where = record("swa_kv_memory", results)
+    where = record("swa_kv_memory", results, tiny=args.tiny)
     if where:
         print(f"appended to {where}")
     return 0

@@ -129,8 +129,6 @@ class Worker:
         self.kv_connector = None  # prefill/decode disaggregation (initialize_cache)
         self.lora_manager = None
         if config.enable_lora:
-            if not getattr(self.model, "supports_lora", True):
-                raise ValueError(f"enable_lora: LoRA adapters are not supported for model_type {self.hf_config.model_type!r}")
             from pagedserve.worker.lora_manager import LoRAManager
 
             self.lora_manager = LoRAManager(

@@ -27,6 +27,7 @@ FAST = {
     "gguf_quality.py": "gguf_quality",  # SmolLM2's GGUF quantized and dequantized, ~400 tokens
     "embeddings_vs_hf.py": "embeddings_vs_hf",  # the tiny model, 8 inputs: LLM.embed against HF's AutoModel
     "lora_multi.py": "lora_multi",  # the tiny model, 4 PEFT adapters, 8 requests of 4 tokens: one LoRA engine, 4 merged engines, a plain one
+    "swa_kv_memory.py": "swa_kv_memory",  # configs only: the core's allocator driven through one request per model
     "gpu_check.py": "gpu_check",  # --tiny = --cpu-smoke: the device check's sections at tiny sizes on the CPU (kernel under Triton's interpreter), without pydantic/fastapi/zmq/msgpack/gguf/llguidance
 }
 SLOW = {

@@ -124,7 +124,7 @@ def test_moe_chunked_prefill_prefix_hits_and_preemption(kind, moe_dir):
     path = moe_dir(kind)
     hf = _hf(path)
     prompts = _long_prompts(5, 36, 72, seed=1)
-    llm = LLM(path, dtype="float32", num_kv_blocks=24, block_size=8, max_model_len=128, max_num_batched_tokens=16, enable_prefix_caching=True)
+    llm = LLM(path, dtype="float32", num_kv_blocks=16, block_size=8, max_model_len=128, max_num_batched_tokens=16, enable_prefix_caching=True)
     first = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
     stats = llm.stats()
     assert stats.num_preemptions > 0, stats

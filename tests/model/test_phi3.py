@@ -295,7 +295,7 @@ def test_pooling_runner_gives_hf_last_hidden_state(phi3_model):
 
 
 def test_lora_is_refused(phi3_model):
-    with pytest.raises(ValueError, match="LoRA adapters are not supported for model_type 'phi3'"):
+    with pytest.raises(ValueError, match="LoRA is not supported for model_type 'phi3'"):
         _llm(phi3_model("phi4"), enable_lora=True)
 
 
