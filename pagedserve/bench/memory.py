@@ -9,7 +9,8 @@ lengths are unpredictable, as in serving: each request stops after a length draw
 sent (``output_len``). From the trace, after every step:
 
 * tokens held = the sum over running requests of the tokens whose K/V is in the cache
-  (followed through ``scheduled`` / ``preempted`` / ``finished``);
+  (followed through ``scheduled`` / ``preempted`` / ``finished``; a pure sliding-window model
+  holds at most its window per request: older tokens' blocks went back to the pool);
 * paged allocated = ``num_used_blocks * block_size``;
 * static reserved = the sum over the same running requests of ``prompt + max_tokens``, and, for
   a server with one ``max_model_len`` slot per request, ``running * max_model_len``.
@@ -118,9 +119,12 @@ def run_traced(
     return time.perf_counter() - t0, out_tokens, records, ids
 
 
-def per_step_memory(records: Sequence[dict[str, Any]], reservation: dict[str, int], block_size: int, max_model_len: int) -> list[dict[str, int]]:
+def per_step_memory(
+    records: Sequence[dict[str, Any]], reservation: dict[str, int], block_size: int, max_model_len: int, window: Optional[int] = None
+) -> list[dict[str, int]]:
     """For each step with a running request: tokens held, paged allocated, static reserved
-    (prompt + max_tokens; max_model_len per request), running requests."""
+    (prompt + max_tokens; max_model_len per request), running requests. ``window``: a pure
+    sliding-window model's window (tokens), which caps each request's held tokens."""
     held: dict[str, int] = {}
     out = []
     for rec in records:
@@ -140,7 +144,7 @@ def per_step_memory(records: Sequence[dict[str, Any]], reservation: dict[str, in
         out.append(
             {
                 "step": rec["step"],
-                "held": sum(held.values()),
+                "held": sum(held.values()) if window is None else sum(min(h, window) for h in held.values()),
                 "paged": rec["num_used_blocks"] * block_size,
                 "static": sum(reservation[rid] for rid in held),
                 "static_max_len": len(held) * max_model_len,
@@ -245,7 +249,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
         warm_up_engine(engine, requests)
     elapsed, out_tokens, records, ids = run_traced(engine, requests, lengths, args.output_len_dist == "eos")
     stats = engine.get_stats()
-    rows = per_step_memory(records, dict(zip(ids, reservations)), B, max_len)
+    from pagedserve.model.registry import sliding_window
+
+    rows = per_step_memory(records, dict(zip(ids, reservations)), B, max_len, sliding_window(hf_config))
     paged_u, static_u, maxlen_u = _ratio(rows, "paged"), _ratio(rows, "static"), _ratio(rows, "static_max_len")
     max_paged = max((r["running"] for r in rows), default=0)
     mean_paged = sum(r["running"] for r in rows) / len(rows) if rows else 0.0

@@ -16,6 +16,7 @@ tensors later):
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -75,6 +76,13 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3")
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
 _GEMMA_POSITIVE = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq")
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # registry.layer_windows reads these
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def read_json(path: str, what: str = "JSON file") -> Any:
@@ -152,6 +160,14 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
         prf = where.get("partial_rotary_factor")  # phi3: RoPE on the first head_dim * prf dims
         if prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1):
             raise bad("partial_rotary_factor", prf, "is not a number in (0, 1]")
+        for field in ("short_factor", "long_factor"):  # LongRoPE: each divides an inverse frequency
+            f = where.get(field)
+            if f is not None and not (isinstance(f, list) and all(_positive(x) for x in f)):
+                raise bad(field, f, "is not a list of positive finite numbers")
+        for field in ("attention_factor", "factor"):
+            f = where.get(field)
+            if f is not None and not _positive(f):
+                raise bad(field, f, "is not a positive finite number")
     only = cfg.get("mlp_only_layers")
     if only is not None and not (isinstance(only, list) and all(_is_int(i) and 0 <= i < MAX_LAYERS for i in only)):
         raise bad("mlp_only_layers", only, "is not a list of layer indices")
@@ -162,6 +178,9 @@ def check_config(path: str, cfg: Mapping[str, Any]) -> None:
     layer_types = cfg.get("layer_types")
     if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
         raise bad("layer_types", layer_types, "is not a list of strings")
+    unknown = sorted({t for t in layer_types or () if t not in LAYER_TYPES})
+    if unknown:
+        raise bad("layer_types", unknown, "names attention kinds pagedserve does not run (supported: " + ", ".join(LAYER_TYPES) + ")")
     # Cross-field rules (the defaults transformers fills in for absent fields are consistent).
     heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if heads is not None and kv_heads is not None and heads % kv_heads:

@@ -417,3 +417,33 @@ def test_gguf_equals_safetensors(tmp_path, monkeypatch, case):
     assert q8.llm_engine.core.worker.weights.kinds  # served quantized
     for a, b in zip(_prompt_logprobs(q8, prompts), want):
         assert (a - b).abs().mean() < 0.05, (a - b).abs().mean()
+
+
+@pytest.mark.parametrize(
+    "rope, field",
+    [
+        ({"rope_type": "longrope", "short_factor": [0, 0, 0, 0], "long_factor": [1, 1, 1, 1]}, "short_factor"),
+        ({"rope_type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, -2, 1, 1]}, "long_factor"),
+        ({"rope_type": "longrope", "short_factor": [1, 1, 1, float("nan")], "long_factor": [1, 1, 1, 1]}, "short_factor"),
+        ({"rope_type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 1, 1, 1], "attention_factor": -1.0}, "attention_factor"),
+        ({"rope_type": "linear", "factor": 0}, "factor"),
+    ],
+)
+def test_bad_rope_factors_are_refused(rope, field):
+    """A zero, negative or NaN LongRoPE factor would turn every rotation into NaN (the output
+    then silently becomes token 0): refused when the config is checked (GGUF metadata too)."""
+    from pagedserve.model.file_headers import ModelFileError
+    from pagedserve.model.validation import check_config
+
+    with pytest.raises(ModelFileError, match=field):
+        check_config("c.json", {"model_type": "phi3", "rope_parameters": rope})
+
+
+def test_unknown_layer_types_are_refused():
+    """A layer_types entry other than full/sliding attention is refused, not run as full attention."""
+    from pagedserve.model.file_headers import ModelFileError
+    from pagedserve.model.validation import check_config
+
+    with pytest.raises(ModelFileError, match="chunked_attention"):
+        check_config("c.json", {"model_type": "qwen2", "layer_types": ["full_attention", "chunked_attention"]})
+    check_config("c.json", {"model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"]})
