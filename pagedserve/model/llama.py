@@ -183,6 +183,12 @@ class LlamaForCausalLM(nn.Module):
         """Pre-pack every projection (and the logits weight) for the CPU matmuls (bf16 or float32
         on CPU), after the weights are loaded. See :mod:`pagedserve.model.packed_linear`.
         An untied ``lm_head`` is dropped once packed (its packed copy replaces it)."""
+        plans = self.pack_logits()
+        pack_linears(self.layers, plans)
+
+    def pack_logits(self) -> dict:
+        """Pre-pack the logits weight (unless it is quantized); returns the small-M plans made
+        so far, for the layers' packing to share."""
         plans: dict = {}
         if not isinstance(self._logits_linear, QuantLinear):
             logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
@@ -191,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
             self._logits_linear = packed
             if not self.tie_word_embeddings:
                 self.lm_head = None  # the [vocab, hidden] matrix would otherwise be held twice
-        pack_linears(self.layers, plans)
+        return plans
 
     # -- weights ---------------------------------------------------------------------------
     _FUSED = {

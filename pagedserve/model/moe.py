@@ -35,7 +35,6 @@ from pagedserve.model.backends import TorchBackend
 from pagedserve.model.layers import RMSNorm
 from pagedserve.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from pagedserve.model.packed_linear import PackedLinear, attach_small_gemm
-from pagedserve.model.quant_linear import QuantLinear
 from pagedserve.ops.quantized import QuantizedWeight
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -253,14 +252,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def pack_for_cpu(self) -> None:
         """As :meth:`LlamaForCausalLM.pack_for_cpu`, but the routers and shared-expert gates
         (:class:`FloatLinear`) stay PyTorch's ``F.linear``."""
-        plans: dict = {}
-        if not isinstance(self._logits_linear, QuantLinear):
-            logits_weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            packed = PackedLinear(logits_weight)
-            attach_small_gemm(packed, plans)
-            self._logits_linear = packed
-            if not self.tie_word_embeddings:
-                self.lm_head = None  # type: ignore[assignment]
+        plans = self.pack_logits()
         for module in list(self.layers.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
