@@ -398,7 +398,7 @@ def _convert_gguf_into(path: str, header: GGUFHeader, tmp: str) -> None:
         from pagedserve.model.phi3 import gguf_config
 
         gguf_config(config, header, path)
-    config = moe_config_from_gguf(header.metadata, config)
+    config = moe_config_from_gguf(header.metadata, config, path)
     fix_gguf_config(config, header)
     check_config(path, config.to_dict())
     # GGUF lists dims fastest-first (ne[0] = columns): the HF shape is the reverse.

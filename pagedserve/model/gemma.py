@@ -186,6 +186,8 @@ class GemmaForCausalLM(nn.Module):
             raise ValueError(f"model_type {config.model_type!r} is not a Gemma 2/3 text config")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not supported")
+        if "sliding_attention" in config.layer_types and not getattr(config, "sliding_window", None):
+            raise ValueError(f"sliding_window={getattr(config, 'sliding_window', None)!r}: Gemma's local layers need a window of at least 1 token")
         self.config = config
         self.tp = tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -243,6 +245,7 @@ class GemmaForCausalLM(nn.Module):
         return logits
 
     pack_for_cpu = LlamaForCausalLM.pack_for_cpu
+    pack_logits = LlamaForCausalLM.pack_logits
 
     # -- weights ---------------------------------------------------------------------------
     _FUSED = LlamaForCausalLM._FUSED

@@ -233,6 +233,12 @@ class LlamaForCausalLM(nn.Module):
         quant_modules = {n: m for n, m in self.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
         pending: dict[str, dict[int, QuantizedWeight]] = {}
         loaded: set[str] = set()
+
+        def mark(key: str, name: str) -> None:
+            if key in loaded:  # e.g. an expert both per-expert and in a fused stack
+                raise ValueError(f"weight {name!r} is given twice in the checkpoint")
+            loaded.add(key)
+
         attn0 = self.layers[0].self_attn
         q, kv = attn0.q_size, attn0.kv_size
         for name, tensor in weights:
@@ -255,10 +261,10 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"weight {name!r} is not quantized but {module_path} was built quantized")
                 if fused is None:
                     quant_modules[module_path].set_weight(tensor)
-                    loaded.add(name)
+                    mark(name, name)
                 else:
                     pending.setdefault(module_path, {})[fused[1]] = tensor
-                    loaded.add(f"{fused[0]}#{fused[1]}")
+                    mark(f"{fused[0]}#{fused[1]}", name)
                 continue
             if isinstance(tensor, QuantizedWeight):
                 raise ValueError(f"weight {name!r} is quantized but {module_path} is not a quantized module")
@@ -269,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
                 if param.shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
                 param.data.copy_(tensor)
-                loaded.add(name)
+                mark(name, name)
                 continue
             pname, shard, target = fused
             if pname not in params:
@@ -284,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add(f"{pname}#{shard}")
+            mark(f"{pname}#{shard}", name)
         for module_path, parts in pending.items():
             quant_modules[module_path].set_weight(cat_rows([parts[i] for i in sorted(parts)]))
         expected = set()

@@ -12,15 +12,24 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from pagedserve.model.file_headers import ModelFileError
+
 # llama.cpp architecture -> HF model_type, where the two differ
 GGUF_ARCH_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 
-def moe_config_from_gguf(metadata: Mapping[str, Any], config):
+def moe_config_from_gguf(metadata: Mapping[str, Any], config, path: str = "<gguf>"):
     """``config`` (transformers' reading of the file) completed from the MoE metadata: the
     expert widths for ``qwen2moe`` / ``qwen3moe``; a ``MixtralConfig`` for a ``llama`` file with
-    experts. Other files: ``config`` unchanged."""
+    experts. Other files: ``config`` unchanged.
+
+    Raises:
+        ModelFileError: a file with experts but no ``<arch>.expert_used_count`` (the top-k would
+            be a guess; llama.cpp refuses such a file too).
+    """
     arch = metadata.get("general.architecture")
+    if (arch in GGUF_ARCH_MODEL_TYPES or metadata.get(f"{arch}.expert_count")) and not metadata.get(f"{arch}.expert_used_count"):
+        raise ModelFileError(path, f"GGUF metadata {arch}.expert_used_count (experts per token) is missing or 0")
     if arch in GGUF_ARCH_MODEL_TYPES:
         width = metadata.get(f"{arch}.expert_feed_forward_length")
         if width:
@@ -35,5 +44,5 @@ def moe_config_from_gguf(metadata: Mapping[str, Any], config):
     from transformers import MixtralConfig
 
     fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
-    fields.update(num_local_experts=int(experts), num_experts_per_tok=int(metadata.get("llama.expert_used_count") or 2))
+    fields.update(num_local_experts=int(experts), num_experts_per_tok=int(metadata["llama.expert_used_count"]))
     return MixtralConfig(**fields)

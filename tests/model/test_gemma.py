@@ -262,6 +262,22 @@ def test_refused_features(gemma3_dir):
         check_config("c.json", {"model_type": "gemma3", "text_config": {"query_pre_attn_scalar": -1}})
 
 
+@pytest.mark.parametrize("window", [0, None])
+def test_local_layers_without_a_window_are_refused(gemma3_dir, tmp_path, window):
+    """sliding_window 0 or null would run Gemma's local layers as global ones: refused."""
+    import shutil
+
+    from pagedserve.model.file_headers import ModelFileError
+
+    dst = str(tmp_path / "nowindow")
+    shutil.copytree(gemma3_dir, dst)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg["sliding_window"] = window
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    with pytest.raises((ModelFileError, ValueError), match="sliding_window"):
+        LLM(dst, dtype="float32", num_kv_blocks=64)
+
+
 # -- GGUF ----------------------------------------------------------------------------------------
 _TO_GGUF = {
     "input_layernorm": "attn_norm",

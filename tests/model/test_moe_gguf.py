@@ -49,7 +49,7 @@ def _tiny_hf(kind: str):
     return model
 
 
-def write_moe_gguf(model, kind: str, path: str, qtype: str) -> str:
+def write_moe_gguf(model, kind: str, path: str, qtype: str, used_count: bool = True) -> str:
     """``model``'s tensors as llama.cpp's converter names and lays them out; 2-D and 3-D weights
     other than the router in ``qtype`` (``F32``: all float32)."""
     import gguf
@@ -72,7 +72,8 @@ def write_moe_gguf(model, kind: str, path: str, qtype: str) -> str:
     w.add_vocab_size(len(TOKENS))
     w.add_rope_dimension_count(head_dim)
     w.add_expert_count(cfg.num_local_experts if kind == "mixtral" else cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if used_count:
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     if kind != "mixtral":
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if kind == "qwen2_moe":
@@ -157,6 +158,17 @@ def test_moe_gguf_f32_equals_hf_and_q8_0_stays_close(kind, tmp_path):
     assert os.path.getsize(tmp_path / "q8.gguf") < os.path.getsize(tmp_path / "f32.gguf") / 2
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_gguf_without_experts_per_token_is_refused(kind, tmp_path):
+    """A file with experts but no ``<arch>.expert_used_count`` is refused, naming the key (the
+    top-k would be transformers' default: all 8 experts of a qwen3moe file)."""
+    from pagedserve.model.file_headers import ModelFileError
+
+    path = write_moe_gguf(_tiny_hf(kind), kind, str(tmp_path / "no-k.gguf"), "F32", used_count=False)
+    with pytest.raises(ModelFileError, match="expert_used_count"):
+        LLM(path, dtype="float32", num_kv_blocks=16, max_model_len=128)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_moe_gguf_tp2_equals_tp1(kind, tmp_path):
@@ -177,3 +189,20 @@ def test_moe_gguf_tp2_equals_tp1(kind, tmp_path):
     finally:
         tp.llm_engine.core.shutdown()
     assert got == want
+
+
+def test_experts_given_twice_are_refused():
+    """A checkpoint holding layer 0's experts both per expert and as transformers 5's fused 3-D
+    stack is refused (the later copy used to win silently)."""
+    from pagedserve.model.moe import MoeForCausalLM
+
+    hf = _tiny_hf("qwen3_moe")
+    sd = hf.state_dict()  # transformers 5 holds the experts as fused 3-D stacks
+    fused = sd["model.layers.0.mlp.experts.gate_up_proj"]  # [E, 2I, H], gate rows first
+    inter = fused.shape[1] // 2
+    per_expert = [
+        (f"model.layers.0.mlp.experts.{i}.{p}_proj.weight", fused[i, j * inter : (j + 1) * inter]) for i in range(fused.shape[0]) for j, p in enumerate(("gate", "up"))
+    ]
+    MoeForCausalLM(hf.config, 64).load_weights(list(sd.items()))  # the checkpoint alone loads
+    with pytest.raises(ValueError, match="given twice"):
+        MoeForCausalLM(hf.config, 64).load_weights(list(sd.items()) + per_expert)
