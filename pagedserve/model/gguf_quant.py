@@ -29,7 +29,7 @@ ggml's Q4_0/Q4_1 blocks are already in pagedserve's 4-bit nibble order (byte ``j
 ``j`` of 32: input ``j`` low, ``32 + j`` high) are re-nibbled into two such groups of 32.
 
 :func:`iterate_gguf_tensors` walks a GGUF file one tensor at a time with HF names (as
-:func:`pagedserve.model.files.iterate_gguf_arrays`), the llama Q/K rows un-permuted. Work is
+:func:`pagedserve.model.gguf_names.iterate_gguf_arrays`), the llama Q/K rows un-permuted. Work is
 vectorized numpy over chunks of rows, so memory at a time is one repacked tensor plus a few MiB.
 """
 
@@ -205,7 +205,7 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int], *, where: str = 
 
 def rope_row_order(n_rows: int, n_head: int) -> np.ndarray:
     """The row order (int64 ``[n_rows]``) that undoes llama.cpp's convert-time permutation of Q/K
-    rows: ``w[rope_row_order(N, h)]`` is ``files._unpermute_rope(w, h)``, and for a repacked
+    rows: ``w[rope_row_order(N, h)]`` is ``gguf_names._unpermute_rope(w, h)``, and for a repacked
     weight ``qw.permuted_rows(torch.from_numpy(order))``."""
     if n_head <= 0 or n_rows % (2 * n_head):
         raise ValueError(f"{n_rows} rows do not split into {n_head} heads of row pairs")
@@ -254,7 +254,7 @@ def iterate_gguf_tensors(
     """
     import gguf
 
-    from pagedserve.model.files import GGUF_CONFIG_TENSORS, GGUF_PERMUTED_ARCHS, _gguf_hf_name, gguf_norm_shift
+    from pagedserve.model.gguf_names import GGUF_CONFIG_TENSORS, GGUF_PERMUTED_ARCHS, _gguf_hf_name, gguf_norm_shift
 
     header = read_gguf_header(path)
     names: dict[str, str] = {}

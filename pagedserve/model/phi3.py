@@ -103,7 +103,7 @@ def rope_inv_freq(config, max_positions: int) -> tuple[torch.Tensor, float]:
     return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**exponents), float(attention_factor)
 
 
-# llama.cpp's LongRoPE factor tensors (long, short): config, not weights (files.GGUF_CONFIG_TENSORS)
+# llama.cpp's LongRoPE factor tensors (long, short): config, not weights (gguf_names.GGUF_CONFIG_TENSORS)
 GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
